@@ -1,0 +1,37 @@
+"""``setdiff-config``: resolve and validate a configuration, or list every key.
+
+    setdiff-config --config configs/tiny-cpu.yaml order.kind=block order.block_size=8
+    setdiff-config --keys
+
+Prints the resolved YAML (what a run would use) or every problem, and exits 2 on problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from setdiff_dist.config import ConfigError, describe, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="setdiff-config", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML file (may include others)")
+    ap.add_argument("--keys", action="store_true", help="list every key with its help")
+    ap.add_argument("overrides", nargs="*", help="section.key=value")
+    args = ap.parse_args(argv)
+    if args.keys:
+        print(describe())
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(cfg.to_yaml(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

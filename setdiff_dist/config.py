@@ -1,0 +1,542 @@
+"""Typed configuration: one dataclass per component, YAML files, dotted CLI overrides.
+
+A run is described by a YAML file in ``configs/`` (which may ``include:`` others) plus
+``section.key=value`` overrides on the command line. :func:`load_config` parses both, checks
+every value against its field's type and bounds, runs the cross-field checks of
+:func:`validate`, and raises one :class:`ConfigError` that lists *every* problem at once, each
+naming its key (with the nearest valid key for a typo). Field ``help`` texts double as the
+documentation printed by ``setdiff-config --keys``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+ORDER_KINDS = ("causal", "autoregressive", "masked", "block", "staggered")
+SINGLETON_ORDER_KINDS = ("autoregressive", "staggered")
+ATTENTION_BACKENDS = ("sdpa", "flex", "te", "permuted_causal")
+
+
+def _f(default: Any = dataclasses.MISSING, help: str = "", *, choices=None, min=None, max=None,
+       default_factory: Any = dataclasses.MISSING):
+    """A dataclass field with its help text and bounds, checked by :func:`load_config`."""
+    md = {"help": help, "choices": choices, "min": min, "max": max}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=md)
+    return field(default=default, metadata=md)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = _f(2, "transformer layers", min=1)
+    hidden_size: int = _f(64, "model width", min=1)
+    num_attention_heads: int = _f(4, "query heads", min=1)
+    num_query_groups: Optional[int] = _f(None, "key/value heads for grouped-query attention; "
+                                         "null = one per query head", min=1)
+    ffn_hidden_size: Optional[int] = _f(None, "MLP width; null = 4 * hidden_size", min=1)
+    vocab_size: int = _f(256, "tokenizer vocabulary (the [MASK] id is vocab_size, outside it)",
+                         min=2)
+    normalization: str = _f("rmsnorm", "normalization layer", choices=("rmsnorm", "layernorm"))
+    norm_epsilon: float = _f(1e-5, "epsilon of the normalization layers", min=0.0)
+    activation: str = _f("swiglu", "MLP activation", choices=("swiglu", "gelu"))
+    tie_embeddings: bool = _f(True, "share the input embedding and the output projection")
+    rotary_base: float = _f(10000.0, "RoPE base (theta)", min=1.0)
+    init_std: float = _f(0.02, "std of the normal weight initialization", min=0.0)
+    attention_dropout: float = _f(0.0, "dropout on attention probabilities", min=0.0, max=1.0)
+    hidden_dropout: float = _f(0.0, "dropout on residual branches", min=0.0, max=1.0)
+    attention_backend: str = _f("sdpa", "attention kernel: sdpa (dense mask, CPU reference), flex "
+                                "(FlexAttention, GPU), te (Transformer Engine, GPU), "
+                                "permuted_causal (causal kernels on the permuted singleton form)",
+                                choices=ATTENTION_BACKENDS)
+    layer_spec: str = _f("local", "megatron-core layer spec: local (pure torch) or te "
+                         "(Transformer Engine, GPU)", choices=("local", "te"))
+
+
+@dataclass
+class OrderConfig:
+    kind: str = _f("staggered", "order schedule: causal (plain GPT baseline), autoregressive, "
+                   "masked (MDLM), block (BD3LM), staggered (SetDLM)", choices=ORDER_KINDS)
+    mean_set_size: float = _f(4.0, "staggered: target mean set size D", min=1.0)
+    max_set_size: Optional[float] = _f(None, "staggered: maximum set size S_max; null = 2 * D",
+                                       min=1.0)
+    block_size: int = _f(4, "block: block size B (must divide data.seq_len)", min=1)
+    t_min: float = _f(0.0, "block / masked: lower clip beta of the per-set diffusion time",
+                      min=0.0, max=1.0)
+    t_max: float = _f(1.0, "block / masked: upper clip omega of the per-set diffusion time",
+                      min=0.0, max=1.0)
+    eval_seed: int = _f(20260707, "seed of the fixed evaluation orders (reproducible PPL bounds)",
+                        min=0)
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = _f(1, "tensor-parallel size", min=1)
+    pipeline: int = _f(1, "pipeline-parallel size", min=1)
+    virtual_pipeline: Optional[int] = _f(None, "interleaved pipeline chunks per rank", min=1)
+    sequence_parallel: bool = _f(False, "megatron sequence parallelism (needs tensor > 1)")
+    backend: str = _f("auto", "torch.distributed backend: auto = nccl with GPUs, else gloo",
+                      choices=("auto", "nccl", "gloo"))
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = _f(1, "DeepSpeed ZeRO stage: 0 off, 1 optimizer, 2 +gradients, 3 +parameters",
+                    min=0, max=3)
+    offload_optimizer: str = _f("none", "optimizer state offload", choices=("none", "cpu"))
+    offload_params: str = _f("none", "parameter offload (stage 3 only)", choices=("none", "cpu"))
+    overlap_comm: bool = _f(False, "overlap gradient reduction with backward")
+    reduce_bucket_size: int = _f(500_000_000, "elements per gradient-reduction bucket", min=1)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = _f("adamw", "optimizer", choices=("adamw",))
+    lr: float = _f(3e-4, "peak learning rate", min=0.0)
+    min_lr: float = _f(0.0, "floor of the cosine / linear decay", min=0.0)
+    betas: list[float] = _f(default_factory=lambda: [0.9, 0.999], help="Adam betas")
+    eps: float = _f(1e-8, "Adam epsilon", min=0.0)
+    weight_decay: float = _f(0.0, "decoupled weight decay", min=0.0)
+    schedule: str = _f("constant", "LR schedule after warm-up",
+                       choices=("constant", "cosine", "linear"))
+    warmup_steps: int = _f(0, "linear warm-up steps", min=0)
+    grad_clip: float = _f(1.0, "global gradient-norm clip; 0 = off", min=0.0)
+    torch_adam: bool = _f(True, "use torch's AdamW (no DeepSpeed JIT build; best on CPU)")
+
+
+@dataclass
+class DataConfig:
+    train_shards: str = _f("", "training shards: a directory with a manifest, or a brace/glob "
+                           "pattern of .tar files")
+    valid_shards: str = _f("", "validation shards (same forms); empty = no validation")
+    tokenizer: str = _f("", "tokenizer spec (gpt2, sentencepiece:PATH, bytes, or a directory); "
+                        "empty = the one in the shard manifest")
+    seq_len: int = _f(128, "sequence length L (the set-diffusion forward runs on 2L tokens)",
+                      min=2)
+    micro_batch_size: int = _f(8, "sequences per rank per forward", min=1)
+    global_batch_size: int = _f(8, "sequences per optimizer step over all data-parallel ranks",
+                                min=1)
+    num_workers: int = _f(2, "data-loader worker processes per rank", min=0)
+    shuffle_buffer: int = _f(1000, "sequences in the shuffle buffer; 0 = no shuffling", min=0)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(1000, "optimizer steps", min=1)
+    seed: int = _f(1234, "seed of the initialization, the orders and the noise", min=0)
+    precision: str = _f("fp32", "fp32, bf16 (autocast + bf16 ZeRO) or fp8 (Transformer Engine)",
+                        choices=("fp32", "bf16", "fp8"))
+    fp8_recipe: str = _f("delayed", "Transformer Engine FP8 recipe",
+                         choices=("delayed", "current"))
+    log_interval: int = _f(10, "steps between metric lines", min=1)
+    eval_interval: int = _f(0, "steps between validation NELBO runs; 0 = only at the end", min=0)
+    eval_batches: int = _f(8, "validation batches per evaluation", min=1)
+    max_nonfinite_steps: int = _f(5, "consecutive non-finite losses tolerated before aborting",
+                                  min=1)
+    tensorboard: bool = _f(True, "write tensorboard logs into run_dir/tensorboard")
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = _f(0, "steps between checkpoints; 0 = only at the end and on signals", min=0)
+    keep_last: int = _f(3, "checkpoints to keep; 0 = all", min=0)
+    save_on_signal: bool = _f(True, "checkpoint and exit on SIGTERM / SIGUSR1 (preemption)")
+
+
+@dataclass
+class DecodeConfig:
+    window: int = _f(16, "candidate window W (masked positions considered per step)", min=1)
+    threshold: float = _f(math.inf, "confidence threshold tau; inf = one token per step",
+                          min=0.0)
+    greedy: bool = _f(False, "argmax instead of sampling")
+    temperature: float = _f(1.0, "sampling temperature", min=0.0)
+    top_p: float = _f(1.0, "nucleus sampling mass", min=0.0, max=1.0)
+    repetition_penalty: float = _f(1.0, "CTRL-style repetition penalty; 1 = off", min=0.0)
+    max_new_tokens: int = _f(128, "length limit of the generated text", min=1)
+    stop: list[str] = _f(default_factory=list, help="stop strings (a leading 're:' makes a regex)")
+    max_repeat_run: Optional[int] = _f(None, "stop after this many repeats of one token", min=1)
+
+
+@dataclass
+class Config:
+    run_dir: str = _f("runs/default", "directory for logs, metrics and checkpoints")
+    resume: str = _f("auto", "auto (latest checkpoint in run_dir, if any), never, or a "
+                     "checkpoint path")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    order: OrderConfig = field(default_factory=OrderConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+class ConfigError(ValueError):
+    """Every problem found in a configuration, one per line, each naming its key."""
+
+    def __init__(self, problems: list[str], source: str = "config"):
+        self.problems = list(problems)
+        n = len(self.problems)
+        head = f"{n} problem{'s' if n != 1 else ''} in {source}:"
+        super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
+
+
+# ----------------------------------------------------------------------------- schema helpers
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)  # type: ignore[misc]
+            if dataclasses.is_dataclass(f.default_factory)}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def all_keys() -> list[str]:
+    """Every valid dotted key, e.g. ``order.mean_set_size`` and ``run_dir``."""
+    keys = [f.name for f in dataclasses.fields(Config) if f.name not in _sections()]
+    for name, cls in _sections().items():
+        keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys
+
+
+def _suggest(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if not close:  # a typo in the key part of a dotted key: compare the last part alone
+        tail = key.rsplit(".", 1)[-1]
+        by_tail = {c.rsplit(".", 1)[-1]: c for c in candidates}
+        hit = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.7)
+        close = [by_tail[hit[0]]] if hit else []
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_type_name(args[0])} or null"
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
+    """Convert ``value`` to type ``tp`` or raise TypeError with a short reason."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (from_cli and isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return _coerce(value, args[0], from_cli)
+    if origin is list:
+        if from_cli and isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip().startswith("[") else \
+                [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"expected a list, got {value!r}")
+        return [_coerce(v, typing.get_args(tp)[0], from_cli) for v in value]
+    if tp is str:
+        if isinstance(value, str):
+            return str(value)  # a plain str, also for a raw command-line value
+        raise TypeError(f"expected a string, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise TypeError(f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise TypeError(f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value.replace("_", ""))
+            except ValueError:
+                f = math.nan
+            if math.isfinite(f) and f.is_integer():
+                return int(f)
+        raise TypeError(f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise TypeError(f"expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise TypeError(f"expected a number, got {value!r}")
+    raise TypeError(f"unsupported field type {tp}")
+
+
+def _check_bounds(key: str, value: Any, md: dict, problems: list[str]) -> None:
+    if value is None:
+        return
+    items = value if isinstance(value, list) else [value]
+    for v in items:
+        if md.get("choices") is not None and v not in md["choices"]:
+            msg = f"{key}: {v!r} is not one of {', '.join(map(str, md['choices']))}"
+            close = difflib.get_close_matches(str(v), [str(c) for c in md["choices"]], n=1)
+            problems.append(msg + (f"; did you mean {close[0]!r}?" if close else ""))
+        if md.get("min") is not None and isinstance(v, (int, float)) and v < md["min"]:
+            problems.append(f"{key}: {v} is below the minimum {md['min']}")
+        if md.get("max") is not None and isinstance(v, (int, float)) and v > md["max"]:
+            problems.append(f"{key}: {v} is above the maximum {md['max']}")
+
+
+# ----------------------------------------------------------------------------- loading
+
+def read_yaml(path: str, _seen: Optional[tuple] = None) -> dict:
+    """Read a config file, resolving ``include:`` (a path or list, relative to the file) first,
+    so that the including file's keys override the included ones."""
+    path = os.path.abspath(path)
+    _seen = _seen or ()
+    if path in _seen:
+        raise ConfigError([f"include cycle: {' -> '.join(_seen + (path,))}"], path)
+    if not os.path.isfile(path):
+        raise ConfigError([f"config file not found: {path}"], path)
+    with open(path, encoding="utf-8") as fh:
+        try:
+            data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"not valid YAML: {exc}"], path) from None
+    if not isinstance(data, dict):
+        raise ConfigError(["the top level must be a mapping of sections"], path)
+    includes = data.pop("include", None) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        _deep_merge(merged, read_yaml(os.path.join(os.path.dirname(path), inc), _seen + (path,)))
+    _deep_merge(merged, data)
+    return merged
+
+
+def _deep_merge(dst: dict, src: dict) -> dict:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _deep_merge(dst[k], v)
+        else:
+            dst[k] = v
+    return dst
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...], problems: list[str]) -> dict:
+    """``["order.kind=block", "run_dir=/tmp/x"]`` -> nested dict of raw strings."""
+    nested: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            problems.append(f"override {item!r} is not of the form section.key=value")
+            continue
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = nested
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                problems.append(f"override {item!r} conflicts with an earlier override")
+                break
+        else:
+            node[parts[-1]] = _CliValue(value)
+    return nested
+
+
+class _CliValue(str):
+    """A raw command-line string, parsed according to the field it lands in."""
+
+
+def _build(cls: type, raw: dict, prefix: str, problems: list[str]):
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            problems.append(f"{dotted}: unknown key"
+                            + _suggest(dotted, all_keys() + list(_sections())))
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                problems.append(f"{dotted}: expected a section (mapping), got {value!r}")
+                continue
+            kwargs[key] = _build(tp, value, f"{dotted}.", problems)
+            continue
+        from_cli = isinstance(value, _CliValue)
+        if from_cli and tp is not str:
+            # numbers, booleans, lists, null: YAML syntax; strings stay raw
+            value = yaml.safe_load(str(value)) if str(value).strip() else None
+            value = str(value) if tp is str else value
+        try:
+            kwargs[key] = _coerce(value, tp, from_cli)
+        except TypeError as exc:
+            problems.append(f"{dotted}: {exc} (type {_type_name(tp)})")
+    obj = cls(**kwargs)
+    for f in dataclasses.fields(cls):
+        if not dataclasses.is_dataclass(hints[f.name]):
+            _check_bounds(f"{prefix}{f.name}", getattr(obj, f.name), dict(f.metadata), problems)
+    return obj
+
+
+def load_config(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = (),
+                check: bool = True) -> Config:
+    """Build a :class:`Config` from a YAML file and ``section.key=value`` overrides.
+
+    Raises :class:`ConfigError` listing every problem (unknown keys with suggestions, wrong
+    types, out-of-range values, conflicting settings)."""
+    source = path or "defaults"
+    if overrides:
+        source += " + command-line overrides"
+    problems: list[str] = []
+    raw = read_yaml(path) if path else {}
+    _deep_merge(raw, parse_overrides(list(overrides), problems))
+    cfg = _build(Config, raw, "", problems)
+    if check:
+        problems += _cross_checks(cfg, problems)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def _cross_checks(cfg: Config, field_problems: list[str]) -> list[str]:
+    """:func:`validate`, minus conflicts that involve a key already reported as invalid (its
+    value was replaced by the default, so the conflict would be about a value nobody wrote)."""
+    bad = {p.split(":", 1)[0].split("=", 1)[0] for p in field_problems}
+    return [p for p in validate(cfg) if not any(
+        re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", p) for k in bad)]
+
+
+def config_from_dict(raw: dict, check: bool = True) -> Config:
+    """Rebuild a config saved with :meth:`Config.to_dict` (e.g. from a checkpoint)."""
+    problems: list[str] = []
+    cfg = _build(Config, dict(raw), "", problems)
+    if check:
+        problems += _cross_checks(cfg, problems)
+    if problems:
+        raise ConfigError(problems, "saved config")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- validation
+
+def validate(cfg: Config) -> list[str]:
+    """Cross-field checks. Returns the problems (empty when the config is consistent); each
+    names the settings that conflict and, where there is one, the fix."""
+    p: list[str] = []
+    m, o, par, d = cfg.model, cfg.order, cfg.parallel, cfg.data
+    L = d.seq_len
+
+    if m.hidden_size % m.num_attention_heads:
+        p.append(f"model.hidden_size={m.hidden_size} is not divisible by "
+                 f"model.num_attention_heads={m.num_attention_heads}")
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.num_attention_heads % groups:
+        p.append(f"model.num_query_groups={groups} must divide "
+                 f"model.num_attention_heads={m.num_attention_heads}")
+    if m.num_attention_heads % par.tensor:
+        p.append(f"parallel.tensor={par.tensor} must divide "
+                 f"model.num_attention_heads={m.num_attention_heads}")
+    if groups % par.tensor:
+        p.append(f"parallel.tensor={par.tensor} must divide model.num_query_groups={groups}")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    if ffn % par.tensor:
+        p.append(f"parallel.tensor={par.tensor} must divide the MLP width {ffn} "
+                 "(model.ffn_hidden_size)")
+    if m.num_layers % (par.pipeline * (par.virtual_pipeline or 1)):
+        p.append(f"model.num_layers={m.num_layers} must be divisible by parallel.pipeline="
+                 f"{par.pipeline}" + (f" x parallel.virtual_pipeline={par.virtual_pipeline}"
+                                       if par.virtual_pipeline else ""))
+    if par.sequence_parallel and par.tensor == 1:
+        p.append("parallel.sequence_parallel=true needs parallel.tensor > 1")
+    if par.virtual_pipeline and par.pipeline == 1:
+        p.append("parallel.virtual_pipeline is set but parallel.pipeline=1")
+
+    if o.kind == "staggered":
+        if o.mean_set_size > L:
+            p.append(f"order.mean_set_size={o.mean_set_size:g} is larger than data.seq_len={L}: "
+                     "a set cannot hold more tokens than the sequence")
+        if o.max_set_size is not None and o.max_set_size < o.mean_set_size:
+            p.append(f"order.max_set_size={o.max_set_size:g} is below "
+                     f"order.mean_set_size={o.mean_set_size:g}")
+    if o.kind == "block":
+        if o.block_size > L or L % o.block_size:
+            p.append(f"order.block_size={o.block_size} must divide data.seq_len={L}")
+    if o.kind in ("block", "masked") and o.t_min >= o.t_max:
+        p.append(f"order.t_min={o.t_min} must be below order.t_max={o.t_max}")
+    if m.attention_backend == "permuted_causal" and o.kind not in SINGLETON_ORDER_KINDS:
+        p.append(f"model.attention_backend=permuted_causal needs singleton sets, i.e. "
+                 f"order.kind in {SINGLETON_ORDER_KINDS}, not {o.kind!r}; use sdpa or flex")
+
+    if cfg.zero.stage >= 2 and par.pipeline > 1:
+        p.append(f"zero.stage={cfg.zero.stage} with parallel.pipeline={par.pipeline}: DeepSpeed "
+                 "does not partition gradients or parameters across pipeline stages; use "
+                 "zero.stage 0 or 1 with pipeline parallelism")
+    if cfg.zero.offload_params != "none" and cfg.zero.stage != 3:
+        p.append("zero.offload_params needs zero.stage=3")
+    if cfg.train.precision == "fp8" and m.layer_spec != "te":
+        p.append("train.precision=fp8 runs through Transformer Engine: set model.layer_spec=te "
+                 "(and install the [gpu] extra on a Hopper GPU)")
+    if m.attention_backend == "te" and m.layer_spec != "te":
+        p.append("model.attention_backend=te needs model.layer_spec=te")
+
+    if d.global_batch_size % d.micro_batch_size:
+        p.append(f"data.global_batch_size={d.global_batch_size} must be a multiple of "
+                 f"data.micro_batch_size={d.micro_batch_size}")
+    if cfg.optimizer.min_lr > cfg.optimizer.lr:
+        p.append(f"optimizer.min_lr={cfg.optimizer.min_lr} is above optimizer.lr={cfg.optimizer.lr}")
+    if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):
+        p.append(f"optimizer.betas={cfg.optimizer.betas} must be two numbers in [0, 1)")
+    if cfg.optimizer.warmup_steps > cfg.train.steps:
+        p.append(f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} exceeds "
+                 f"train.steps={cfg.train.steps}")
+    if not cfg.run_dir:
+        p.append("run_dir must not be empty")
+    if not cfg.resume:
+        p.append("resume must be auto, never, or a checkpoint path")
+    if cfg.decode.threshold <= 0:
+        p.append("decode.threshold must be positive (inf = one token per step)")
+    return p
+
+
+def describe() -> str:
+    """Every key with its type, default and help: the text behind ``setdiff-config --keys``."""
+    lines = []
+    defaults = Config()
+    for f in dataclasses.fields(Config):
+        sec = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(sec):
+            lines.append(f"{f.name}:")
+            hints = _hints(type(sec))
+            for g in dataclasses.fields(sec):
+                lines.append(_describe_field(f"  {f.name}.{g.name}", hints[g.name],
+                                             getattr(sec, g.name), g.metadata))
+        else:
+            lines.append(_describe_field(f.name, _hints(Config)[f.name], sec, f.metadata))
+    return "\n".join(lines)
+
+
+def _describe_field(key: str, tp: Any, default: Any, md: Any) -> str:
+    extra = f" [{' | '.join(map(str, md['choices']))}]" if md.get("choices") else ""
+    return f"{key} ({_type_name(tp)}, default {default!r}){extra}: {md.get('help', '')}"

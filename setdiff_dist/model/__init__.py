@@ -1,0 +1,1 @@
+"""The set-diffusion transformer (megatron-core layers) and its pure-torch reference."""

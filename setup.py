@@ -1,0 +1,48 @@
+"""setdiff-dist: distributed pretraining of set-diffusion language models."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"',
+                    (ROOT / "setdiff_dist" / "__init__.py").read_text()).group(1)
+
+setup(
+    name="setdiff-dist",
+    version=VERSION,
+    description="Distributed pretraining, sharded inference and evaluation of set-diffusion "
+                "language models on megatron-core and DeepSpeed",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["setdiff_dist", "setdiff_dist.*"]),
+    package_data={"setdiff_dist.data": ["*.txt"]},
+    # torch is pinned by the bootstrap (scripts/env.sh) and by the docker image, not here:
+    # a GPU cluster brings its own CUDA build.
+    install_requires=[
+        "torch>=2.5",
+        "deepspeed>=0.19,<0.20",
+        "megatron-core>=0.16,<0.17",
+        "webdataset>=1.0",
+        "tensorboard>=2.15",
+        "numpy>=1.26",
+        "pyyaml>=6.0",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        # CUDA only. Never install on a CPU machine: a broken Transformer Engine makes
+        # `import megatron.core` crash. apex comes with NVIDIA's PyTorch containers.
+        "gpu": ["transformer-engine[pytorch]>=2.0"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.11"],
+    },
+    entry_points={
+        "console_scripts": [
+            "setdiff-config=setdiff_dist.cli.config:main",
+            "setdiff-demo=setdiff_dist.cli.demo:main",
+        ],
+    },
+)
