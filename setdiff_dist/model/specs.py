@@ -1,0 +1,54 @@
+"""Layer specs (megatron-core's ModuleSpec pattern): one transformer layer, two variants.
+
+- ``local``: megatron's pure-torch layer (``get_gpt_layer_local_spec``): column/row-parallel
+  linears, torch norms, or apex's fused LayerNorm where apex is installed (NVIDIA containers).
+- ``te``: megatron's Transformer Engine layer (fused norm + linear, FP8-capable), GPU only.
+
+Both get an arbitrary attention mask and the core attention of ``model.attention_backend``;
+nothing else differs, so swapping kernels needs no new class.
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.enums import AttnMaskType
+
+from .attention import core_attention_class
+
+
+def _require_te():
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import \
+            get_gpt_layer_with_transformer_engine_spec
+    except Exception as exc:
+        raise RuntimeError("model.layer_spec=te needs Transformer Engine on a CUDA machine "
+                           "(pip install '.[gpu]', or the docker image); use layer_spec=local "
+                           "on CPUs") from exc
+    return get_gpt_layer_with_transformer_engine_spec
+
+
+def layer_spec(model_cfg):
+    """The ModuleSpec of one layer for a :class:`setdiff_dist.config.ModelConfig`."""
+    norm = "RMSNorm" if model_cfg.normalization == "rmsnorm" else "LayerNorm"
+    if model_cfg.layer_spec == "te":
+        spec = _require_te()(qk_layernorm=False)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(normalization=norm)
+    attention = spec.submodules.self_attention
+    attention.params = dict(attention.params, attn_mask_type=AttnMaskType.arbitrary)
+    attention.submodules.core_attention = core_attention_class(model_cfg.attention_backend)
+    return spec
+
+
+def final_norm_class(model_cfg):
+    """The block's final norm, chosen explicitly (megatron's default would pick apex's fused
+    LayerNorm where apex exists, which rejects RMSNorm)."""
+    if model_cfg.layer_spec == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm

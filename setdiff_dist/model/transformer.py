@@ -1,0 +1,254 @@
+"""The set-diffusion transformer on megatron-core layers (tensor- and pipeline-parallel).
+
+- a vocab-parallel embedding with one extra row, ``[MASK]`` (id ``vocab_size``); the table is
+  padded to a multiple of ``128 x TP`` and the padded and ``[MASK]`` logits are never predicted;
+- megatron's ``TransformerBlock`` of layers from a :mod:`~setdiff_dist.model.specs` layer spec
+  (column/row-parallel attention and MLP, RMSNorm or LayerNorm, SwiGLU or GELU) with the
+  attention backend of the config and an arbitrary mask;
+- rotary embeddings on each token's *original* position, given per token (so both halves of
+  ``[clean ; noisy]``, or a permuted order, carry the right positions);
+- an output projection tied to the embedding or not; no time conditioning.
+
+Weights are initialized from the *global* parameter name and a seed, then sliced for this rank
+(:func:`init_weights_`), so every tensor / pipeline layout starts from identical weights.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import (TransformerBlock,
+                                                         TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
+
+from .specs import final_norm_class, layer_spec
+
+VOCAB_PAD_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:
+    """Rows of the embedding table: the vocabulary plus ``[MASK]``, rounded up for TP."""
+    m = VOCAB_PAD_MULTIPLE * tensor_parallel_size
+    return (vocab_size + 1 + m - 1) // m * m
+
+
+def transformer_config(model_cfg, tensor: int = 1, pipeline: int = 1,
+                       params_dtype: torch.dtype = torch.float32,
+                       sequence_parallel: bool = False) -> TransformerConfig:
+    """The megatron ``TransformerConfig`` of a :class:`setdiff_dist.config.ModelConfig`."""
+    m = model_cfg
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.activation == "swiglu",
+        activation_func=F.silu if m.activation == "swiglu" else F.gelu,
+        add_bias_linear=False, init_method_std=m.init_std,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        # weights are created on the CPU and then set by init_weights_ (layout-invariant)
+        use_cpu_initialization=True, perform_initialization=False,
+        # the p2p sync is a torch.cuda.synchronize(); batched isend/irecv are waited on anyway
+        batch_p2p_sync=torch.cuda.is_available(),
+    )
+
+
+class SetDiffusionTransformer(MegatronModule):
+    """One pipeline stage of the model (the whole model when PP = 1).
+
+    ``forward(tokens [b, s], positions [b, s], attention_mask)`` returns vocab-parallel logits
+    ``[s', b, V_pad / TP]`` on the last stage (``s' = s - logits_from``), hidden states
+    ``[s, b, h]`` elsewhere. ``attention_mask`` is what the backend takes: a boolean
+    ``[b, 1, s, s]`` (True = masked out), a FlexAttention block mask, or None (causal / permuted).
+    """
+
+    def __init__(self, model_cfg, config: TransformerConfig, pre_process: bool = True,
+                 post_process: bool = True):
+        super().__init__(config)
+        self.model_cfg = model_cfg
+        self.model_type = ModelType.encoder_or_decoder
+        self.pre_process, self.post_process = pre_process, post_process
+        self.vocab_size = model_cfg.vocab_size
+        self.mask_id = model_cfg.vocab_size
+        self.tie = model_cfg.tie_embeddings
+        tp = config.tensor_model_parallel_size
+        self.padded_vocab = padded_vocab_size(self.vocab_size, tp)
+        if pre_process:
+            self.embedding = tensor_parallel.VocabParallelEmbedding(
+                self.padded_vocab, config.hidden_size, init_method=config.init_method,
+                config=config)
+        n_layers = get_num_layers_to_build(config, pp_rank=ps.get_pipeline_model_parallel_rank())
+        spec = layer_spec(model_cfg)
+        self.decoder = TransformerBlock(
+            config, TransformerBlockSubmodules(layer_specs=[spec] * n_layers,
+                                               layer_norm=final_norm_class(model_cfg)),
+            pre_process=pre_process, post_process=post_process)
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab, config=config,
+                init_method=config.init_method, bias=False, gather_output=False,
+                skip_weight_param_allocation=pre_process and self.tie)
+        _mark_tensor_parallel(self)
+        head_dim = config.kv_channels
+        self.register_buffer("inv_freq", 1.0 / (model_cfg.rotary_base ** (
+            torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), persistent=False)
+
+    # -- pipeline plumbing -------------------------------------------------------------------
+    def set_input_tensor(self, input_tensor):
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def output_weight(self):
+        """The weight of the output projection (the embedding's, when tied on this stage)."""
+        if self.tie and self.pre_process:
+            return self.embedding.weight
+        return self.output_layer.weight
+
+    def tied_weight_on_last_stage(self):
+        """With PP > 1 and tied embeddings the last stage keeps a copy of the embedding, whose
+        gradient must be summed with the first stage's (over megatron's embedding group)."""
+        return self.tie and self.post_process and not self.pre_process
+
+    def sync_tied_embedding_grads(self) -> None:
+        """All-reduce the tied embedding gradient between the first and last pipeline stages."""
+        if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
+            return
+        w = self.embedding.weight if self.pre_process else self.output_layer.weight
+        if w.grad is not None:
+            torch.distributed.all_reduce(w.grad, group=ps.get_embedding_group())
+
+    # -- forward -------------------------------------------------------------------------------
+    def rotary(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary frequencies ``[s, b, 1, head_dim]`` for per-token positions ``[b, s]``."""
+        f = positions.t().to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        return torch.cat([f, f], dim=-1)[:, :, None, :]
+
+    def forward(self, tokens, positions, attention_mask=None, logits_from: int = 0):
+        hidden = self.embedding(tokens).transpose(0, 1).contiguous() if self.pre_process else None
+        hidden = self.decoder(hidden, attention_mask=attention_mask,
+                              rotary_pos_emb=self.rotary(positions))
+        if not self.post_process:
+            return hidden
+        logits, _ = self.output_layer(hidden[logits_from:], weight=self.output_weight())
+        return self._mask_unpredictable(logits)
+
+    def _mask_unpredictable(self, logits):
+        """[MASK] and the padding rows of the vocabulary are never predicted."""
+        local = logits.size(-1)
+        start = ps.get_tensor_model_parallel_rank() * local
+        if start + local <= self.vocab_size:
+            return logits
+        ids = torch.arange(start, start + local, device=logits.device)
+        return logits.masked_fill(ids >= self.vocab_size, torch.finfo(logits.dtype).min)
+
+
+def build_model(model_cfg, config: TransformerConfig, seed: int) -> SetDiffusionTransformer:
+    """This rank's pipeline stage, initialized from (seed, global parameter names)."""
+    model = SetDiffusionTransformer(model_cfg, config,
+                                    pre_process=ps.is_pipeline_first_stage(),
+                                    post_process=ps.is_pipeline_last_stage())
+    init_weights_(model, seed)
+    return model
+
+
+# -- layout-invariant initialization ---------------------------------------------------------
+
+def _mark_tensor_parallel(model: SetDiffusionTransformer) -> None:
+    """Give every TP-sharded weight megatron's ``tensor_model_parallel`` / ``partition_dim`` /
+    ``partition_stride`` attributes. megatron sets them only inside its own initializers, which
+    :func:`init_weights_` replaces; DeepSpeed's grad norm and our sharding read them."""
+    gated = model.config.gated_linear_unit
+    for name, module in model.named_modules():
+        if isinstance(module, tensor_parallel.VocabParallelEmbedding):
+            dim, stride = 0, 1
+        elif isinstance(module, tensor_parallel.ColumnParallelLinear):
+            dim, stride = 0, 2 if (gated and name.endswith("linear_fc1")) else 1
+        elif isinstance(module, tensor_parallel.RowParallelLinear):
+            dim, stride = 1, 1
+        else:
+            continue
+        if getattr(module, "weight", None) is not None:
+            tensor_parallel.set_tensor_model_parallel_attributes(module.weight, True, dim, stride)
+
+
+def global_name(model: SetDiffusionTransformer, name: str) -> str:
+    """The layout-independent name of a parameter: pipeline-local layer indices become global
+    ones, and a tied output weight is the embedding."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        layer = model.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+    if name == "output_layer.weight" and model.tie:
+        return "embedding.weight"
+    return ".".join(parts)
+
+
+def full_shape(param: torch.Tensor) -> list[int]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= ps.get_tensor_model_parallel_world_size()
+    return shape
+
+
+def shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This TP rank's slice of ``full``, the way megatron splits it (with ``partition_stride``:
+    e.g. SwiGLU's ``[gate ; up]`` gives each rank its own gate and up rows)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    chunks = torch.split(full, param.shape[dim] // stride, dim=dim)
+    return torch.cat(chunks[rank::tp], dim=dim)
+
+
+def init_weights_(model: SetDiffusionTransformer, seed: int) -> None:
+    """Normal(0, std) matrices (output projections of each residual branch scaled by
+    ``1/sqrt(2 * num_layers)``, as in Megatron-LM), ones for norm weights, zeros for biases; each
+    full tensor drawn from a generator seeded by (seed, global name), then sharded."""
+    std = model.config.init_method_std
+    scaled = std / math.sqrt(2.0 * model.config.num_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gname = global_name(model, name)
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(gname.encode()))
+            shape = full_shape(p)
+            if gname.endswith("bias"):
+                full = torch.zeros(shape)
+            elif p.dim() == 1:
+                full = torch.ones(shape)
+            elif gname == "embedding.weight" or gname == "output_layer.weight":
+                # real rows (vocabulary and [MASK]) drawn independently of the padding
+                full = torch.zeros(shape)
+                rows = model.vocab_size + 1
+                full[:rows] = torch.randn(rows, shape[1], generator=g) * std
+            else:
+                s = scaled if gname.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
+                full = torch.randn(shape, generator=g) * s
+            p.copy_(shard(full, p).to(p.dtype))
+
+
+def unshard(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The full tensor from every TP rank's ``local`` slice (inverse of :func:`shard`)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return local
+    tp = ps.get_tensor_model_parallel_world_size()
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    torch.distributed.all_gather(parts, local.contiguous(),
+                                 group=ps.get_tensor_model_parallel_group())
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    split = [torch.split(p, p.shape[dim] // stride, dim=dim) for p in parts]
+    return torch.cat([split[c % tp][c // tp] for c in range(tp * stride)], dim=dim)
