@@ -12,13 +12,13 @@ from mp_harness import spawn
 L, B, V = 12, 2, 256
 
 
-def model_config(backend="sdpa"):
+def model_config(backend="sdpa", *extra):
     from setdiff_dist.config import load_config
 
     return load_config(None, ["model.num_layers=2", "model.hidden_size=64",
                               "model.num_attention_heads=4", "model.num_query_groups=2",
                               "model.ffn_hidden_size=96", f"model.vocab_size={V}",
-                              f"model.attention_backend={backend}"]).model
+                              f"model.attention_backend={backend}", *extra]).model
 
 
 def full_logits(logits):
@@ -67,6 +67,13 @@ def measure(tp, out):
             sdpa_model = model
     model = sdpa_model
     with torch.no_grad():
+        # the other layer variant: LayerNorm, GELU, untied output projection
+        cfg = model_config("sdpa", "model.normalization=layernorm", "model.activation=gelu",
+                           "model.tie_embeddings=false")
+        gelu = build_model(cfg, transformer_config(cfg, tensor=tp), seed=11)
+        inp = set_diffusion_inputs(x, stag, model.mask_id, "sdpa")
+        res["gelu_logits"] = full_logits(gelu(inp.tokens, inp.positions, inp.attention_mask,
+                                              inp.logits_from))
         # FlexAttention: forward only on CPU (no backward kernel there)
         cfg = model_config("flex")
         flex_model = build_model(cfg, transformer_config(cfg, tensor=tp), seed=11)
@@ -97,6 +104,18 @@ def measure(tp, out):
         # the plain causal LM mode of the same weights
         inp = causal_lm_inputs(x)
         res["causal_nll"] = causal_lm_nll(model(inp.tokens, inp.positions, None), x)
+    # backends that cannot run here say so
+    errors = []
+    try:
+        inp = set_diffusion_inputs(x, stag, model.mask_id, "flex")
+        flex_model(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    try:
+        build_model(model_config("te", "model.layer_spec=te"), transformer_config(cfg), seed=1)
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    res["backend_errors"] = errors
     if torch.distributed.get_rank() == 0:
         torch.save(res, out / f"tp{tp}.pt")
 
@@ -116,6 +135,7 @@ def tp_results(tmp_path_factory):
 def test_tensor_parallel_logits_and_gradients_equal_a_single_rank(tp_results):
     one, two = tp_results[1], tp_results[2]
     assert torch.allclose(one["logits"], two["logits"], atol=2e-5)
+    assert torch.allclose(one["gelu_logits"], two["gelu_logits"], atol=2e-5)
     for backend in ("sdpa", "permuted_causal"):
         g1, g2 = one[backend]["grads"], two[backend]["grads"]
         assert g1.keys() == g2.keys()
@@ -156,3 +176,11 @@ def test_causal_lm_mode_runs_on_the_same_weights(tp_results):
     one, two = tp_results[1]["causal_nll"], tp_results[2]["causal_nll"]
     assert one.shape == (B, L - 1) and torch.isfinite(one).all()
     assert torch.allclose(one, two, atol=1e-5)
+
+
+def test_backends_that_cannot_run_here_say_so(tp_results):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs these backends")
+    flex, te = tp_results[1]["backend_errors"]
+    assert "flex cannot train on a CPU" in flex
+    assert "needs Transformer Engine on a CUDA machine" in te

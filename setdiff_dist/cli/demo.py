@@ -39,9 +39,13 @@ def describe_orders(cfg, out_png: str | None) -> None:
     print(f"== order schedules at L={L} ==")
     samples = {}
     for kind in KINDS:
+        if kind == "block" and L % cfg.order.block_size:
+            print(f"  {kind:<15} skipped: order.block_size={cfg.order.block_size} does not divide "
+                  f"data.seq_len={L}")
+            continue
         sched = make_schedule(kind, L, mean_set_size=cfg.order.mean_set_size,
                               max_set_size=cfg.order.max_set_size,
-                              block_size=cfg.order.block_size if L % cfg.order.block_size == 0 else 1)
+                              block_size=cfg.order.block_size)
         o = sample_orders(sched, L, range(64), seed=cfg.train.seed)
         ranks = torch.argsort(o.order, dim=1).double()       # reveal rank of each position
         displacement = (ranks - torch.arange(L)).abs().mean().item()

@@ -77,6 +77,10 @@ class FlexAttention(_CoreAttention):
 
         if self._dropout() > 0:
             raise NotImplementedError("model.attention_backend=flex has no attention dropout")
+        if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
+            raise RuntimeError("model.attention_backend=flex cannot train on a CPU (torch's "
+                               "FlexAttention has no CPU backward): use sdpa or permuted_causal, "
+                               "or run flex on a GPU")
         q, k, v = _heads_first(query, key, value)
         if isinstance(attention_mask, BlockMask):
             o = flex_attention(q, k, v, block_mask=attention_mask, scale=self.softmax_scale)
