@@ -4,13 +4,12 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from setdiff_dist.diffusion import (OrderSample, causal_mask, from_reveal_order, make_schedule,
+from setdiff_dist.diffusion import (OrderSample, from_reveal_order, make_schedule,
                                     nelbo, perplexity_bound, permuted_singleton_mask,
                                     sample_orders, set_causal_mask, to_reveal_order, token_nll,
                                     two_copy_inputs)
-from setdiff_dist.model.reference import ReferenceTransformer
+from setdiff_dist.model.reference import ReferenceTransformer, sequential_ar_nll
 
 V = 23
 
@@ -30,26 +29,13 @@ def vectorized_nll(model, x, o):
     return token_nll(logits[:, L:], x)
 
 
-def sequential_nll(model, x):
-    """The same weights used one position at a time: the clean prefix x_<l, then a [MASK]
-    query at l, causal in position order."""
-    B, L = x.shape
-    out = torch.empty(B, L, dtype=torch.float64)
-    for l in range(L):
-        tokens = torch.cat([x[:, :l], torch.full((B, 1), model.mask_id)], dim=1)
-        positions = torch.arange(l + 1).expand(B, l + 1)
-        logits = model(tokens, positions, causal_mask(l + 1))
-        out[:, l] = -F.log_softmax(logits[:, -1].double(), -1).gather(1, x[:, l:l + 1])[:, 0]
-    return out
-
-
 def test_autoregressive_order_nelbo_equals_sequential_exact_nll(model):
     B, L = 3, 14
     x = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(1))
     o = sample_orders(make_schedule("autoregressive", L), L, range(B), seed=0)
     with torch.no_grad():
         vec = vectorized_nll(model, x, o)
-        seq = sequential_nll(model, x)
+        seq = sequential_ar_nll(model, x)
     assert torch.allclose(vec.double(), seq, atol=1e-5, rtol=1e-5)
     bound = nelbo(vec, o)
     assert bound.tokens == B * L
@@ -66,7 +52,7 @@ def test_autoregressive_identity_excludes_the_prompt(model):
     o = sample_orders(make_schedule("autoregressive", L), L, range(B), 0, context=context)
     with torch.no_grad():
         vec = vectorized_nll(model, x, o)
-        seq = sequential_nll(model, x)
+        seq = sequential_ar_nll(model, x)
     bound = nelbo(vec, o)
     assert bound.tokens == B * (L - P)
     assert bound.total.item() == pytest.approx(seq[:, P:].sum().item(), rel=1e-5)

@@ -1,6 +1,5 @@
 """Order schedules: SPEC section 2."""
 
-import math
 
 import numpy as np
 import pytest

@@ -84,3 +84,18 @@ class ReferenceTransformer(nn.Module):
             h = block(h, cos, sin, allowed)
         # tied output projection over the real vocabulary ([MASK] is never a prediction)
         return self.norm(h) @ self.embed.weight[: self.vocab_size].t()
+
+
+def sequential_ar_nll(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Tensor:
+    """``-log p(x_l | x_<l)`` ``[B, L]`` (float64) from the model used one position at a time:
+    the clean prefix ``x_<l`` then a ``[MASK]`` query at ``l``, causal in position order. The
+    other side of SPEC's AR identity."""
+    B, L = tokens.shape
+    out = torch.empty(B, L, dtype=torch.float64)
+    for l in range(L):
+        t = torch.cat([tokens[:, :l], torch.full((B, 1), model.mask_id)], dim=1)
+        pos = torch.arange(l + 1, device=tokens.device).expand(B, l + 1)
+        causal = torch.ones(l + 1, l + 1, dtype=torch.bool, device=tokens.device).tril()
+        logits = model(t, pos, causal)[:, -1].double()
+        out[:, l] = -F.log_softmax(logits, -1).gather(1, tokens[:, l:l + 1])[:, 0]
+    return out
