@@ -470,6 +470,9 @@ def validate(cfg: Config) -> list[str]:
                                        if par.virtual_pipeline else ""))
     if par.sequence_parallel and par.tensor == 1:
         p.append("parallel.sequence_parallel=true needs parallel.tensor > 1")
+    if par.sequence_parallel and m.layer_spec != "te":
+        p.append("parallel.sequence_parallel=true needs model.layer_spec=te (megatron's local "
+                 "layer spec uses torch norms, which have no sequence parallelism)")
     if par.virtual_pipeline and par.pipeline == 1:
         p.append("parallel.virtual_pipeline is set but parallel.pipeline=1")
 
