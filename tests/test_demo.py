@@ -1,16 +1,28 @@
 """The CPU demo (the README's main job) runs end to end on a few steps."""
 
 import json
-from pathlib import Path
 
+import pytest
+
+from data_prep.prep import prepare
 from setdiff_dist.cli.demo import main
+from setdiff_dist.data import sample_text
 
-CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo")
+    (tmp / "sonnets.txt").write_text(sample_text())
+    prepare([str(tmp / "sonnets.txt")], "bpe:300", 32, str(tmp / "shards"), split_paragraphs=True,
+            valid_every=3, workers=1, progress=False)
+    return tmp / "shards"
 
 
-def test_demo_trains_reports_the_bound_and_checks_the_ar_identity(tmp_path, capsys):
-    rc = main(["--config", CONFIG, f"run_dir={tmp_path}", "train.steps=30",
-               "train.log_interval=10", "optimizer.warmup_steps=5"])
+def test_demo_trains_reports_the_bound_and_checks_the_ar_identity(tmp_path, shards, capsys):
+    rc = main(["--config", "configs/tiny-cpu.yaml", f"run_dir={tmp_path}", "train.steps=30",
+               "train.log_interval=10", "optimizer.warmup_steps=5", f"data.train_shards={shards}",
+               "data.seq_len=32", "model.vocab_size=300", "data.micro_batch_size=4",
+               "data.global_batch_size=8"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "PPL <=" in out and "AR identity" in out
@@ -18,12 +30,19 @@ def test_demo_trains_reports_the_bound_and_checks_the_ar_identity(tmp_path, caps
     records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [10, 20, 30]
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_seen"} <= set(records[0])
+    assert records[-1]["samples_seen"] == 240
     result = json.loads((tmp_path / "demo_result.json").read_text())
     assert result["ar_identity_max_gap"] < 1e-4
-    # training made progress from the uniform bound (log 256 = 5.5 nats per byte)
-    assert records[-1]["loss"] < 4.5 and result["valid_ppl_bound"] < 100
+    # training made progress from the uniform bound (log 300 = 5.7 nats per token)
+    assert records[-1]["loss"] < 5.0 and result["valid_ppl_bound"] < 250
 
 
-def test_demo_reports_config_problems_and_exits_2(tmp_path, capsys):
-    assert main(["--config", CONFIG, "order.knd=block"]) == 2
+def test_demo_reports_problems_and_exits(tmp_path, shards, capsys):
+    assert main(["--config", "configs/tiny-cpu.yaml", "order.knd=block"]) == 2
     assert "did you mean 'order.kind'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="model.vocab_size=300"):
+        main(["--config", "configs/tiny-cpu.yaml", f"run_dir={tmp_path}",
+              f"data.train_shards={shards}", "data.seq_len=32", "model.vocab_size=256"])
+    with pytest.raises(SystemExit, match="data.seq_len=64"):
+        main(["--config", "configs/tiny-cpu.yaml", f"run_dir={tmp_path}",
+              f"data.train_shards={shards}", "data.seq_len=64"])

@@ -2,8 +2,9 @@
 
 1. Samples the orders of every schedule for the config's sequence length, prints their
    statistics and draws ``orders.png`` (reveal ranks and the set-causal mask of each).
-2. Trains the pure-torch reference transformer with the config's order schedule on real text
-   (byte-level), the NELBO on the ``[clean ; noisy]`` forward, with progress, ETA and
+2. Trains the pure-torch reference transformer with the config's order schedule on the shards
+   of ``data.train_shards`` (setdiff-prep's output; scripts/main.sh prepares them from the offline
+   corpus), the NELBO on the ``[clean ; noisy]`` forward, with progress, ETA and
    ``metrics.jsonl``.
 3. Reports the held-out NELBO perplexity bound over fixed, seeded orders, and checks the AR
    identity of SPEC section 4 on the trained weights.
@@ -24,7 +25,9 @@ import time
 import torch
 
 from setdiff_dist.config import ConfigError, load_config
-from setdiff_dist.data import sample_text
+from setdiff_dist.data.loader import TokenLoader
+from setdiff_dist.data.shards import ShardError, ShardSet
+from setdiff_dist.data.tokenizers import TokenizerError, load_shipped_tokenizer
 from setdiff_dist.diffusion import (make_schedule, nelbo, perplexity_bound,
                                     sample_orders, schedule_from_config, set_causal_mask,
                                     token_nll, two_copy_inputs)
@@ -80,12 +83,6 @@ def _plot_orders(samples, L, path):
     plt.close(fig)
 
 
-def byte_windows(text: str, L: int) -> torch.Tensor:
-    data = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
-    n = (len(data) - 1) // L
-    return data[: n * L].view(n, L)
-
-
 def lr_at(step: int, opt_cfg, total: int) -> float:
     if step < opt_cfg.warmup_steps:
         return opt_cfg.lr * (step + 1) / opt_cfg.warmup_steps
@@ -97,15 +94,26 @@ def lr_at(step: int, opt_cfg, total: int) -> float:
     return opt_cfg.lr
 
 
-def eval_bound(model, windows, schedule, seed) -> float:
-    """NELBO PPL bound over fixed, seeded orders (the same numbers on every run)."""
+def batch_nelbo(model, batch, schedule, seed, stream=0):
+    """The NELBO of a :class:`~setdiff_dist.data.loader.Batch` (orders seeded per sample)."""
+    L = batch.tokens.shape[1]
+    o = sample_orders(schedule, L, batch.indices, seed, context=batch.context,
+                      padding=batch.padding, stream=stream)
+    tok, pos = two_copy_inputs(batch.tokens, o, model.mask_id)
+    logits = model(tok, pos, set_causal_mask(o.set_ids))[:, L:]
+    return nelbo(token_nll(logits, batch.tokens), o)
+
+
+def eval_bound(model, shards, schedule, seed, batches: int, batch_size: int) -> float:
+    """NELBO PPL bound over the first samples of ``shards`` with fixed, seeded orders (the
+    same numbers on every run)."""
+    loader = TokenLoader(shards, global_batch=batch_size, micro_batch=batch_size,
+                         shuffle=False, num_workers=0)
     total = tokens = 0.0
     with torch.no_grad():
-        o = sample_orders(schedule, windows.shape[1], range(len(windows)), seed, stream=1)
-        tok, pos = two_copy_inputs(windows, o, model.mask_id)
-        logits = model(tok, pos, set_causal_mask(o.set_ids))[:, windows.shape[1]:]
-        b = nelbo(token_nll(logits, windows), o)
-        total, tokens = b.total.item(), b.tokens.item()
+        for _, (batch,) in zip(range(min(batches, max(1, len(shards) // batch_size))), loader):
+            b = batch_nelbo(model, batch, schedule, seed, stream=1)
+            total, tokens = total + b.total.item(), tokens + b.tokens.item()
     return perplexity_bound(total, tokens)
 
 
@@ -124,11 +132,15 @@ def train(cfg, steps: int) -> dict:
     if cfg.order.kind == "causal":
         raise SystemExit("setdiff-demo trains set-diffusion orders; order.kind=causal is the "
                          "baseline of setdiff-train")
-    if m.vocab_size < 256:
-        raise SystemExit(f"the demo is byte-level: model.vocab_size must be >= 256, got {m.vocab_size}")
-    text = sample_text()
-    cut = int(len(text) * 0.8)
-    train_w, valid_w = byte_windows(text[:cut], L), byte_windows(text[cut:], L)
+    try:
+        train_set = ShardSet(cfg.data.train_shards, "train", seq_len=L)
+        valid_set = ShardSet(cfg.data.valid_shards or cfg.data.train_shards, "valid", seq_len=L)
+        tok = load_shipped_tokenizer(cfg.data.train_shards, train_set.manifest["tokenizer"])
+    except (ShardError, TokenizerError) as exc:
+        raise SystemExit(f"setdiff-demo: {exc}") from None
+    if tok.vocab_size > m.vocab_size:
+        raise SystemExit(f"setdiff-demo: the shards' tokenizer has {tok.vocab_size} tokens but "
+                         f"model.vocab_size={m.vocab_size}; set model.vocab_size={tok.vocab_size}")
     schedule = schedule_from_config(cfg.order, L)
     torch.manual_seed(cfg.train.seed)
     model = ReferenceTransformer(m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads,
@@ -138,28 +150,26 @@ def train(cfg, steps: int) -> dict:
                             weight_decay=cfg.optimizer.weight_decay)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"== training the reference transformer ({n_params / 1e3:.0f}k params) with "
-          f"{schedule!r} on {train_w.numel()} bytes of Shakespeare ==")
+          f"{schedule!r} on {train_set.tokens:,} tokens ({len(train_set):,} sequences, "
+          f"tokenizer {tok.spec}, vocab {tok.vocab_size}) ==")
     os.makedirs(cfg.run_dir, exist_ok=True)
-    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
-    B = cfg.data.micro_batch_size
-    g = torch.Generator().manual_seed(cfg.train.seed)
+    loader = TokenLoader(train_set, global_batch=cfg.data.global_batch_size,
+                         micro_batch=cfg.data.micro_batch_size, seed=cfg.train.seed,
+                         num_workers=cfg.data.num_workers)
     start, seen = time.perf_counter(), 0
-    with open(metrics_path, "w") as metrics:
-        for step in range(steps):
-            rows = torch.randint(0, len(train_w), (B,), generator=g)
-            x = train_w[rows]
-            o = sample_orders(schedule, L, range(seen, seen + B), cfg.train.seed)
-            tok, pos = two_copy_inputs(x, o, model.mask_id)
-            logits = model(tok, pos, set_causal_mask(o.set_ids))[:, L:]
-            loss = nelbo(token_nll(logits, x), o).per_token
+    with open(os.path.join(cfg.run_dir, "metrics.jsonl"), "w") as metrics:
+        for step, micro_batches in zip(range(steps), loader):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg.optimizer, steps)
             opt.zero_grad(set_to_none=True)
+            bounds = [batch_nelbo(model, b, schedule, cfg.train.seed) for b in micro_batches]
+            tokens = sum(b.tokens for b in bounds)
+            loss = sum(b.total for b in bounds) / tokens
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        cfg.optimizer.grad_clip or float("inf"))
             opt.step()
-            seen += B
+            seen += cfg.data.global_batch_size
             if (step + 1) % cfg.train.log_interval == 0 or step + 1 == steps:
                 el = time.perf_counter() - start
                 tps = seen * L / el
@@ -171,14 +181,16 @@ def train(cfg, steps: int) -> dict:
                       f"ppl<= {math.exp(rec['loss']):8.2f}  lr {rec['lr']:.2e}  "
                       f"{tps:8.0f} tok/s  eta {eta:5.1f}s", flush=True)
     model.eval()
+    ev = dict(batches=cfg.train.eval_batches, batch_size=cfg.data.micro_batch_size)
     result = {"schedule": repr(schedule), "steps": steps,
-              "train_ppl_bound": eval_bound(model, train_w, schedule, cfg.order.eval_seed),
-              "valid_ppl_bound": eval_bound(model, valid_w, schedule, cfg.order.eval_seed),
-              "uniform_ppl": float(m.vocab_size),
-              "ar_identity_max_gap": ar_identity_gap(model, valid_w[:2])}
+              "train_ppl_bound": eval_bound(model, train_set, schedule, cfg.order.eval_seed, **ev),
+              "valid_ppl_bound": eval_bound(model, valid_set, schedule, cfg.order.eval_seed, **ev),
+              "uniform_ppl": float(tok.vocab_size),
+              "ar_identity_max_gap": ar_identity_gap(
+                  model, torch.from_numpy(valid_set[0][0][None].astype("int64")))}
     print(f"== held-out NELBO bound (fixed orders, seed {cfg.order.eval_seed}): "
-          f"PPL <= {result['valid_ppl_bound']:.2f} per byte (train {result['train_ppl_bound']:.2f}, "
-          f"uniform {m.vocab_size}) ==")
+          f"PPL <= {result['valid_ppl_bound']:.2f} per token (train {result['train_ppl_bound']:.2f}, "
+          f"uniform {tok.vocab_size}) ==")
     print(f"== AR identity on the trained weights: max |vectorized - sequential| log p = "
           f"{result['ar_identity_max_gap']:.2e} ==")
     with open(os.path.join(cfg.run_dir, "demo_result.json"), "w") as fh:

@@ -1,0 +1,1 @@
+"""Building corpora, task sets and tokenized shards from raw text, offline."""

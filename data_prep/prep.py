@@ -1,0 +1,348 @@
+"""``setdiff-prep``: raw text to tokenized webdataset shards with a manifest, offline.
+
+    setdiff-prep --input PATH [PATH ...] --tokenizer SPEC --seq-len L --out DIR [options]
+
+Inputs: ``.txt`` (one document per file, or per blank-line paragraph with
+``--split-paragraphs``), ``.jsonl`` (one document per line, text in ``--text-field``), either
+optionally gzip'd (``.gz``); directories are read recursively in name order.
+
+Modes: ``packed`` (documents joined with end-of-text tokens and cut into sequences of L tokens;
+the incomplete tail is dropped and counted) and ``padded`` (one document per sequence, padded, for
+task data; with ``--prompt-field`` the prompt tokens come first and are marked as context).
+
+Every ``--valid-every``-th document goes to the validation split (deterministic). Tokenization runs
+in ``--workers`` processes, results in input order, so the same input and options give
+byte-identical shards. Everything is written to a temporary directory next to ``--out`` and
+renamed only when complete: an error leaves no partial output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+
+from setdiff_dist.data.shards import FORMAT, MANIFEST, ShardWriter, sha256_file
+from setdiff_dist.data.tokenizers import (Tokenizer, TokenizerError, load_tokenizer,
+                                          train_bpe)
+
+
+class PrepError(ValueError):
+    """Bad input; the message names the file (and line)."""
+
+
+@dataclass
+class Document:
+    text: str
+    prompt: str
+    where: str  # "path" or "path line N", for messages
+
+
+# ----------------------------------------------------------------------------- reading
+
+def input_files(paths: list[str]) -> list[str]:
+    files = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs)
+            if not found:
+                raise PrepError(f"{p}: directory holds no files")
+            files += found
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            raise PrepError(f"{p}: no such file or directory")
+    return files
+
+
+def _read_text(path: str) -> str:
+    try:
+        if path.endswith(".gz"):
+            with gzip.open(path, "rb") as fh:
+                raw = fh.read()
+        else:
+            with open(path, "rb") as fh:
+                raw = fh.read()
+    except (OSError, EOFError) as exc:
+        raise PrepError(f"{path}: cannot read ({exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise PrepError(f"{path}: not valid UTF-8 (byte {exc.start}, line {line}); convert it to "
+                        "UTF-8 first (e.g. iconv -f latin1 -t utf-8)") from None
+    if not text.strip():
+        raise PrepError(f"{path}: empty file (no text)")
+    return text
+
+
+def read_documents(path: str, text_field: str, prompt_field: Optional[str],
+                   split_paragraphs: bool) -> Iterator[Document]:
+    text = _read_text(path)
+    base = path[:-3] if path.endswith(".gz") else path
+    if base.endswith((".jsonl", ".json")):
+        n = 0
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {i}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PrepError(f"{where}: not valid JSON ({exc.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
+                raise PrepError(f"{where}: no string field {text_field!r} (choose it with "
+                                "--text-field)")
+            prompt = ""
+            if prompt_field:
+                if not isinstance(rec.get(prompt_field), str):
+                    raise PrepError(f"{where}: no string field {prompt_field!r} "
+                                    "(--prompt-field)")
+                prompt = rec[prompt_field]
+            n += 1
+            yield Document(rec[text_field], prompt, where)
+        if n == 0:
+            raise PrepError(f"{path}: no documents")
+        return
+    if prompt_field:
+        raise PrepError(f"{path}: --prompt-field needs .jsonl input")
+    if split_paragraphs:
+        for k, para in enumerate(p.strip() for p in text.split("\n\n")):
+            if para:
+                yield Document(para, "", f"{path} paragraph {k + 1}")
+    else:
+        yield Document(text, "", path)
+
+
+# ----------------------------------------------------------------------------- tokenizing
+
+_TOKENIZER: Optional[Tokenizer] = None
+
+
+def _init_worker(spec: str) -> None:
+    global _TOKENIZER
+    _TOKENIZER = load_tokenizer(spec)
+
+
+def _encode(chunk: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+    texts = _TOKENIZER.encode_batch([t for t, _ in chunk])
+    prompts = _TOKENIZER.encode_batch([p for _, p in chunk]) if any(p for _, p in chunk) else \
+        [[] for _ in chunk]
+    return list(zip(prompts, texts))
+
+
+def _chunks(docs: Iterator[Document], size: int):
+    batch: list[Document] = []
+    for d in docs:
+        batch.append(d)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# ----------------------------------------------------------------------------- writing
+
+class _Split:
+    """Packs or pads one split's token stream into a shard writer."""
+
+    def __init__(self, directory, name, seq_len, mode, eos, samples_per_shard, truncate):
+        self.writer = ShardWriter(directory, name, seq_len, samples_per_shard)
+        self.L, self.mode, self.eos, self.truncate = seq_len, mode, eos, truncate
+        self.buffer: list[int] = []
+        self.documents = 0
+        self.truncated = 0
+
+    def add(self, prompt: list[int], text: list[int], where: str) -> None:
+        self.documents += 1
+        if self.mode == "packed":
+            self.buffer += prompt + text + [self.eos]
+            while len(self.buffer) >= self.L:
+                self.writer.add(np.asarray(self.buffer[: self.L], dtype=np.int32), self.L)
+                del self.buffer[: self.L]
+            return
+        ids = prompt + text + [self.eos]
+        if len(ids) > self.L:
+            if not self.truncate:
+                raise PrepError(f"{where}: {len(ids)} tokens do not fit --seq-len {self.L} in "
+                                "padded mode; raise --seq-len or pass --truncate")
+            ids, self.truncated = ids[: self.L], self.truncated + 1
+        if len(prompt) >= len(ids):
+            raise PrepError(f"{where}: the prompt leaves no room for the text at --seq-len "
+                            f"{self.L}")
+        row = np.full(self.L, self.eos, dtype=np.int32)
+        row[: len(ids)] = ids
+        self.writer.add(row, len(ids), len(prompt))
+
+    def close(self) -> dict:
+        info = self.writer.close()
+        info.update(documents=self.documents, dropped_tail_tokens=len(self.buffer),
+                    truncated_documents=self.truncated)
+        return info
+
+
+def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: str = "packed",
+            text_field: str = "text", prompt_field: Optional[str] = None,
+            split_paragraphs: bool = False, valid_every: int = 100, samples_per_shard: int = 4096,
+            workers: int = 0, truncate: bool = False, overwrite: bool = False,
+            progress: bool = True) -> dict:
+    """Run setdiff-prep; returns the manifest. See the module docstring."""
+    if seq_len < 2:
+        raise PrepError(f"--seq-len must be at least 2, got {seq_len}")
+    if valid_every < 0 or valid_every == 1:
+        raise PrepError("--valid-every must be 0 (no validation split) or at least 2")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not overwrite and (not os.path.isdir(out) or os.listdir(out)):
+        raise PrepError(f"{out} already exists; pass --overwrite to replace it")
+    files = input_files(inputs)
+    workers = workers or min(os.cpu_count() or 1, 8)
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        manifest = _prepare_into(tmp, files, tokenizer, seq_len, mode, text_field, prompt_field,
+                                 split_paragraphs, valid_every, samples_per_shard, workers,
+                                 truncate, progress)
+        if os.path.exists(out):
+            old = out + f".old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        return manifest
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, split_paragraphs,
+                  valid_every, samples_per_shard, workers, truncate, progress) -> dict:
+    def documents():
+        for f in files:
+            yield from read_documents(f, text_field, prompt_field, split_paragraphs)
+
+    # validate every input (and read it once) before any work is done
+    n_docs = sum(1 for _ in documents())
+    if spec.startswith("bpe:"):
+        try:
+            size = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise PrepError(f"--tokenizer {spec}: expected bpe:N with an integer N") from None
+        tok = train_bpe((d.prompt + d.text for d in documents()), size)
+    else:
+        try:
+            tok = load_tokenizer(spec)
+        except TokenizerError as exc:
+            raise PrepError(f"--tokenizer {spec}: {exc}") from None
+    shipped = tok.save(tmp)
+    worker_spec = os.path.join(tmp, shipped) if shipped == "tokenizer.json" else (
+        f"sentencepiece:{os.path.join(tmp, shipped)}" if shipped else spec)
+
+    splits = {"train": _Split(tmp, "train", seq_len, mode, tok.eos_id, samples_per_shard, truncate)}
+    if valid_every:
+        splits["valid"] = _Split(tmp, "valid", seq_len, mode, tok.eos_id, samples_per_shard,
+                                 truncate)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=n_docs, unit="doc", desc="setdiff-prep", file=sys.stderr)
+    start, n_tokens, ordinal = time.perf_counter(), 0, 0
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker,
+                                      initargs=(worker_spec,)) as pool:
+        sent: deque = deque()  # chunks handed to the pool, in order (imap keeps that order)
+
+        def payloads():
+            for chunk in _chunks(documents(), 64):
+                sent.append(chunk)
+                yield [(d.text, d.prompt) for d in chunk]
+
+        for encoded in pool.imap(_encode, payloads()):
+            chunk = sent.popleft()
+            for doc, (prompt_ids, text_ids) in zip(chunk, encoded):
+                name = "valid" if valid_every and ordinal % valid_every == valid_every - 1 \
+                    else "train"
+                splits[name].add(prompt_ids, text_ids, doc.where)
+                n_tokens += len(prompt_ids) + len(text_ids) + 1
+                ordinal += 1
+            if bar:
+                bar.update(len(chunk))
+                bar.set_postfix(tokens_per_s=f"{n_tokens / (time.perf_counter() - start):.3g}")
+    if bar:
+        bar.close()
+    elapsed = time.perf_counter() - start
+    info = {name: s.close() for name, s in splits.items()}
+    for name, s in info.items():
+        if s["samples"] == 0:
+            raise PrepError(f"the {name} split is empty: {ordinal} documents of "
+                            f"{n_tokens} tokens are too few for --seq-len {seq_len}"
+                            + (f" and --valid-every {valid_every}" if name == "valid" else "")
+                            + "; use more text, a shorter --seq-len, or --valid-every 0")
+    identity = tok.identity()
+    identity["file"] = shipped
+    manifest = {
+        "format": FORMAT, "seq_len": seq_len, "mode": mode, "tokenizer": identity,
+        "splits": info, "documents": ordinal, "input_tokens": n_tokens,
+        "inputs": [{"path": os.path.abspath(f), "sha256": sha256_file(f)} for f in files],
+        "options": {"text_field": text_field, "prompt_field": prompt_field,
+                    "split_paragraphs": split_paragraphs, "valid_every": valid_every,
+                    "samples_per_shard": samples_per_shard, "truncate": truncate},
+    }
+    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, indent=2, sort_keys=True)
+    manifest["throughput_tokens_per_s"] = n_tokens / max(elapsed, 1e-9)
+    return manifest
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="setdiff-prep", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input", nargs="+", required=True, help="files or directories")
+    ap.add_argument("--tokenizer", required=True,
+                    help="gpt2, bytes, sentencepiece:PATH, bpe:N, or a tokenizer.json directory")
+    ap.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (L)")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--mode", choices=("packed", "padded"), default="packed")
+    ap.add_argument("--text-field", default="text", help="JSONL field with the text")
+    ap.add_argument("--prompt-field", default=None,
+                    help="JSONL field with a prompt (padded mode: marked as context)")
+    ap.add_argument("--split-paragraphs", action="store_true",
+                    help=".txt: one document per blank-line paragraph")
+    ap.add_argument("--valid-every", type=int, default=100,
+                    help="every N-th document goes to the validation split (0 = none)")
+    ap.add_argument("--samples-per-shard", type=int, default=4096)
+    ap.add_argument("--workers", type=int, default=0, help="tokenizer processes (0 = cores)")
+    ap.add_argument("--truncate", action="store_true",
+                    help="padded mode: cut documents longer than --seq-len instead of failing")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    try:
+        m = prepare(args.input, args.tokenizer, args.seq_len, args.out, mode=args.mode,
+                    text_field=args.text_field, prompt_field=args.prompt_field,
+                    split_paragraphs=args.split_paragraphs, valid_every=args.valid_every,
+                    samples_per_shard=args.samples_per_shard, workers=args.workers,
+                    truncate=args.truncate, overwrite=args.overwrite, progress=not args.quiet)
+    except PrepError as exc:
+        print(f"setdiff-prep: error: {exc}", file=sys.stderr)
+        return 2
+    counts = ", ".join(f"{k}: {v['samples']} sequences / {v['tokens']} tokens / "
+                       f"{len(v['shards'])} shards" for k, v in m["splits"].items())
+    print(f"setdiff-prep: {m['documents']} documents -> {args.out} ({counts}); tokenizer "
+          f"{m['tokenizer']['spec']} (vocab {m['tokenizer']['vocab_size']}); "
+          f"{m['throughput_tokens_per_s']:.3g} tokens/s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

