@@ -51,6 +51,7 @@ setup(
         "console_scripts": [
             "setdiff-config=setdiff_dist.cli.config:main",
             "setdiff-demo=setdiff_dist.cli.demo:main",
+            "setdiff-train=setdiff_dist.cli.train:main",
             "setdiff-prep=data_prep.prep:main",
             "setdiff-corpus=data_prep.corpus:main",
             "setdiff-tasks=data_prep.tasks:main",

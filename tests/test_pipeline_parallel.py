@@ -82,7 +82,7 @@ def test_pipeline_parallel_equals_a_single_stage(pp_dir):
     g2, s2 = merged(pp_dir, "pp2", 2)
     assert len(s1) == len(s2) == MICRO
     for a, b in zip(s1, s2):
-        assert torch.allclose(a["nelbo_sum"], b["nelbo_sum"], rtol=1e-6)
+        assert torch.allclose(a["nll_sum"], b["nll_sum"], rtol=1e-6)
         assert a["tokens"] == b["tokens"] == B * L
     assert g1.keys() == g2.keys()
     for name in g1:
@@ -93,8 +93,8 @@ def test_tensor_and_pipeline_parallel_on_four_ranks_runs_a_training_step(tmp_pat
     spawn(run_tp_pp, 4, tmp_path)
     g4, s4 = merged(tmp_path, "tp2pp2", 2)
     g1, s1 = merged(pp_dir, "pp1", 1)
-    assert len(s4) == MICRO and all(torch.isfinite(s["nelbo_sum"]) for s in s4)
+    assert len(s4) == MICRO and all(torch.isfinite(s["nll_sum"]) for s in s4)
     for a, b in zip(s1, s4):
-        assert torch.allclose(a["nelbo_sum"], b["nelbo_sum"], rtol=1e-5)
+        assert torch.allclose(a["nll_sum"], b["nll_sum"], rtol=1e-5)
     for name in g1:
         assert torch.allclose(g1[name], g4[name], atol=1e-6, rtol=1e-4), name

@@ -2,15 +2,14 @@
 
 One function for every layout: with PP = 1 megatron runs its no-pipelining schedule (gradient
 accumulation over micro-batches), with PP > 1 its 1F1B schedule, whose p2p messages are the
-``[2L, b, h]`` hidden states of the ``[clean ; noisy]`` sequence. Each micro-batch is
-``(tokens [b, L], OrderSample)``; every stage rebuilds the same inputs from it, and the last stage
-computes the NELBO. Loss normalization is megatron's: each micro-batch's NELBO per target token,
-averaged over the micro-batches.
+hidden states ``[s, b, h]`` (``s = 2L`` for set diffusion). A ``step`` callable builds each
+micro-batch's inputs on every stage (deterministically, so all stages agree) and returns the
+model output with a loss function for the last stage.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from megatron.core import parallel_state as ps
@@ -21,32 +20,55 @@ from setdiff_dist.diffusion import nelbo
 from .forward import set_diffusion_inputs, set_diffusion_nll
 
 
-def set_diffusion_forward_backward(model, microbatches: Iterable, seq_len: int,
-                                   micro_batch_size: int, backend: str,
-                                   forward_only: bool = False) -> list[dict]:
-    """Run the schedule over ``microbatches``; returns, on the last stage, one dict per
-    micro-batch with its NELBO sum and target-token count (an empty list elsewhere). Gradients are
-    accumulated in ``.grad``; with tied embeddings and PP > 1 they are synchronized here."""
+def forward_backward(model, microbatches: Iterable, seq_len: int, micro_batch_size: int,
+                     step: Callable, forward_only: bool = False,
+                     loss_scale: Optional[float] = None) -> list[dict]:
+    """Run megatron's schedule. ``step(module, microbatch) -> (output, terms_fn)`` where
+    ``terms_fn(logits) -> (nll_sum, tokens)`` on the last stage.
+
+    Without ``loss_scale`` each micro-batch's loss is its mean per token (megatron's
+    normalization); with it, the loss is ``nll_sum * loss_scale`` before megatron's division by
+    the number of micro-batches (the trainer passes ``n_micro * dp / global_tokens`` for an exact
+    global per-token mean). Returns per-micro-batch ``{"nll_sum", "tokens"}`` on the last stage
+    (an empty list elsewhere); tied-embedding gradients are synchronized after the backward."""
     microbatches = list(microbatches)
 
     def forward_step(data_iterator, module):
-        tokens, sample = next(data_iterator)
-        inp = set_diffusion_inputs(tokens, sample, module.mask_id, backend)
-        out = module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)
+        out, terms = step(module, next(data_iterator))
 
         def loss_func(logits):
-            bound = nelbo(set_diffusion_nll(logits, tokens, inp), sample)
-            stats = {"nelbo_sum": bound.total.detach().clone(),
-                     "tokens": bound.tokens.detach().clone()}
-            return bound.total, bound.tokens.to(torch.int), stats
+            total, tokens = terms(logits)
+            stats = {"nll_sum": total.detach().clone(), "tokens": tokens.detach().clone()}
+            if loss_scale is None:
+                return total, tokens.to(torch.int), stats
+            return total * loss_scale, stats
 
         return out, loss_func
 
-    schedule = get_forward_backward_func()
-    stats = schedule(forward_step_func=forward_step, data_iterator=iter(microbatches),
-                     model=[model], num_microbatches=len(microbatches),
-                     seq_length=2 * seq_len, micro_batch_size=micro_batch_size,
-                     forward_only=forward_only)
+    stats = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+        num_microbatches=len(microbatches), seq_length=seq_len,
+        micro_batch_size=micro_batch_size, forward_only=forward_only)
     if not forward_only:
         model.sync_tied_embedding_grads()
     return stats if ps.is_pipeline_last_stage() else []
+
+
+def set_diffusion_forward_backward(model, microbatches: Iterable, seq_len: int,
+                                   micro_batch_size: int, backend: str,
+                                   forward_only: bool = False) -> list[dict]:
+    """:func:`forward_backward` over ``(tokens [b, L], OrderSample)`` micro-batches, with the
+    NELBO per target token as each micro-batch's loss."""
+
+    def step(module, microbatch):
+        tokens, sample = microbatch
+        inp = set_diffusion_inputs(tokens, sample, module.mask_id, backend)
+        out = module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)
+
+        def terms(logits):
+            bound = nelbo(set_diffusion_nll(logits, tokens, inp), sample)
+            return bound.total, bound.tokens
+
+        return out, terms
+
+    return forward_backward(model, microbatches, 2 * seq_len, micro_batch_size, step, forward_only)

@@ -1,0 +1,140 @@
+"""The DeepSpeed engine, built from our config, over the megatron-core model.
+
+- ZeRO stage, CPU offload, bf16, gradient clipping and accumulation come from the config
+  sections ``zero``, ``optimizer``, ``train`` and ``data``; the optimizer is DeepSpeed's AdamW
+  (torch's implementation unless the optimizer state is offloaded, which needs DeepSpeed's CPU
+  Adam), with weight decay on matrices only; the LR schedule is ours (warm-up, then constant,
+  cosine or linear), stepped by the engine and saved in its checkpoints.
+- DeepSpeed sees megatron's groups through :class:`MegatronMPU`, so its data-parallel group is
+  megatron's and tensor-parallel shards are neither averaged nor double-counted in the grad norm.
+- With pipeline parallelism megatron's schedule runs the micro-batches and DeepSpeed is told the
+  whole per-rank batch is one micro-batch (ZeRO 0/1 only; the config rejects 2/3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from setdiff_dist.parallel import cpu_compat
+
+
+class MegatronMPU:
+    """What DeepSpeed asks an ``mpu`` for, answered from megatron's ``parallel_state``.
+
+    ``get_model_parallel_rank`` is the *tensor*-parallel rank: DeepSpeed counts a replicated
+    parameter in the grad norm only on model-parallel rank 0, and with PP > 1 a rank of the
+    TP x PP group would drop the replicated parameters of the other stages. There is deliberately
+    no ``initialize_sequence_parallel`` (ZeRO would then treat this as a sequence-parallel mpu)."""
+
+    get_model_parallel_group = staticmethod(ps.get_model_parallel_group)
+    get_tensor_model_parallel_group = staticmethod(ps.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_world_size = staticmethod(ps.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_rank = staticmethod(ps.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_src_rank = staticmethod(ps.get_tensor_model_parallel_src_rank)
+    get_pipeline_model_parallel_group = staticmethod(ps.get_pipeline_model_parallel_group)
+    get_pipeline_model_parallel_world_size = staticmethod(
+        ps.get_pipeline_model_parallel_world_size)
+    get_pipeline_model_parallel_rank = staticmethod(ps.get_pipeline_model_parallel_rank)
+    get_data_parallel_group = staticmethod(ps.get_data_parallel_group)
+    get_data_parallel_world_size = staticmethod(ps.get_data_parallel_world_size)
+    get_data_parallel_rank = staticmethod(ps.get_data_parallel_rank)
+
+    @staticmethod
+    def get_model_parallel_world_size():
+        return dist.get_world_size(ps.get_model_parallel_group())
+
+    @staticmethod
+    def get_model_parallel_rank():
+        return ps.get_tensor_model_parallel_rank()
+
+    @staticmethod
+    def get_data_parallel_group_ranks():
+        return dist.get_process_group_ranks(ps.get_data_parallel_group())
+
+
+def micro_batches_per_step(cfg, dp_size: int) -> int:
+    per_rank = cfg.data.global_batch_size // dp_size
+    if cfg.data.global_batch_size % dp_size or per_rank % cfg.data.micro_batch_size:
+        raise ValueError(f"data.global_batch_size={cfg.data.global_batch_size} must be a multiple "
+                         f"of data.micro_batch_size={cfg.data.micro_batch_size} x data-parallel "
+                         f"size {dp_size}")
+    return per_rank // cfg.data.micro_batch_size
+
+
+def deepspeed_config(cfg, dp_size: int) -> dict:
+    """The DeepSpeed JSON config of a run."""
+    gas = micro_batches_per_step(cfg, dp_size)
+    pipelined = cfg.parallel.pipeline > 1
+    o, z = cfg.optimizer, cfg.zero
+    offload = z.offload_optimizer == "cpu"
+    zero = {"stage": z.stage, "overlap_comm": z.overlap_comm,
+            "reduce_bucket_size": z.reduce_bucket_size,
+            "allgather_bucket_size": z.reduce_bucket_size}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if z.offload_params == "cpu":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    params = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    if not offload:
+        params["torch_adam"] = True  # no JIT-compiled fused Adam
+    return {
+        "train_batch_size": cfg.data.global_batch_size,
+        # megatron's schedule accumulates the micro-batches when pipelining
+        "train_micro_batch_size_per_gpu": cfg.data.global_batch_size // dp_size if pipelined
+        else cfg.data.micro_batch_size,
+        "gradient_accumulation_steps": 1 if pipelined else gas,
+        "gradient_clipping": o.grad_clip,
+        "optimizer": {"type": "AdamW", "params": params},
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.train.precision == "bf16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def lr_multiplier(opt_cfg, total_steps: int):
+    """The LR schedule as a multiplier of ``optimizer.lr`` for each optimizer step."""
+    floor = opt_cfg.min_lr / opt_cfg.lr if opt_cfg.lr else 0.0
+    warm = opt_cfg.warmup_steps
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        frac = min(1.0, (step - warm) / max(1, total_steps - warm))
+        if opt_cfg.schedule == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+        if opt_cfg.schedule == "linear":
+            return 1 - (1 - floor) * frac
+        return 1.0
+
+    return f
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices; none on norms, biases or embeddings (Megatron-LM's rule)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.dim() < 2 or "embedding" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(cfg, model):
+    """``deepspeed.initialize`` over ``model`` with megatron's groups."""
+    cpu_compat.skip_deepspeed_shm_build()
+    import deepspeed
+
+    dp = ps.get_data_parallel_world_size()
+    schedule = lr_multiplier(cfg.optimizer, cfg.train.steps)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
+        config=deepspeed_config(cfg, dp), mpu=MegatronMPU(),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    return engine

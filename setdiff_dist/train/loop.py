@@ -1,0 +1,225 @@
+"""The training loop: data -> objective -> DeepSpeed engine, with metrics and validation.
+
+One optimizer step consumes a global batch of ``data.global_batch_size`` sequences. Its loss is
+the exact per-token mean over the *whole* global batch: every rank knows its target-token count
+before the forward (from the padding and context masks), the counts are summed over the
+data-parallel group, and each micro-batch's loss sum is scaled so that DeepSpeed's gradient
+averaging over micro-batches and ranks yields ``sum / global_tokens``. The loss curve therefore
+does not depend on the data-parallel size or on how the batch is split into micro-batches.
+
+A step whose loss is not finite on any rank is skipped on all of them (its micro-batches
+back-propagate zero, and the optimizer runs at LR 0) and counted; after
+``train.max_nonfinite_steps`` in a row the run aborts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from setdiff_dist.data.loader import TokenLoader
+from setdiff_dist.data.shards import ShardSet
+from setdiff_dist.data.tokenizers import load_shipped_tokenizer, load_tokenizer
+from setdiff_dist.model.flops import training_flops_per_token
+from setdiff_dist.model.pipeline import forward_backward
+from setdiff_dist.model.transformer import build_model, transformer_config
+from setdiff_dist.parallel import initialize_model_parallel
+
+from .engine import build_engine, micro_batches_per_step
+from .metrics import MetricsLogger
+from .objective import Objective
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on; the message says why and what to do."""
+
+
+class Trainer:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        par = cfg.parallel
+        initialize_model_parallel(par.tensor, par.pipeline, par.virtual_pipeline,
+                                  seed=cfg.train.seed, backend=par.backend)
+        self.rank = dist.get_rank()
+        self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        self.train_set, self.valid_set, self.tokenizer = self._data()
+        config = transformer_config(cfg.model, par.tensor, par.pipeline,
+                                    sequence_parallel=par.sequence_parallel)
+        self.model = build_model(cfg.model, config, seed=cfg.train.seed).to(self.device)
+        self.engine = build_engine(cfg, self.model)
+        self.objective = Objective(cfg, seed=cfg.train.seed)
+        self.eval_objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1)
+        self.n_micro = micro_batches_per_step(cfg, self.dp)
+        self.step = 0
+        self.samples_seen = 0
+        self.nonfinite_in_a_row = 0
+        self.skipped_steps = 0
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _data(self):
+        d = self.cfg.data
+        want_sha = load_tokenizer(d.tokenizer).sha256 if d.tokenizer else None
+        train = ShardSet(d.train_shards, "train", seq_len=d.seq_len, tokenizer_sha256=want_sha)
+        tok = load_shipped_tokenizer(d.train_shards, train.manifest["tokenizer"])
+        valid = None
+        if d.valid_shards or "valid" in train.manifest["splits"]:
+            valid_dir = d.valid_shards or d.train_shards
+            valid = ShardSet(valid_dir, "valid", seq_len=d.seq_len, tokenizer_sha256=tok.sha256)
+        if tok.vocab_size > self.cfg.model.vocab_size:
+            raise TrainingError(f"the shards' tokenizer has {tok.vocab_size} tokens but "
+                                f"model.vocab_size={self.cfg.model.vocab_size}; set "
+                                f"model.vocab_size={tok.vocab_size}")
+        return train, valid, tok
+
+    def loader(self, start_step: int = 0) -> TokenLoader:
+        d = self.cfg.data
+        return TokenLoader(self.train_set, global_batch=d.global_batch_size,
+                           micro_batch=d.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp,
+                           seed=self.cfg.train.seed, num_workers=d.num_workers,
+                           start_step=start_step)
+
+    # -- one step ------------------------------------------------------------------------------
+    def _global_tokens(self, micro_batches) -> float:
+        n = sum(int(self.objective.target_mask(b).sum()) for b in micro_batches)
+        t = torch.tensor([float(n)], device=self.device)
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return float(t)
+
+    def _all_finite(self, value: torch.Tensor) -> bool:
+        flag = torch.tensor([0.0 if torch.isfinite(value).all() else 1.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
+
+    def train_step(self, micro_batches) -> dict:
+        engine = self.engine
+        micro_batches = [b.to(self.device) for b in micro_batches]
+        global_tokens = self._global_tokens(micro_batches)
+        scale = self.n_micro * self.dp / max(global_tokens, 1.0)
+        lr = engine.optimizer.param_groups[0]["lr"]
+        local_sum = torch.zeros((), device=self.device)
+        finite = True
+        if self.cfg.parallel.pipeline == 1:
+            for b in micro_batches:
+                out, terms = self.objective.step(engine, b)
+                total, _ = terms(out)
+                ok = self._all_finite(total)
+                finite &= ok
+                if ok:
+                    local_sum += total.detach()
+                    engine.backward(total * scale)
+                else:  # back-propagate an exact zero through finite parameters
+                    engine.backward(sum(p.sum() for p in engine.module.parameters()) * 0.0)
+                if not finite and engine.is_gradient_accumulation_boundary():
+                    self._zero_lr()
+                engine.step()
+        else:
+            stats = forward_backward(engine.module, micro_batches, self.objective.model_seq_len,
+                                     self.cfg.data.micro_batch_size, self.objective.step,
+                                     loss_scale=scale)
+            for s in stats:
+                local_sum += s["nll_sum"]
+            finite = self._all_finite(local_sum)
+            engine.allreduce_gradients()
+            if not finite:
+                self._zero_lr()
+            engine.step()
+        # the step's loss on every rank: sum over data-parallel ranks (and from the last stage)
+        total = local_sum.reshape(1).clone()
+        if not ps.is_pipeline_last_stage():
+            total.zero_()
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+        self.step += 1
+        self.samples_seen += self.cfg.data.global_batch_size
+        if finite:
+            self.nonfinite_in_a_row = 0
+        else:
+            self.nonfinite_in_a_row += 1
+            self.skipped_steps += 1
+            if self.nonfinite_in_a_row >= self.cfg.train.max_nonfinite_steps:
+                raise TrainingError(
+                    f"{self.nonfinite_in_a_row} consecutive steps with a non-finite loss (last at "
+                    f"step {self.step}); lower optimizer.lr, check the data, or resume from an "
+                    "earlier checkpoint")
+        grad_norm = engine.get_global_grad_norm()
+        return {"step": self.step, "loss": float(total) / max(global_tokens, 1.0) if finite
+                else float("nan"), "lr": lr,
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "samples_seen": self.samples_seen, "target_tokens": global_tokens,
+                "skipped_steps": self.skipped_steps}
+
+    def _zero_lr(self):
+        # the scheduler sets every group's LR again at its next step
+        for g in self.engine.optimizer.param_groups:
+            g["lr"] = 0.0
+
+    # -- validation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """NELBO per token and the PPL bound on the first ``train.eval_batches`` validation
+        batches, over fixed seeded orders (the same numbers on every run and layout)."""
+        if self.valid_set is None:
+            return {}
+        d = self.cfg.data
+        loader = TokenLoader(self.valid_set, global_batch=d.micro_batch_size * self.dp,
+                             micro_batch=d.micro_batch_size, dp_rank=self.dp_rank,
+                             dp_size=self.dp, shuffle=False, num_workers=0)
+        n_batches = min(self.cfg.train.eval_batches,
+                        max(1, len(self.valid_set) // (d.micro_batch_size * self.dp)))
+        was_training = self.engine.module.training
+        self.engine.module.eval()
+        total = torch.zeros(2, device=self.device)
+        for _, (batch,) in zip(range(n_batches), loader):
+            batch = batch.to(self.device)
+            if self.cfg.parallel.pipeline == 1:
+                out, terms = self.eval_objective.step(self.engine.module, batch)
+                s, n = terms(out)
+                total += torch.stack([s.float(), n.float()])
+            else:
+                for st in forward_backward(self.engine.module, [batch],
+                                           self.objective.model_seq_len, d.micro_batch_size,
+                                           self.eval_objective.step, forward_only=True):
+                    total += torch.stack([st["nll_sum"].float(), st["tokens"].float()])
+        self.engine.module.train(was_training)
+        if not ps.is_pipeline_last_stage():
+            total.zero_()
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+        per_token = float(total[0] / total[1].clamp_min(1))
+        return {"valid_loss": per_token, "valid_ppl_bound": math.exp(min(per_token, 50.0)),
+                "valid_tokens": float(total[1])}
+
+    # -- the loop ------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg = self.cfg
+        L = cfg.data.seq_len
+        flops = training_flops_per_token(cfg.model, L, causal_lm=cfg.order.kind == "causal")
+        metrics = MetricsLogger(cfg.run_dir, self.rank == 0, cfg.train.steps, flops,
+                                dist.get_world_size(), cfg.train.tensorboard, self.step)
+        tokens_since = 0
+        last = {}
+        try:
+            for micro_batches in self.loader(self.step):
+                if self.step >= cfg.train.steps:
+                    break
+                last = self.train_step(micro_batches)
+                tokens_since += cfg.data.global_batch_size * L
+                if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps:
+                    metrics.log(last, tokens_since)
+                    tokens_since = 0
+                if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
+                    metrics.log_eval(self.step, self.evaluate())
+            final = self.evaluate()
+            if final:
+                metrics.log_eval(self.step, final)
+            last.update(final)
+        finally:
+            metrics.close()
+        return last
