@@ -143,6 +143,8 @@ class TrainConfig:
     max_nonfinite_steps: int = _f(5, "consecutive non-finite losses tolerated before aborting",
                                   min=1)
     tensorboard: bool = _f(True, "write tensorboard logs into run_dir/tensorboard")
+    exit_at_step: Optional[int] = _f(None, "checkpoint and stop after this step (split a run "
+                                     "into jobs; resume=auto continues it)", min=1)
 
 
 @dataclass

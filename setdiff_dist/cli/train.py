@@ -6,7 +6,12 @@
     srun ... python -m setdiff_dist.cli.train --config ...                        # or Slurm
 
 Everything goes into ``run_dir``: ``config.yaml`` (the resolved config), ``metrics.jsonl``,
-``tensorboard/``. Exit codes: 0 done, 2 bad config or data, 1 a failed run.
+``tensorboard/``, ``checkpoints/step_*/`` and ``checkpoints/latest``. ``resume=auto`` (the
+default) continues from ``latest``. SIGTERM or SIGUSR1 (to every rank, as Slurm sends it, or to
+this launcher) checkpoints at the next step boundary and exits with code 75, for a requeue.
+
+Exit codes: 0 done (or stopped at ``train.exit_at_step``), 75 preempted after a checkpoint,
+2 bad config, data or checkpoint, 1 a failed run.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import subprocess
 import sys
 
 from setdiff_dist.config import ConfigError, load_config
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on a signal; requeue and resume=auto
 
 
 def _parse(argv):
@@ -69,11 +76,12 @@ def run(cfg) -> int:
 
     from setdiff_dist.data.shards import ShardError
     from setdiff_dist.data.tokenizers import TokenizerError
+    from setdiff_dist.train.checkpoint import CheckpointError
     from setdiff_dist.train.loop import Trainer, TrainingError
 
     try:
         trainer = Trainer(cfg)
-    except (ShardError, TokenizerError, TrainingError) as exc:
+    except (ShardError, TokenizerError, TrainingError, CheckpointError) as exc:
         print(f"setdiff-train: error: {exc}", file=sys.stderr)
         return 2
     if dist.get_rank() == 0:
@@ -81,11 +89,11 @@ def run(cfg) -> int:
         with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as fh:
             fh.write(cfg.to_yaml())
     try:
-        trainer.fit()
+        outcome = trainer.fit()
     except TrainingError as exc:
         print(f"setdiff-train: error: {exc}", file=sys.stderr)
         return 1
-    return 0
+    return EXIT_PREEMPTED if outcome == "preempted" else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ back-propagate zero, and the optimizer runs at LR 0) and counted; after
 from __future__ import annotations
 
 import math
+import signal
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from setdiff_dist.model.pipeline import forward_backward
 from setdiff_dist.model.transformer import build_model, transformer_config
 from setdiff_dist.parallel import initialize_model_parallel
 
+from . import checkpoint
 from .engine import build_engine, micro_batches_per_step
 from .metrics import MetricsLogger
 from .objective import Objective
@@ -59,6 +61,8 @@ class Trainer:
         self.samples_seen = 0
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
+        self._signalled = False
+        self.resumed_from = self._resume()
 
     # -- set-up ------------------------------------------------------------------------------
     def _data(self):
@@ -75,6 +79,37 @@ class Trainer:
                                 f"model.vocab_size={self.cfg.model.vocab_size}; set "
                                 f"model.vocab_size={tok.vocab_size}")
         return train, valid, tok
+
+    def _resume(self):
+        path = checkpoint.resolve(self.cfg)
+        if path is None:
+            return None
+        checkpoint.check_compatible(path, self.cfg, self.tokenizer_identity)
+        state = checkpoint.load(self.engine, path)["setdiff"]
+        self.step, self.samples_seen = state["step"], state["samples_seen"]
+        self.skipped_steps = state["nonfinite_skipped_steps"]
+        self.loader(0).load_state_dict(state["loader"])  # same data stream, or a clear error
+        return path
+
+    @property
+    def tokenizer_identity(self) -> dict:
+        return self.train_set.manifest["tokenizer"]
+
+    def save(self) -> str:
+        # one key of our own: DeepSpeed reserves names such as "skipped_steps" in client state
+        state = {"setdiff": {"step": self.step, "samples_seen": self.samples_seen,
+                             "nonfinite_skipped_steps": self.skipped_steps,
+                             "loader": self.loader(self.step).state_dict()}}
+        return checkpoint.save(self.engine, self.cfg, self.step, state, self.tokenizer_identity)
+
+    def _on_signal(self, signum, _frame):
+        self._signalled = True
+
+    def _agreed_stop(self) -> bool:
+        """Whether any rank was signalled: all ranks stop at the same step boundary."""
+        flag = torch.tensor([1.0 if self._signalled else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
 
     def loader(self, start_step: int = 0) -> TokenLoader:
         d = self.cfg.data
@@ -197,29 +232,48 @@ class Trainer:
                 "valid_tokens": float(total[1])}
 
     # -- the loop ------------------------------------------------------------------------------
-    def fit(self) -> dict:
+    def fit(self) -> str:
+        """Train to ``train.steps``; returns ``"completed"``, ``"paused"`` (``exit_at_step``) or
+        ``"preempted"`` (SIGTERM / SIGUSR1 on any rank: a checkpoint was saved)."""
         cfg = self.cfg
         L = cfg.data.seq_len
         flops = training_flops_per_token(cfg.model, L, causal_lm=cfg.order.kind == "causal")
         metrics = MetricsLogger(cfg.run_dir, self.rank == 0, cfg.train.steps, flops,
                                 dist.get_world_size(), cfg.train.tensorboard, self.step)
-        tokens_since = 0
-        last = {}
+        if cfg.checkpoint.save_on_signal:
+            for s in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(s, self._on_signal)
+        if self.resumed_from and self.rank == 0:
+            print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
+        tokens_since, saved_at, outcome = 0, None, "completed"
         try:
             for micro_batches in self.loader(self.step):
                 if self.step >= cfg.train.steps:
                     break
-                last = self.train_step(micro_batches)
+                record = self.train_step(micro_batches)
                 tokens_since += cfg.data.global_batch_size * L
                 if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps:
-                    metrics.log(last, tokens_since)
+                    metrics.log(record, tokens_since)
                     tokens_since = 0
                 if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
                     metrics.log_eval(self.step, self.evaluate())
-            final = self.evaluate()
-            if final:
-                metrics.log_eval(self.step, final)
-            last.update(final)
+                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                    self.save()
+                    saved_at = self.step
+                if self._agreed_stop():
+                    outcome = "preempted"
+                    break
+                if cfg.train.exit_at_step and self.step >= cfg.train.exit_at_step:
+                    outcome = "paused"
+                    break
+            if outcome == "completed":
+                final = self.evaluate()
+                if final:
+                    metrics.log_eval(self.step, final)
+            if saved_at != self.step:
+                path = self.save()
+                if self.rank == 0:
+                    print(f"checkpoint {path} ({outcome})", flush=True)
         finally:
             metrics.close()
-        return last
+        return outcome

@@ -1,0 +1,184 @@
+"""Checkpoints: one directory per save, a ``latest`` pointer that only moves when every rank is
+done, and resume that checks the checkpoint against the run before loading it.
+
+``run_dir/checkpoints/step_0000123/`` holds DeepSpeed's files (model states per model-parallel
+rank, optimizer states per data-parallel rank, LR scheduler, our client state: step, samples
+seen, data-loader position), ``rng_rank{r}.pt`` per rank (torch and megatron RNG states),
+``config.yaml`` and ``manifest.json`` (layout, model, tokenizer). The manifest is written after
+a barrier that every rank reaches only once its files are on disk, and ``latest`` is then
+replaced atomically, so a crash at any point leaves ``latest`` at a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+FORMAT = "setdiff-ckpt/1"
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used for this run; the message says what differs."""
+
+
+def checkpoint_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def tag_of(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def layout() -> dict:
+    return {"tensor": ps.get_tensor_model_parallel_world_size(),
+            "pipeline": ps.get_pipeline_model_parallel_world_size(),
+            "data": ps.get_data_parallel_world_size(), "world": dist.get_world_size()}
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict) -> str:
+    """Save on every rank; returns the checkpoint directory."""
+    root = checkpoint_root(cfg.run_dir)
+    tag = tag_of(step)
+    path = os.path.join(root, tag)
+    rank = dist.get_rank()
+    if rank == 0 and os.path.isdir(path):  # a partial save of the same step from a crash
+        shutil.rmtree(path)
+    dist.barrier()
+    engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
+    torch.save(_rng_state(), os.path.join(path, f"rng_rank{rank}.pt"))
+    _fault_point("after_shards", step)
+    dist.barrier()  # every rank's files are on disk
+    if rank == 0:
+        manifest = {"format": FORMAT, "step": step, "layout": layout(),
+                    "zero_stage": cfg.zero.stage, "model": cfg.to_dict()["model"],
+                    "order": cfg.to_dict()["order"], "seq_len": cfg.data.seq_len,
+                    "tokenizer": tokenizer_identity}
+        with open(os.path.join(path, "config.yaml"), "w") as fh:
+            fh.write(cfg.to_yaml())
+        _write_atomic(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=2))
+        _write_atomic(os.path.join(root, LATEST), tag + "\n")
+        _prune(root, cfg.checkpoint.keep_last, keep=tag)
+    dist.barrier()
+    return path
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fault_point(name: str, step: int) -> None:
+    """Fault injection for the crash-consistency test: ``SETDIFF_FAULT=after_shards:STEP`` kills
+    this process with SIGKILL at that point of the save of checkpoint STEP."""
+    if os.environ.get("SETDIFF_FAULT") == f"{name}:{step}":
+        os.kill(os.getpid(), 9)
+
+
+def _prune(root: str, keep_last: int, keep: str) -> None:
+    if keep_last <= 0:
+        return
+    complete = sorted(d for d in os.listdir(root) if d.startswith("step_")
+                      and os.path.isfile(os.path.join(root, d, "manifest.json")))
+    for d in complete[:-keep_last]:
+        if d != keep:
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def resolve(cfg) -> Optional[str]:
+    """The checkpoint directory to resume from, per ``resume`` (auto / never / a path)."""
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        pointer = os.path.join(checkpoint_root(cfg.run_dir), LATEST)
+        if not os.path.isfile(pointer):
+            return None
+        with open(pointer) as fh:
+            return os.path.join(checkpoint_root(cfg.run_dir), fh.read().strip())
+    path = cfg.resume
+    if os.path.isfile(os.path.join(path, LATEST)):
+        with open(os.path.join(path, LATEST)) as fh:
+            path = os.path.join(path, fh.read().strip())
+    elif os.path.isfile(os.path.join(path, "checkpoints", LATEST)):
+        with open(os.path.join(path, "checkpoints", LATEST)) as fh:
+            path = os.path.join(path, "checkpoints", fh.read().strip())
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        raise CheckpointError(f"resume={cfg.resume}: {path} is not a complete checkpoint (no "
+                              "manifest.json); point at a step_* directory, a checkpoints "
+                              "directory or a run directory")
+    return path
+
+
+def check_compatible(path: str, cfg, tokenizer_identity: dict) -> dict:
+    """The manifest of ``path``, or a CheckpointError listing every difference with this run."""
+    with open(os.path.join(path, "manifest.json")) as fh:
+        m = json.load(fh)
+    if m.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
+    diffs = []
+    model = cfg.to_dict()["model"]
+    for key in sorted(set(model) | set(m["model"])):
+        if key in ("attention_backend", "attention_dropout", "hidden_dropout"):
+            continue  # kernels and dropout may change between runs
+        if model.get(key) != m["model"].get(key):
+            diffs.append(f"model.{key}: checkpoint {m['model'].get(key)!r}, this run "
+                         f"{model.get(key)!r}")
+    here = layout()
+    for key, name in (("tensor", "parallel.tensor"), ("pipeline", "parallel.pipeline"),
+                      ("data", "data-parallel size")):
+        if m["layout"][key] != here[key]:
+            diffs.append(f"{name}: checkpoint {m['layout'][key]}, this run {here[key]}")
+    if m["zero_stage"] != cfg.zero.stage:
+        diffs.append(f"zero.stage: checkpoint {m['zero_stage']}, this run {cfg.zero.stage}")
+    if m["seq_len"] != cfg.data.seq_len:
+        diffs.append(f"data.seq_len: checkpoint {m['seq_len']}, this run {cfg.data.seq_len}")
+    if m["tokenizer"]["sha256"] != tokenizer_identity["sha256"]:
+        diffs.append(f"tokenizer: checkpoint {m['tokenizer']['spec']!r}, this run "
+                     f"{tokenizer_identity['spec']!r}")
+    if diffs:
+        raise CheckpointError(f"cannot resume from {path}; it differs from this run:\n  - "
+                              + "\n  - ".join(diffs)
+                              + "\n(training resumes in the layout it was saved in; to change "
+                                "the model or layout, start a new run_dir)")
+    return m
+
+
+def load(engine, path: str) -> dict:
+    """Load model, optimizer, LR schedule and this rank's RNG; returns the client state."""
+    root, tag = os.path.split(os.path.normpath(path))
+    loaded, client = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True,
+                                            load_lr_scheduler_states=True)
+    if loaded is None:
+        raise CheckpointError(f"DeepSpeed could not load {path}")
+    rng = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
+    if os.path.isfile(rng):
+        _set_rng_state(torch.load(rng, weights_only=True))
+    return client

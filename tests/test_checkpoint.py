@@ -1,0 +1,155 @@
+"""Checkpoints, exact resume, preemption signals and crash consistency, through setdiff-train."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from data_prep.prep import prepare
+from setdiff_dist.data import sample_text
+
+EXIT_PREEMPTED = 75
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpt")
+    (tmp / "sonnets.txt").write_text(sample_text())
+    prepare([str(tmp / "sonnets.txt")], "bytes", 32, str(tmp / "shards"), split_paragraphs=True,
+            valid_every=4, workers=1, progress=False)
+    return tmp / "shards"
+
+
+def command(run_dir, shards, steps, *overrides, nproc=2):
+    return [sys.executable, "-m", "setdiff_dist.cli.train", "--nproc-per-node", str(nproc),
+            "--config", "configs/tiny-cpu.yaml", f"run_dir={run_dir}",
+            f"data.train_shards={shards}", "data.seq_len=32", "model.vocab_size=257",
+            f"train.steps={steps}", "train.log_interval=1", "data.global_batch_size=8",
+            "data.micro_batch_size=2", "optimizer.warmup_steps=2", "train.tensorboard=false",
+            "train.eval_batches=1", *overrides]
+
+
+def train(*args, env=None, **kw):
+    res = subprocess.run(command(*args, **kw), capture_output=True, text=True, timeout=600,
+                         env=env)
+    return res
+
+
+def losses(run_dir):
+    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def latest(run_dir):
+    return open(os.path.join(run_dir, "checkpoints", "latest")).read().strip()
+
+
+@pytest.fixture(scope="module")
+def straight(shards, tmp_path_factory):
+    """The uninterrupted reference: 12 steps, ZeRO-2 on two ranks."""
+    run = tmp_path_factory.mktemp("straight")
+    res = train(run, shards, 12, "zero.stage=2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return losses(run)
+
+
+def test_stop_and_resume_reproduces_the_uninterrupted_curve_bit_exactly(straight, shards,
+                                                                          tmp_path):
+    res = train(tmp_path, shards, 12, "zero.stage=2", "train.exit_at_step=5")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert latest(tmp_path) == "step_0000005"
+    res = train(tmp_path, shards, 12, "zero.stage=2")  # resume=auto
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout
+    assert losses(tmp_path) == straight  # every step, bit for bit
+
+
+def test_a_checkpoint_of_another_shape_or_layout_is_refused(straight, shards, tmp_path):
+    assert train(tmp_path, shards, 12, "zero.stage=2", "train.exit_at_step=2").returncode == 0
+    res = train(tmp_path, shards, 12, "zero.stage=2", "model.hidden_size=32",
+                "model.num_attention_heads=2")
+    assert res.returncode == 2
+    assert "model.hidden_size: checkpoint 64, this run 32" in res.stderr
+    assert "model.num_attention_heads: checkpoint 4, this run 2" in res.stderr
+    res = train(tmp_path, shards, 12, "zero.stage=2", "parallel.tensor=2")
+    assert res.returncode == 2
+    assert "parallel.tensor: checkpoint 1, this run 2" in res.stderr
+    assert "data-parallel size: checkpoint 2, this run 1" in res.stderr
+
+
+def test_sigkill_during_a_save_leaves_latest_at_the_previous_checkpoint(straight, shards,
+                                                                        tmp_path):
+    env = dict(os.environ, SETDIFF_FAULT="after_shards:6")
+    res = train(tmp_path, shards, 12, "zero.stage=2", "checkpoint.interval=3", env=env)
+    assert res.returncode != 0
+    assert latest(tmp_path) == "step_0000003"
+    assert not (tmp_path / "checkpoints" / "step_0000006" / "manifest.json").exists()
+    res = train(tmp_path, shards, 12, "zero.stage=2", "checkpoint.interval=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout and "step_0000003" in res.stdout
+    assert losses(tmp_path) == straight
+
+
+def _wait_for_step(proc, step):
+    for line in proc.stdout:
+        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= step:
+            return
+    raise AssertionError("the run ended before the signal")
+
+
+@pytest.mark.parametrize("target", ["launcher", "every rank"])
+def test_a_preemption_signal_checkpoints_and_exits_for_requeue(straight, shards, tmp_path,
+                                                               target):
+    proc = subprocess.Popen(command(tmp_path, shards, 12, "zero.stage=2",
+                                    "train.steps=400", "optimizer.schedule=constant"),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    _wait_for_step(proc, 2)
+    if target == "launcher":
+        proc.send_signal(signal.SIGUSR1)
+    else:  # as Slurm does: every process of the job
+        for pid in [proc.pid] + _children(proc.pid):
+            os.kill(pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED
+    step = int(latest(tmp_path).split("_")[1])
+    assert 2 <= step < 400 and "(preempted)" in out
+
+
+def _children(pid):
+    kids = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(p))
+    return kids
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_no_rank_outlives_a_killed_launcher(shards, tmp_path):
+    proc = subprocess.Popen(command(tmp_path, shards, 100000), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    _wait_for_step(proc, 1)
+    ranks = _children(proc.pid)
+    assert len(ranks) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 30
+    while any(_alive(r) for r in ranks) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(r) for r in ranks)
