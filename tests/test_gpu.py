@@ -36,7 +36,7 @@ def _loss_and_grads(backend, layer_spec="local"):
     return nll.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def _parallel_state():
     from setdiff_dist.parallel import destroy_model_parallel, initialize_model_parallel
 
@@ -46,7 +46,7 @@ def _parallel_state():
 
 
 @pytest.mark.parametrize("backend", ["flex", "permuted_causal"])
-def test_gpu_backends_match_the_dense_mask_with_gradients(backend):
+def test_gpu_backends_match_the_dense_mask_with_gradients(_parallel_state, backend):
     ref_nll, ref_grads = _loss_and_grads("sdpa")
     nll, grads = _loss_and_grads(backend)
     assert torch.allclose(nll, ref_nll, atol=1e-4)
@@ -54,8 +54,58 @@ def test_gpu_backends_match_the_dense_mask_with_gradients(backend):
         assert torch.allclose(grads[name], g, atol=1e-5, rtol=1e-3), name
 
 
-def test_transformer_engine_attention_matches_sdpa():
+def test_transformer_engine_attention_matches_sdpa(_parallel_state):
     pytest.importorskip("transformer_engine")
     ref_nll, _ = _loss_and_grads("sdpa")
     nll, _ = _loss_and_grads("te", layer_spec="te")
     assert torch.allclose(nll, ref_nll, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def byte_shards(tmp_path_factory):
+    from data_prep.prep import prepare
+    from setdiff_dist.data import sample_text
+
+    tmp = tmp_path_factory.mktemp("gpu-shards")
+    (tmp / "t.txt").write_text(sample_text())
+    prepare([str(tmp / "t.txt")], "bytes", 64, str(tmp / "shards"), split_paragraphs=True,
+            valid_every=4, workers=1, progress=False)
+    return tmp / "shards"
+
+
+def _train(run_dir, shards, nproc, *overrides):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "setdiff_dist.cli.train", "--nproc-per-node", str(nproc),
+           "--config", "configs/tiny-cpu.yaml", f"run_dir={run_dir}",
+           f"data.train_shards={shards}", "data.seq_len=64", "model.vocab_size=257",
+           "train.steps=4", "train.log_interval=1", "data.micro_batch_size=2",
+           f"data.global_batch_size={2 * nproc}", "optimizer.warmup_steps=1",
+           "train.tensorboard=false", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def _losses(run_dir):
+    import json
+
+    return [json.loads(l)["loss"] for l in open(run_dir / "metrics.jsonl") if '"loss"' in l]
+
+
+def test_nccl_training_run(byte_shards, tmp_path):
+    n = torch.cuda.device_count()
+    res = _train(tmp_path, byte_shards, n, "parallel.backend=nccl", "train.precision=bf16",
+                 f"zero.stage={2 if n > 1 else 1}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses = _losses(tmp_path)
+    assert len(losses) == 4 and all(l == l for l in losses) and losses[-1] < losses[0]
+
+
+def test_fp8_training_step_with_transformer_engine(byte_shards, tmp_path):
+    pytest.importorskip("transformer_engine")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89 or newer")
+    res = _train(tmp_path, byte_shards, 1, "train.precision=fp8", "model.layer_spec=te",
+                 "parallel.backend=nccl")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert all(l == l for l in _losses(tmp_path))

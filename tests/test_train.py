@@ -94,4 +94,17 @@ def test_mismatched_data_and_divergence_are_clear_errors(shards, tmp_path):
                 "train.max_nonfinite_steps=2", "optimizer.warmup_steps=0",
                 "optimizer.schedule=constant", "optimizer.min_lr=0")
     assert res.returncode == 1, res.stderr[-2000:]
-    assert "2 consecutive steps with a non-finite loss" in res.stderr
+    assert "2 consecutive steps with a non-finite loss or gradient norm" in res.stderr
+
+
+def test_bf16_trains_and_fp8_without_transformer_engine_is_refused(reference, shards, tmp_path):
+    res = train(tmp_path / "bf16", shards, 2, "train.precision=bf16", "zero.stage=1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses, _ = curve(tmp_path / "bf16")
+    ref_losses, _ = reference
+    # bf16 follows the fp32 curve closely, but is not the fp32 computation
+    assert losses == pytest.approx(ref_losses, rel=2e-2) and losses != ref_losses
+    res = train(tmp_path / "fp8", shards, 1, "train.precision=fp8", "model.layer_spec=te")
+    assert res.returncode == 2
+    assert "train.precision=fp8 needs" in res.stderr
+    assert not (tmp_path / "fp8" / "metrics.jsonl").exists()

@@ -40,10 +40,16 @@ def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:
     return (vocab_size + 1 + m - 1) // m * m
 
 
+FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise"}  # ours -> megatron's names
+
+
 def transformer_config(model_cfg, tensor: int = 1, pipeline: int = 1,
                        params_dtype: torch.dtype = torch.float32,
-                       sequence_parallel: bool = False) -> TransformerConfig:
-    """The megatron ``TransformerConfig`` of a :class:`setdiff_dist.config.ModelConfig`."""
+                       sequence_parallel: bool = False,
+                       fp8_recipe: str | None = None) -> TransformerConfig:
+    """The megatron ``TransformerConfig`` of a :class:`setdiff_dist.config.ModelConfig`.
+    ``fp8_recipe`` (``delayed`` or ``current``) turns on FP8: megatron then runs each layer of
+    the Transformer Engine spec under TE's ``fp8_autocast`` with that recipe (hybrid E4M3/E5M2)."""
     m = model_cfg
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size,
@@ -63,6 +69,10 @@ def transformer_config(model_cfg, tensor: int = 1, pipeline: int = 1,
         use_cpu_initialization=True, perform_initialization=False,
         # the p2p sync is a torch.cuda.synchronize(); batched isend/irecv are waited on anyway
         batch_p2p_sync=torch.cuda.is_available(),
+        fp8="hybrid" if fp8_recipe else None,
+        fp8_recipe=FP8_RECIPES[fp8_recipe] if fp8_recipe else "delayed",
+        fp8_amax_history_len=16 if fp8_recipe == "delayed" else 1,
+        fp8_amax_compute_algo="max",
     )
 
 

@@ -55,6 +55,11 @@ def init_distributed(backend: str = "auto", timeout_minutes: int = 30) -> Launch
     le = launch_env()
     if dist.is_initialized():
         return le
+    # DeepSpeed and megatron read these; under plain python or srun they are ours to set
+    for key, value in (("RANK", le.rank), ("WORLD_SIZE", le.world_size),
+                       ("LOCAL_RANK", le.local_rank), ("MASTER_ADDR", le.master_addr),
+                       ("MASTER_PORT", le.master_port)):
+        os.environ.setdefault(key, str(value))
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

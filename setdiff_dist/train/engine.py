@@ -90,7 +90,8 @@ def deepspeed_config(cfg, dp_size: int) -> dict:
         "gradient_clipping": o.grad_clip,
         "optimizer": {"type": "AdamW", "params": params},
         "zero_optimization": zero,
-        "bf16": {"enabled": cfg.train.precision == "bf16"},
+        # FP8 runs the matmuls of TE layers in FP8 inside bf16 training
+        "bf16": {"enabled": cfg.train.precision in ("bf16", "fp8")},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
@@ -138,3 +139,24 @@ def build_engine(cfg, model):
         config=deepspeed_config(cfg, dp), mpu=MegatronMPU(),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     return engine
+
+
+def check_precision(cfg) -> None:
+    """Refuse, at start, a precision this machine cannot run (never fall back silently)."""
+    from .loop import TrainingError
+
+    if cfg.train.precision != "fp8":
+        return
+    if not torch.cuda.is_available():
+        raise TrainingError("train.precision=fp8 needs NVIDIA GPUs (Hopper, sm_90, or newer) with "
+                            "Transformer Engine; this machine has no CUDA device. Use "
+                            "train.precision=bf16 or fp32 here.")
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:
+        raise TrainingError("train.precision=fp8 needs Transformer Engine: install the [gpu] extra "
+                            f"(pip install '.[gpu]') or use the docker image ({exc})") from None
+    if torch.cuda.get_device_capability() < (8, 9):
+        raise TrainingError(f"train.precision=fp8 needs FP8 tensor cores (sm_89 / sm_90 or "
+                            f"newer); {torch.cuda.get_device_name()} is "
+                            f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}")

@@ -30,7 +30,7 @@ from setdiff_dist.model.transformer import build_model, transformer_config
 from setdiff_dist.parallel import initialize_model_parallel
 
 from . import checkpoint
-from .engine import build_engine, micro_batches_per_step
+from .engine import build_engine, check_precision, micro_batches_per_step
 from .metrics import MetricsLogger
 from .objective import Objective
 
@@ -42,6 +42,7 @@ class TrainingError(RuntimeError):
 class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
+        check_precision(cfg)
         par = cfg.parallel
         initialize_model_parallel(par.tensor, par.pipeline, par.virtual_pipeline,
                                   seed=cfg.train.seed, backend=par.backend)
@@ -51,7 +52,9 @@ class Trainer:
             if torch.cuda.is_available() else torch.device("cpu")
         self.train_set, self.valid_set, self.tokenizer = self._data()
         config = transformer_config(cfg.model, par.tensor, par.pipeline,
-                                    sequence_parallel=par.sequence_parallel)
+                                    sequence_parallel=par.sequence_parallel,
+                                    fp8_recipe=cfg.train.fp8_recipe
+                                    if cfg.train.precision == "fp8" else None)
         self.model = build_model(cfg.model, config, seed=cfg.train.seed).to(self.device)
         self.engine = build_engine(cfg, self.model)
         self.objective = Objective(cfg, seed=cfg.train.seed)
@@ -172,20 +175,22 @@ class Trainer:
             dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
         self.step += 1
         self.samples_seen += self.cfg.data.global_batch_size
-        if finite:
+        norm = engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        # a non-finite gradient norm with a finite loss (an overflow in the backward) is just as
+        # fatal if it repeats: count it too (DeepSpeed's fp32 ZeRO has already stepped by then)
+        if finite and (norm is None or math.isfinite(grad_norm)):
             self.nonfinite_in_a_row = 0
         else:
             self.nonfinite_in_a_row += 1
             self.skipped_steps += 1
             if self.nonfinite_in_a_row >= self.cfg.train.max_nonfinite_steps:
                 raise TrainingError(
-                    f"{self.nonfinite_in_a_row} consecutive steps with a non-finite loss (last at "
-                    f"step {self.step}); lower optimizer.lr, check the data, or resume from an "
-                    "earlier checkpoint")
-        grad_norm = engine.get_global_grad_norm()
+                    f"{self.nonfinite_in_a_row} consecutive steps with a non-finite loss or "
+                    f"gradient norm (last at step {self.step}); lower optimizer.lr, check the "
+                    "data, or resume from an earlier checkpoint")
         return {"step": self.step, "loss": float(total) / max(global_tokens, 1.0) if finite
-                else float("nan"), "lr": lr,
-                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                else float("nan"), "lr": lr, "grad_norm": grad_norm,
                 "samples_seen": self.samples_seen, "target_tokens": global_tokens,
                 "skipped_steps": self.skipped_steps}
 
@@ -245,7 +250,8 @@ class Trainer:
                 signal.signal(s, self._on_signal)
         if self.resumed_from and self.rank == 0:
             print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
-        tokens_since, saved_at, outcome = 0, None, "completed"
+        # a resumed run already has a checkpoint of its first step
+        tokens_since, saved_at, outcome = 0, self.step if self.resumed_from else None, "completed"
         try:
             for micro_batches in self.loader(self.step):
                 if self.step >= cfg.train.steps:
