@@ -143,6 +143,8 @@ class TrainConfig:
     max_nonfinite_steps: int = _f(5, "consecutive non-finite losses tolerated before aborting",
                                   min=1)
     tensorboard: bool = _f(True, "write tensorboard logs into run_dir/tensorboard")
+    peak_tflops: Optional[float] = _f(None, "peak dense TFLOP/s of one device, for MFU; null = "
+                                      "known GPUs only (H100/H200 bf16: 989)", min=0.0)
     exit_at_step: Optional[int] = _f(None, "checkpoint and stop after this step (split a run "
                                      "into jobs; resume=auto continues it)", min=1)
 

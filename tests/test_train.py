@@ -57,7 +57,8 @@ def reference(shards, tmp_path_factory):
     ("zero.stage=0",), ("zero.stage=2",), ("zero.stage=3",),
     ("zero.stage=1", "nproc=1"),               # DP=1 at the same global batch
     ("zero.stage=1", "parallel.tensor=2"),     # TP=2 (DP=1)
-], ids=["zero0", "zero2", "zero3", "dp1", "tp2"])
+    ("zero.stage=1", "parallel.pipeline=2"),   # PP=2 (DP=1): megatron's 1F1B schedule
+], ids=["zero0", "zero2", "zero3", "dp1", "tp2", "pp2"])
 def test_identical_fp32_loss_curves_across_layouts(reference, shards, tmp_path, layout):
     nproc = 1 if "nproc=1" in layout else 2
     res = train(tmp_path, shards, nproc, *[o for o in layout if not o.startswith("nproc")])
@@ -65,13 +66,17 @@ def test_identical_fp32_loss_curves_across_layouts(reference, shards, tmp_path, 
     losses, valid = curve(tmp_path)
     ref_losses, ref_valid = reference
     assert len(losses) == STEPS
-    assert losses == pytest.approx(ref_losses, rel=2e-6, abs=0)
-    assert valid[-1]["valid_loss"] == pytest.approx(ref_valid[-1]["valid_loss"], rel=2e-6)
+    # the pipeline accumulates its micro-batches in another order: fp32 rounding, amplified by
+    # Adam over the steps; everything else sums in the same order and matches to the last bits
+    rel = 1e-4 if "parallel.pipeline=2" in layout else 2e-6
+    assert losses == pytest.approx(ref_losses, rel=rel, abs=0)
+    assert valid[-1]["valid_loss"] == pytest.approx(ref_valid[-1]["valid_loss"], rel=rel)
     assert losses[-1] < losses[0]  # it learns
 
 
 def test_metrics_and_run_directory(reference, shards, tmp_path):
-    res = train(tmp_path, shards, 1, "train.tensorboard=true", "train.log_interval=2")
+    res = train(tmp_path, shards, 1, "train.tensorboard=true", "train.log_interval=2",
+                "train.peak_tflops=0.1")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in rows if "loss" in r]
@@ -79,6 +84,7 @@ def test_metrics_and_run_directory(reference, shards, tmp_path):
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_seen"):
         assert key in steps[0], key
     assert steps[-1]["samples_seen"] == 8 * STEPS
+    assert 0 < steps[-1]["mfu"] < 1 and steps[-1]["memory_gb"] > 0
     assert os.listdir(tmp_path / "tensorboard")
     assert (tmp_path / "config.yaml").read_text().startswith("run_dir:")
     assert "eta" in res.stdout and "validation" in res.stdout
@@ -89,6 +95,8 @@ def test_mismatched_data_and_divergence_are_clear_errors(shards, tmp_path):
     assert res.returncode == 2 and "set model.vocab_size=257" in res.stderr
     res = train(tmp_path / "b", shards, 1, "data.seq_len=64")
     assert res.returncode == 2 and "data.seq_len=64" in res.stderr
+    res = train(tmp_path / "t", shards, 1, "data.tokenizer=gpt2")
+    assert res.returncode == 2 and "not with the configured tokenizer" in res.stderr
     # an absurd learning rate makes the loss non-finite: steps are skipped, then the run stops
     res = train(tmp_path / "c", shards, 1, "optimizer.lr=1e30", "optimizer.grad_clip=0",
                 "train.max_nonfinite_steps=2", "optimizer.warmup_steps=0",

@@ -244,7 +244,8 @@ class Trainer:
         L = cfg.data.seq_len
         flops = training_flops_per_token(cfg.model, L, causal_lm=cfg.order.kind == "causal")
         metrics = MetricsLogger(cfg.run_dir, self.rank == 0, cfg.train.steps, flops,
-                                dist.get_world_size(), cfg.train.tensorboard, self.step)
+                                dist.get_world_size(), cfg.train.tensorboard, self.step,
+                                cfg.train.peak_tflops)
         if cfg.checkpoint.save_on_signal:
             for s in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(s, self._on_signal)

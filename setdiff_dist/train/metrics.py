@@ -38,10 +38,11 @@ def memory_gb() -> float:
 
 class MetricsLogger:
     def __init__(self, run_dir: str, enabled: bool, total_steps: int, flops_per_token: float,
-                 world_size: int, tensorboard: bool = True, start_step: int = 0):
+                 world_size: int, tensorboard: bool = True, start_step: int = 0,
+                 peak_tflops: Optional[float] = None):
         self.enabled, self.total, self.flops_per_token = enabled, total_steps, flops_per_token
         self.world_size = world_size
-        self.peak = device_peak_flops()
+        self.peak = peak_tflops * 1e12 if peak_tflops else device_peak_flops()
         self._t0, self._step0 = time.perf_counter(), start_step
         self._last_t, self._last_tokens = self._t0, 0
         self.writer = None
