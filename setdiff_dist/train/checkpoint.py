@@ -1,10 +1,15 @@
 """Checkpoints: one directory per save, a ``latest`` pointer that only moves when every rank is
 done, and resume that checks the checkpoint against the run before loading it.
 
-``run_dir/checkpoints/step_0000123/`` holds DeepSpeed's files (model states per model-parallel
-rank, optimizer states per data-parallel rank, LR scheduler, our client state: step, samples
-seen, data-loader position), ``rng_rank{r}.pt`` per rank (torch and megatron RNG states),
-``config.yaml`` and ``manifest.json`` (layout, model, tokenizer). The manifest is written after
+``run_dir/checkpoints/step_0000123/`` holds
+- DeepSpeed's files: model states per model-parallel rank, optimizer states per data-parallel
+  rank, LR scheduler, our client state (step, samples seen, data-loader position); files are
+  numbered by the rank in the tensor x pipeline grid (see ``build_engine``);
+- ``weights/tpTT_ppPP.safetensors`` (+ ``.json``): each model-parallel rank's weights under their
+  global names with their sharding, gathered over ZeRO-3 partitions: what inference and
+  ``setdiff-convert`` read, in any layout, without unpickling anything;
+- ``rng_rank{r}.pt`` per rank (torch and megatron RNG states), the tokenizer file,
+  ``config.yaml`` and ``manifest.json`` (layout, model, tokenizer). The manifest is written after
 a barrier that every rank reaches only once its files are on disk, and ``latest`` is then
 replaced atomically, so a crash at any point leaves ``latest`` at a complete checkpoint.
 """
@@ -60,7 +65,45 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict) -> str:
+def save_weights(engine, directory: str, zero_stage: int) -> None:
+    """This model-parallel rank's weights (global names, TP-local shards) as safetensors, with
+    each tensor's sharding in a JSON sidecar. Collective over the data-parallel group."""
+    import contextlib
+
+    from safetensors.torch import save_file
+
+    from setdiff_dist.model.transformer import global_name
+
+    model = engine.module
+    params = dict(model.named_parameters())
+    gather = contextlib.nullcontext()
+    if zero_stage == 3:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None)
+    with gather:
+        if ps.get_data_parallel_rank() != 0:
+            return
+        tensors, meta = {}, {}
+        for name, p in params.items():
+            gname = global_name(model, name)
+            if gname in tensors:  # the tied output weight on the last stage: a copy
+                continue
+            tensors[gname] = p.detach().to("cpu").contiguous().clone()
+            meta[gname] = {"tensor_parallel": bool(getattr(p, "tensor_model_parallel", False)),
+                           "dim": int(getattr(p, "partition_dim", -1)),
+                           "stride": int(getattr(p, "partition_stride", 1))}
+    name = (f"tp{ps.get_tensor_model_parallel_rank():02d}_"
+            f"pp{ps.get_pipeline_model_parallel_rank():02d}")
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, name + ".safetensors"))
+    with open(os.path.join(directory, name + ".json"), "w") as fh:
+        json.dump({"tensor_parallel_size": ps.get_tensor_model_parallel_world_size(),
+                   "tensors": meta}, fh, indent=1, sort_keys=True)
+
+
+def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
+         tokenizer_dir: Optional[str] = None) -> str:
     """Save on every rank; returns the checkpoint directory."""
     root = checkpoint_root(cfg.run_dir)
     tag = tag_of(step)
@@ -69,7 +112,9 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict) -
     if rank == 0 and os.path.isdir(path):  # a partial save of the same step from a crash
         shutil.rmtree(path)
     dist.barrier()
-    engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
+    engine.save_checkpoint(root, tag=tag, client_state=client_state,
+                           save_latest=False)
+    save_weights(engine, os.path.join(path, "weights"), cfg.zero.stage)
     torch.save(_rng_state(), os.path.join(path, f"rng_rank{rank}.pt"))
     _fault_point("after_shards", step)
     dist.barrier()  # every rank's files are on disk
@@ -80,6 +125,9 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict) -
                     "tokenizer": tokenizer_identity}
         with open(os.path.join(path, "config.yaml"), "w") as fh:
             fh.write(cfg.to_yaml())
+        if tokenizer_identity.get("file") and tokenizer_dir:
+            shutil.copyfile(os.path.join(tokenizer_dir, tokenizer_identity["file"]),
+                            os.path.join(path, tokenizer_identity["file"]))
         _write_atomic(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=2))
         _write_atomic(os.path.join(root, LATEST), tag + "\n")
         _prune(root, cfg.checkpoint.keep_last, keep=tag)

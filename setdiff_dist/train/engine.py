@@ -138,6 +138,12 @@ def build_engine(cfg, model):
         model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
         config=deepspeed_config(cfg, dp), mpu=MegatronMPU(),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    # DeepSpeed names checkpoint files by the mpu's model-parallel rank, which is the TP rank
+    # (see MegatronMPU): pipeline stages would overwrite each other's files. Number them by the
+    # rank in the TP x PP grid instead (only file naming reads this attribute).
+    engine.checkpoint_mp_rank = (ps.get_pipeline_model_parallel_rank()
+                                 * ps.get_tensor_model_parallel_world_size()
+                                 + ps.get_tensor_model_parallel_rank())
     return engine
 
 

@@ -103,7 +103,8 @@ class Trainer:
         state = {"setdiff": {"step": self.step, "samples_seen": self.samples_seen,
                              "nonfinite_skipped_steps": self.skipped_steps,
                              "loader": self.loader(self.step).state_dict()}}
-        return checkpoint.save(self.engine, self.cfg, self.step, state, self.tokenizer_identity)
+        return checkpoint.save(self.engine, self.cfg, self.step, state, self.tokenizer_identity,
+                               tokenizer_dir=self.cfg.data.train_shards)
 
     def _on_signal(self, signum, _frame):
         self._signalled = True

