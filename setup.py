@@ -53,6 +53,8 @@ setup(
             "setdiff-config=setdiff_dist.cli.config:main",
             "setdiff-demo=setdiff_dist.cli.demo:main",
             "setdiff-train=setdiff_dist.cli.train:main",
+            "setdiff-generate=setdiff_dist.cli.generate:main",
+            "setdiff-convert=setdiff_dist.cli.convert:main",
             "setdiff-prep=data_prep.prep:main",
             "setdiff-corpus=data_prep.corpus:main",
             "setdiff-tasks=data_prep.tasks:main",

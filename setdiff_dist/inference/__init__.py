@@ -1,0 +1,1 @@
+"""The inference path: weights from any layout, the KV cache, and the set decoder."""

@@ -1,0 +1,316 @@
+"""KV-cached set decoding (SPEC section 5), batched, on any tensor-parallel size.
+
+Each step is one forward over ``[tokens committed by the previous step, as clean ; [MASK] at
+the candidate positions]``: committed tokens attend the cache and the earlier committed tokens
+of the step (causal); mask queries attend the cache, all committed tokens of the step, and
+themselves. The committed tokens' keys and values are then appended to the cache, so the cache
+grows after *every* step and committing costs no extra forward.
+
+Candidates are the first ``window`` masked positions from the leftmost one (or, with
+``order=[...]``, the next positions of a given order). Each candidate is sampled (greedy, or
+temperature / top-p, with a repetition penalty); the most confident one and every one with
+confidence ``>= threshold`` are accepted, the rest stay masked. ``window=1, threshold=inf`` is
+autoregressive decoding with a KV cache. ``mode="causal"`` decodes a model trained as a plain
+causal LM (the output at ``l - 1`` predicts ``l``), the AR baseline.
+
+Generation stops on end-of-text, a stop string or regex, or a run of one repeated token, all
+checked on the committed left prefix, or at ``max_new_tokens``; past the model's context the
+cache is cropped from the left. Infilling puts the left and the right context in the cache first,
+so the middle is conditioned on both.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from setdiff_dist.model.kv_cache import KVCache, decode_step
+
+
+class DecodeError(ValueError):
+    """Bad decoding input; the message says what and how to fix it."""
+
+
+@dataclass
+class Sampling:
+    greedy: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class StopCriteria:
+    eos_id: Optional[int] = None
+    stop: Sequence[str] = ()
+    max_repeat_run: Optional[int] = None
+
+
+@dataclass
+class _Sample:
+    tokens: list                 # token id per position, None while masked
+    region: list                 # positions to generate, in position order
+    prompt_len: int
+    pending: list = field(default_factory=list)  # accepted last step, not yet in the cache
+    done: bool = False
+    end: Optional[int] = None    # generation stops before this position
+    steps: int = 0
+    logits: dict = field(default_factory=dict)   # position -> logits when decoded (tests)
+
+    def masked(self):
+        return [p for p in self.region if self.tokens[p] is None]
+
+
+@dataclass
+class Result:
+    tokens: list        # generated token ids (stop marker excluded)
+    text: str
+    steps: int
+    seconds: float
+
+    @property
+    def tokens_per_step(self) -> float:
+        return len(self.tokens) / max(self.steps, 1)
+
+
+class SetDecoder:
+    def __init__(self, model, tokenizer, *, context: int, mode: str = "set",
+                 keep_logits: bool = False):
+        if mode not in ("set", "causal"):
+            raise ValueError(f"unknown decoding mode {mode!r}")
+        self.model, self.tok, self.context, self.mode = model, tokenizer, context, mode
+        self.mask_id = model.mask_id
+        self.device = next(model.parameters()).device
+        self.keep_logits = keep_logits
+        self._last_logits: dict = {}  # position -> logits of the last call (keep_logits=True)
+        self.vocab = model.vocab_size
+
+    # -- the public calls ------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, window: int = 16,
+                 threshold: float = math.inf, sampling: Sampling = Sampling(),
+                 stop: StopCriteria = StopCriteria(), order: Optional[list[list[int]]] = None
+                 ) -> list[Result]:
+        """Continue each prompt (token ids) by up to ``max_new_tokens``."""
+        for i, p in enumerate(prompts):
+            if not p:
+                raise DecodeError(f"prompt {i} is empty: give some text (unconditional "
+                                  "generation starts from the end-of-text token)")
+            if len(p) + window > self.context:
+                raise DecodeError(f"prompt {i} has {len(p)} tokens; with window {window} it "
+                                  f"does not fit the model's context of {self.context} tokens")
+        samples = [_Sample(tokens=list(p) + [None] * max_new_tokens,
+                           region=list(range(len(p), len(p) + max_new_tokens)),
+                           prompt_len=len(p)) for p in prompts]
+        return self._run(samples, [list(p) for p in prompts], window, threshold, sampling, stop,
+                         order, infill=False)
+
+    def infill(self, left: list[list[int]], right: list[list[int]], middle_len: list[int],
+               window: int = 16, threshold: float = math.inf, sampling: Sampling = Sampling(),
+               order=None) -> list[Result]:
+        """Fill ``middle_len`` masked tokens between ``left`` and ``right``; both contexts are
+        in the cache before the first step, and given tokens are never overwritten."""
+        samples, prefill = [], []
+        for i, (lt, rt, n) in enumerate(zip(left, right, middle_len)):
+            if n < 1:
+                raise DecodeError(f"infill {i}: the middle must have at least one token")
+            if window > n and self.mode == "set" and order is None:
+                raise DecodeError(f"infill {i}: window {window} is larger than the masked span "
+                                  f"of {n} tokens; use --window {n} or less")
+            if len(lt) + n + len(rt) > self.context:
+                raise DecodeError(f"infill {i}: {len(lt)} + {n} + {len(rt)} tokens exceed the "
+                                  f"model's context of {self.context}")
+            samples.append(_Sample(tokens=list(lt) + [None] * n + list(rt),
+                                   region=list(range(len(lt), len(lt) + n)), prompt_len=len(lt)))
+            prefill.append(list(lt) + list(rt))
+        return self._run(samples, prefill, window, threshold, sampling, StopCriteria(), order,
+                         infill=True, right=[list(r) for r in right])
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _run(self, samples, prefill, window, threshold, sampling, stop, order, infill,
+             right=None):
+        if window < 1:
+            raise DecodeError(f"window must be at least 1, got {window}")
+        B = len(samples)
+        self._last_logits = {}
+        cache = KVCache(self.model.config.num_layers, B, self.device)
+        gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
+        start = time.perf_counter()
+        # prefill: the context as clean tokens, causal in position order (left, then right)
+        for s, ids in zip(samples, prefill):
+            positions = list(range(s.prompt_len))
+            if infill:
+                positions += list(range(s.region[-1] + 1, s.region[-1] + 1 + len(ids)
+                                        - s.prompt_len))
+            s.pending = list(zip(positions, ids))
+        while not all(s.done for s in samples):
+            self._step(samples, cache, window, threshold, sampling, stop, order, gen, infill)
+        seconds = time.perf_counter() - start
+        results = []
+        for s in samples:
+            end = s.end if s.end is not None else s.region[-1] + 1
+            ids = [s.tokens[p] for p in s.region if p < end and s.tokens[p] is not None]
+            results.append(Result(ids, self.tok.decode(ids), s.steps, seconds))
+        return results
+
+    def _candidates(self, s, window, order, b):
+        masked = s.masked()
+        if not masked:
+            return []
+        if order is not None:
+            return [order[b][len(s.region) - len(masked)]]
+        return masked[:window]
+
+    def _step(self, samples, cache, window, threshold, sampling, stop, order, gen, infill):
+        B = len(samples)
+        commits = [s.pending for s in samples]
+        if self.mode == "causal":
+            cands = [[] if s.done or not s.masked() else [s.masked()[0]] for s in samples]
+        else:
+            cands = [[] if s.done else self._candidates(s, window, order, b)
+                     for b, s in enumerate(samples)]
+        C = max(len(c) for c in commits)
+        M = 0 if self.mode == "causal" else max(len(c) for c in cands)
+        n = C + M
+        if n == 0:
+            for s in samples:
+                s.done = True
+            return
+        tokens = torch.full((B, n), self.mask_id, dtype=torch.long)
+        positions = torch.zeros(B, n, dtype=torch.long)
+        valid = torch.zeros(B, n, dtype=torch.bool)
+        for b in range(B):
+            for i, (pos, tok) in enumerate(commits[b]):
+                tokens[b, i], positions[b, i], valid[b, i] = tok, pos, True
+            if self.mode == "set":
+                for j, pos in enumerate(cands[b]):
+                    positions[b, C + j], valid[b, C + j] = pos, True
+        # what each new token may attend: valid cache entries, then the step's own tokens
+        i = torch.arange(n)
+        is_commit = i < C
+        own = torch.zeros(B, n, n, dtype=torch.bool)
+        own |= (is_commit[None, :, None] & is_commit[None, None, :] & (i[None, None, :]
+                                                                        <= i[None, :, None]))
+        own |= (~is_commit[None, :, None] & is_commit[None, None, :])
+        own &= valid[:, None, :] & valid[:, :, None]
+        own |= torch.eye(n, dtype=torch.bool)[None]  # every row attends at least itself
+        allowed = torch.cat([cache.valid.cpu()[:, None, :].expand(B, n, cache.length)
+                             & valid[:, :, None], own], dim=2)
+        tokens, positions, allowed = (t.to(self.device) for t in (tokens, positions, allowed))
+        if self.mode == "causal":
+            # the prediction comes from the last committed token of each sample
+            last = torch.tensor([max(len(c) - 1, 0) for c in commits])
+        with torch.no_grad(), decode_step(cache, allowed):
+            logits = self.model(tokens, positions, None, logits_from=0 if self.mode == "causal"
+                                else C)
+        cache.commit(valid[:, :C].to(self.device) if C else torch.zeros(B, 0, dtype=torch.bool,
+                                                                          device=self.device),
+                     positions[:, :C])
+        logits = self._full_vocab(logits).transpose(0, 1).float().cpu()  # [B, s, V]
+        over = cache.valid.sum(1).max().item() + window - self.context
+        if over > 0:
+            cache.crop(self.context - window)
+        for b, s in enumerate(samples):
+            s.pending = []
+            if s.done:
+                continue
+            s.steps += 1
+            if self.mode == "causal":
+                if not cands[b]:
+                    s.done = True
+                    continue
+                picks = self._choose(logits[b, last[b]][None], cands[b], s, sampling, gen,
+                                     threshold)
+            else:
+                if not cands[b]:
+                    s.done = True
+                    continue
+                picks = self._choose(logits[b, :len(cands[b])], cands[b], s, sampling, gen,
+                                     threshold)
+            for pos, tok in picks:
+                s.tokens[pos] = tok
+            s.pending = sorted(picks)
+            if not infill:
+                self._check_stop(s, stop)
+            if not s.masked():
+                s.done = True
+
+    def _full_vocab(self, logits):
+        """Gather vocab-parallel logits ``[s, b, V/TP]`` and keep the real vocabulary."""
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            parts = [torch.empty_like(logits) for _ in
+                     range(ps.get_tensor_model_parallel_world_size())]
+            dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.vocab]
+
+    def _choose(self, logits, cands, s, sampling, gen, threshold):
+        """Sample every candidate; accept the most confident and all above the threshold."""
+        if self.keep_logits:
+            for j, pos in enumerate(cands):
+                s.logits[pos] = logits[j].clone()
+                self._last_logits[pos] = logits[j].clone()
+        logits = logits.clone()
+        if sampling.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({t for t in s.tokens if t is not None}), dtype=torch.long)
+            if len(seen):
+                vals = logits[:, seen]
+                logits[:, seen] = torch.where(vals > 0, vals / sampling.repetition_penalty,
+                                              vals * sampling.repetition_penalty)
+        if sampling.greedy or sampling.temperature == 0:
+            probs = torch.softmax(logits, -1)
+            toks = probs.argmax(-1)
+        else:
+            probs = torch.softmax(logits / sampling.temperature, -1)
+            if sampling.top_p < 1.0:
+                sorted_p, idx = probs.sort(-1, descending=True)
+                drop = sorted_p.cumsum(-1) - sorted_p > sampling.top_p
+                sorted_p = sorted_p.masked_fill(drop, 0.0)
+                probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+                probs = probs / probs.sum(-1, keepdim=True)
+            toks = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        conf = probs.gather(1, toks[:, None])[:, 0]
+        best = int(conf.argmax())
+        return [(pos, int(toks[j])) for j, pos in enumerate(cands)
+                if j == best or conf[j] >= threshold]
+
+    def _check_stop(self, s, stop):
+        """End-of-text, stop strings / regex and repeated runs, on the committed left prefix."""
+        prefix = []
+        for p in s.region:
+            if s.tokens[p] is None:
+                break
+            prefix.append((p, s.tokens[p]))
+        end = None
+        for p, t in prefix:
+            if stop.eos_id is not None and t == stop.eos_id:
+                end = p
+                break
+        if end is None and stop.max_repeat_run and len(prefix) >= stop.max_repeat_run:
+            run = [t for _, t in prefix[-stop.max_repeat_run:]]
+            if len(set(run)) == 1:
+                end = prefix[-1][0] + 1
+        if end is None and stop.stop and prefix:
+            ids = [t for _, t in prefix]
+            text = self.tok.decode(ids)
+            for pattern in stop.stop:
+                m = re.search(pattern[3:], text) if pattern.startswith("re:") else None
+                hit = (m.end() if m else -1) if pattern.startswith("re:") else (
+                    text.find(pattern) + len(pattern) if pattern in text else -1)
+                if hit >= 0:
+                    # the shortest prefix whose text contains the match
+                    for k in range(1, len(ids) + 1):
+                        if len(self.tok.decode(ids[:k])) >= hit:
+                            end = prefix[k - 1][0] + 1
+                            break
+                    break
+        if end is not None:
+            s.end = end
+            s.done = True

@@ -1,0 +1,186 @@
+"""Loading trained weights for inference, from any training layout, and exporting them.
+
+A *checkpoint* (``run_dir``, ``run_dir/checkpoints``, or a ``step_*`` directory) holds
+``weights/tpTT_ppPP.safetensors`` with every model-parallel rank's tensors under their global
+names and their sharding; :func:`read_full_state_dict` merges them into full tensors whatever the
+tensor / pipeline / ZeRO layout was. An *export* (``setdiff-convert``) is one
+``model.safetensors`` of full tensors with ``config.yaml``, ``export.json`` and the tokenizer: a
+directory an evaluator can take elsewhere. :func:`load_into` shards full tensors into a model of
+any tensor-parallel size. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Optional
+
+import torch
+
+from setdiff_dist.config import config_from_dict
+from setdiff_dist.data.tokenizers import Tokenizer, load_shipped_tokenizer
+
+EXPORT_FORMAT = "setdiff-export/1"
+VOCAB_ROWS = ("embedding.weight", "output_layer.weight")
+
+
+class LoadError(ValueError):
+    """A checkpoint or export that cannot be loaded; the message names what is wrong."""
+
+
+def resolve(path: str) -> tuple[str, str]:
+    """``("export" | "checkpoint", directory)`` for a run dir, a checkpoints dir, a step dir or an
+    export."""
+    if not os.path.isdir(path):
+        raise LoadError(f"--checkpoint {path}: no such directory")
+    if os.path.isfile(os.path.join(path, "export.json")):
+        return "export", path
+    for candidate in (path, os.path.join(path, "checkpoints")):
+        pointer = os.path.join(candidate, "latest")
+        if os.path.isfile(pointer):
+            with open(pointer) as fh:
+                path = os.path.join(candidate, fh.read().strip())
+            break
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        raise LoadError(f"{path} is neither a setdiff-convert export nor a complete checkpoint "
+                        "(no export.json, manifest.json or checkpoints/latest)")
+    if not glob.glob(os.path.join(path, "weights", "*.safetensors")):
+        raise LoadError(f"{path} has no weights/ directory (a checkpoint from an older version?)")
+    return "checkpoint", path
+
+
+def _config_of(directory: str):
+    import yaml
+
+    path = os.path.join(directory, "config.yaml")
+    if not os.path.isfile(path):
+        raise LoadError(f"{directory}: config.yaml is missing")
+    with open(path) as fh:
+        return config_from_dict(yaml.safe_load(fh), check=False)
+
+
+def _tokenizer_of(directory: str, identity: dict) -> Tokenizer:
+    if identity.get("file") and not os.path.isfile(os.path.join(directory, identity["file"])):
+        raise LoadError(f"{directory} has no tokenizer: {identity['file']} (tokenizer "
+                        f"{identity['spec']!r}) is missing; copy it from the shard directory the "
+                        "model was trained on")
+    try:
+        return load_shipped_tokenizer(directory, identity)
+    except Exception as exc:
+        raise LoadError(f"{directory}: cannot load its tokenizer ({exc})") from None
+
+
+def read_full_state_dict(path: str):
+    """``(full tensors by global name, config, tokenizer, source directory)``; vocabulary-shaped
+    tensors keep their ``vocab_size + 1`` real rows (the padding depends on the TP size)."""
+    from safetensors.torch import load_file
+
+    from setdiff_dist.model.transformer import merge_shards
+
+    kind, directory = resolve(path)
+    cfg = _config_of(directory)
+    if kind == "export":
+        with open(os.path.join(directory, "export.json")) as fh:
+            meta = json.load(fh)
+        if meta.get("format") != EXPORT_FORMAT:
+            raise LoadError(f"{directory}/export.json: format {meta.get('format')!r}, expected "
+                            f"{EXPORT_FORMAT!r}")
+        state = load_file(os.path.join(directory, "model.safetensors"))
+        return state, cfg, _tokenizer_of(directory, meta["tokenizer"]), directory
+    with open(os.path.join(directory, "manifest.json")) as fh:
+        manifest = json.load(fh)
+    layout = manifest["layout"]
+    parts: dict[str, list] = {}
+    sharding: dict[str, dict] = {}
+    for pp in range(layout["pipeline"]):
+        for tp in range(layout["tensor"]):
+            base = os.path.join(directory, "weights", f"tp{tp:02d}_pp{pp:02d}")
+            if not os.path.isfile(base + ".safetensors"):
+                raise LoadError(f"{base}.safetensors is missing: the checkpoint is incomplete")
+            with open(base + ".json") as fh:
+                meta = json.load(fh)["tensors"]
+            for name, t in load_file(base + ".safetensors").items():
+                parts.setdefault(name, [None] * layout["tensor"])[tp] = t
+                sharding[name] = meta[name]
+    rows = cfg.model.vocab_size + 1
+    state = {}
+    for name, shards in parts.items():
+        m = sharding[name]
+        full = merge_shards(shards, m["dim"], m["stride"]) if m["tensor_parallel"] else shards[0]
+        state[name] = full[:rows] if name in VOCAB_ROWS else full
+    return state, cfg, _tokenizer_of(directory, manifest["tokenizer"]), directory
+
+
+def export(path: str, out: str) -> dict:
+    """``setdiff-convert``: one safetensors file of full tensors, with config and tokenizer."""
+    from safetensors.torch import save_file
+
+    state, cfg, tok, src = read_full_state_dict(path)
+    if os.path.exists(out) and os.listdir(out):
+        raise LoadError(f"{out} exists and is not empty")
+    tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()},
+              os.path.join(tmp, "model.safetensors"), metadata={"format": EXPORT_FORMAT})
+    with open(os.path.join(tmp, "config.yaml"), "w") as fh:
+        fh.write(cfg.to_yaml())
+    identity = dict(tok.identity(), file=tok.save(tmp))
+    meta = {"format": EXPORT_FORMAT, "source": os.path.abspath(src), "tokenizer": identity,
+            "parameters": int(sum(v.numel() for v in state.values()))}
+    with open(os.path.join(tmp, "export.json"), "w") as fh:
+        json.dump(meta, fh, indent=2)
+    if os.path.exists(out):
+        os.rmdir(out)
+    os.replace(tmp, out)
+    return meta
+
+
+def load_into(model, state: dict) -> None:
+    """Copy full tensors into ``model`` (this rank's TP shard of each); every tensor must be
+    there with its full shape, and nothing else."""
+    from setdiff_dist.model.transformer import full_shape, global_name, shard
+
+    expected = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gname = global_name(model, name)
+            expected[gname] = True
+            if gname not in state:
+                raise LoadError(f"tensor {gname} is missing from the checkpoint")
+            full = state[gname]
+            want = full_shape(p)
+            if gname in VOCAB_ROWS:  # pad the real rows to this TP size's table
+                if full.shape[1:] != torch.Size(want[1:]) or full.shape[0] > want[0]:
+                    raise LoadError(f"tensor {gname}: checkpoint shape {tuple(full.shape)} does "
+                                    f"not fit the model's {tuple(want)}")
+                full = torch.cat([full, full.new_zeros(want[0] - full.shape[0], *want[1:])])
+            if list(full.shape) != want:
+                raise LoadError(f"tensor {gname}: checkpoint shape {tuple(full.shape)}, model "
+                                f"shape {tuple(want)}")
+            p.copy_(shard(full, p).to(p.dtype))
+    extra = sorted(set(state) - set(expected))
+    if extra:
+        raise LoadError(f"the checkpoint has tensors the model does not: {', '.join(extra[:5])}")
+
+
+def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = None,
+                          dtype: torch.dtype = torch.float32):
+    """``(model, config, tokenizer)``: the model of a checkpoint or export, at tensor-parallel
+    size ``tensor`` (the process group must already hold ``tensor`` ranks), attention ``sdpa``."""
+    from megatron.core import parallel_state as ps
+
+    from setdiff_dist.model.transformer import SetDiffusionTransformer, transformer_config
+    from setdiff_dist.parallel import initialize_model_parallel
+
+    state, cfg, tok, _ = read_full_state_dict(path)
+    if not ps.model_parallel_is_initialized() or \
+            ps.get_tensor_model_parallel_world_size() != tensor:
+        initialize_model_parallel(tensor=tensor, seed=0)
+    cfg.model.attention_backend = "sdpa"  # the KV-cached decoder's kernel
+    cfg.model.layer_spec = "local"
+    cfg.model.attention_dropout = cfg.model.hidden_dropout = 0.0
+    model = SetDiffusionTransformer(cfg.model, transformer_config(cfg.model, tensor=tensor))
+    load_into(model, state)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device=device, dtype=dtype).eval(), cfg, tok

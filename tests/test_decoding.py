@@ -1,0 +1,200 @@
+"""KV-cached set decoding on the megatron model: exactness against the training forward, the AR
+and causal baselines against decoding without a cache, batching, infilling, stop criteria, bad
+input. One launch of 2 gloo processes measures at TP=1 and TP=2; assertions run in the parent."""
+
+import math
+
+import pytest
+import torch
+
+from mp_harness import spawn
+
+V, L = 64, 24
+
+
+class Chars:
+    """A tokenizer of letters (for stop strings): id i <-> chr(97 + i % 26)."""
+
+    vocab_size, eos_id = V, 0
+
+    def encode(self, text):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def model_for(kind, tp):
+    from setdiff_dist.config import load_config
+    from setdiff_dist.model.transformer import build_model, transformer_config
+
+    cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=32",
+                             "model.num_attention_heads=4", "model.num_query_groups=2",
+                             "model.ffn_hidden_size=64", f"model.vocab_size={V}",
+                             "model.init_std=0.3", f"order.kind={kind}"]).model
+    return build_model(cfg, transformer_config(cfg, tensor=tp), seed=3).eval()
+
+
+def training_logits(model, tokens, prompt_len, order):
+    """The training forward's logits at the noisy positions, for a fixed reveal order."""
+    from setdiff_dist.diffusion import set_causal_mask
+
+    n = len(tokens)
+    set_ids = torch.empty(n, dtype=torch.long)
+    set_ids[:prompt_len] = torch.arange(prompt_len)
+    for rank, pos in enumerate(order):
+        set_ids[pos] = prompt_len + rank
+    x = torch.tensor(tokens)[None]
+    noisy = x.clone()
+    noisy[0, prompt_len:] = model.mask_id
+    inputs = torch.cat([x, noisy], 1)
+    positions = torch.arange(n).repeat(2)[None]
+    with torch.no_grad():
+        logits = model(inputs, positions, ~set_causal_mask(set_ids[None])[:, None], n)
+    return gather(logits)[:, 0]  # [n, V]
+
+
+def gather(logits):
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(logits) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    torch.distributed.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, -1)[..., :V]
+
+
+def no_cache_greedy(model, prompt, n, causal):
+    """Greedy decoding without a cache: one full forward per token over the clean prefix (plus a
+    [MASK] query at the next position, for set-diffusion models)."""
+    seq = list(prompt)
+    for _ in range(n):
+        x = torch.tensor(seq + ([] if causal else [model.mask_id]))[None]
+        with torch.no_grad():
+            logits = gather(model(x, torch.arange(x.shape[1])[None], None))
+        seq.append(int(logits[-1, 0].argmax()))
+    return seq[len(prompt):]
+
+
+def measure(tp, out):
+    from setdiff_dist.inference.decoder import DecodeError, Sampling, SetDecoder, StopCriteria
+    from setdiff_dist.parallel import initialize_model_parallel
+
+    initialize_model_parallel(tensor=tp, seed=0)
+    tok, greedy, res = Chars(), Sampling(greedy=True), {}
+    model = model_for("staggered", tp)
+    dec = SetDecoder(model, tok, context=L, keep_logits=True)
+    prompt = [5, 9, 2, 7]
+    order = [6, 4, 9, 5, 7, 8]  # a fixed reveal order of the 6 new positions 4..9
+    r = dec.generate([prompt], 6, window=1, threshold=math.inf, sampling=greedy,
+                     order=[order])[0]
+    full = prompt + r.tokens
+    ref = training_logits(model, full, len(prompt), order)
+    got = torch.stack([logits for _, logits in sorted(dec._last_logits.items())])
+    res["exact"] = (got, ref[len(prompt):])
+    # AR: W = 1, tau = inf, greedy == no-cache greedy with [MASK] queries; batched == single
+    ar = SetDecoder(model, tok, context=L)
+    batch = ar.generate([prompt, [3, 1]], 10, window=1, sampling=greedy)
+    res["ar"] = ([b.tokens for b in batch],
+                 [no_cache_greedy(model, p, 10, False) for p in (prompt, [3, 1])])
+    res["ar_steps"] = [b.steps for b in batch]
+    # parallel decoding: a low threshold commits several tokens per step
+    fast = ar.generate([prompt], 12, window=6, threshold=0.0, sampling=greedy)[0]
+    res["fast"] = (len(fast.tokens), fast.steps)
+    sampled = ar.generate([prompt] * 2, 8, window=4, threshold=0.5,
+                          sampling=Sampling(temperature=1.0, top_p=0.9, seed=1,
+                                            repetition_penalty=1.3))
+    res["sampled"] = [s.tokens for s in sampled]
+    # the causal-LM baseline: KV-cached == no-cache greedy
+    causal = model_for("causal", tp)
+    cdec = SetDecoder(causal, tok, context=L, mode="causal")
+    res["causal"] = (cdec.generate([prompt], 10, window=1, sampling=greedy)[0].tokens,
+                     no_cache_greedy(causal, prompt, 10, True))
+    # infilling: the right context matters, given tokens stay
+    left, right = [1, 2, 3, 4], [9, 9, 8]
+    a = ar.infill([left], [right], [5], window=2, sampling=greedy)[0].tokens
+    b = ar.infill([left], [[30, 31, 32]], [5], window=2, sampling=greedy)[0].tokens
+    res["infill"] = (a, b)
+    # stops: end-of-text, a stop string, a repeated run; all shorten the output
+    stops = {}
+    long = ar.generate([prompt], 16, window=1, sampling=greedy)[0].tokens
+    stops["long"] = long
+    eos = long[5]
+    stops["eos"] = ar.generate([prompt], 16, window=1, sampling=greedy,
+                               stop=StopCriteria(eos_id=eos))[0].tokens
+    text = tok.decode(long)
+    stops["string"] = ar.generate([prompt], 16, window=1, sampling=greedy,
+                                  stop=StopCriteria(stop=[text[7:9]]))[0].text
+    stops["regex"] = ar.generate([prompt], 16, window=1, sampling=greedy,
+                                 stop=StopCriteria(stop=["re:" + text[3] + "."]))[0].text
+    stops["text"] = text
+    res["stops"] = stops
+    errors = []
+    for call in (lambda: ar.generate([[]], 4),
+                 lambda: ar.generate([list(range(1, 22))], 4, window=4),
+                 lambda: ar.infill([left], [right], [3], window=4)):
+        try:
+            call()
+        except DecodeError as exc:
+            errors.append(str(exc))
+    res["errors"] = errors
+    if torch.distributed.get_rank() == 0:
+        torch.save(res, out / f"tp{tp}.pt")
+
+
+def run(rank, out):
+    measure(1, out)
+    measure(2, out)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("decode")
+    spawn(run, 2, out)
+    return {tp: torch.load(out / f"tp{tp}.pt") for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cached_decoding_logits_equal_the_training_forward(results, tp):
+    got, ref = results[tp]["exact"]
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ar_mode_equals_decoding_without_a_cache_and_batching_changes_nothing(results, tp):
+    cached, reference = results[tp]["ar"]
+    assert cached == reference
+    assert results[tp]["ar_steps"] == [10, 10]
+    assert results[1]["ar"] == results[2]["ar"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_causal_lm_cached_decoding_equals_decoding_without_a_cache(results, tp):
+    cached, reference = results[tp]["causal"]
+    assert cached == reference and len(cached) == 10
+
+
+def test_a_low_threshold_decodes_several_tokens_per_step(results):
+    n, steps = results[1]["fast"]
+    assert n == 12 and steps < 12
+    # two samples of the same prompt draw different continuations (seeded: reproducible)
+    first, second = results[1]["sampled"]
+    assert len(first) == len(second) == 8 and first != second
+
+
+def test_infilling_uses_the_right_context(results):
+    a, b = results[1]["infill"]
+    assert len(a) == len(b) == 5 and a != b
+
+
+def test_stop_criteria_shorten_the_output(results):
+    s = results[1]["stops"]
+    assert s["eos"] == s["long"][:5]
+    assert s["string"] == s["text"][:9]
+    assert len(s["regex"]) < len(s["text"]) and s["text"].startswith(s["regex"])
+
+
+def test_bad_decoding_input_is_a_clear_error(results):
+    empty, too_long, window = results[1]["errors"]
+    assert "prompt 0 is empty" in empty
+    assert "does not fit the model's context of 24 tokens" in too_long
+    assert "window 4 is larger than the masked span of 3 tokens" in window
