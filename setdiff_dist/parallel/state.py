@@ -66,8 +66,9 @@ def init_distributed(backend: str = "auto", timeout_minutes: int = 30) -> Launch
         if not torch.cuda.is_available():
             raise RuntimeError("parallel.backend=nccl needs CUDA GPUs; use gloo (or auto) on CPUs")
         torch.cuda.set_device(le.local_rank)
-    dist.init_process_group(backend=backend, init_method=f"tcp://{le.master_addr}:{le.master_port}",
-                            rank=le.rank, world_size=le.world_size,
+    # env:// reads the variables set above (and reuses torchrun's store when it offers one)
+    dist.init_process_group(backend=backend, init_method="env://", rank=le.rank,
+                            world_size=le.world_size,
                             timeout=datetime.timedelta(minutes=timeout_minutes))
     return le
 
