@@ -198,3 +198,35 @@ def test_bad_decoding_input_is_a_clear_error(results):
     assert "prompt 0 is empty" in empty
     assert "does not fit the model's context of 24 tokens" in too_long
     assert "window 4 is larger than the masked span of 3 tokens" in window
+
+
+def test_block_and_mdlm_baselines_decode_through_the_same_model(tmp_path):
+    spawn(_baselines, 1, tmp_path)
+    r = torch.load(tmp_path / "baselines.pt")
+    assert len(r["block"]) == 8 and len(r["mdlm"]) == 8
+    # one token per step; steps count forward passes: block decoding pays the prompt, one per
+    # token and one more per finished block (to cache it); MDLM one per token
+    assert r["block_steps"] == 1 + 8 + 2
+    assert r["mdlm_steps"] == 8
+    assert r["mdlm_fast_steps"] < 8  # a low threshold unmasks several tokens per step
+    # with block size 1 the block decoder is AR decoding: equal to the cached set decoder
+    assert r["block1"] == r["ar"]
+
+
+def _baselines(rank, out):
+    from setdiff_dist.inference.decoder import BaselineDecoder, Sampling
+    from setdiff_dist.parallel import initialize_model_parallel
+
+    initialize_model_parallel(seed=0)
+    greedy = Sampling(greedy=True)
+    block_model = model_for("block", 1)
+    dec = BaselineDecoder(block_model, Chars(), context=L)
+    prompt = [5, 9, 2, 7]
+    b = dec.block(prompt, 8, block_size=4, sampling=greedy)
+    m = dec.mdlm(prompt, 8, sampling=greedy)
+    fast = dec.mdlm(prompt, 8, threshold=0.0, sampling=greedy)
+    b1 = dec.block(prompt, 8, block_size=1, sampling=greedy)
+    ar = dec.generate([prompt], 8, window=1, sampling=greedy)[0]
+    torch.save({"block": b.tokens, "block_steps": b.steps, "mdlm": m.tokens,
+                "mdlm_steps": m.steps, "mdlm_fast_steps": fast.steps, "block1": b1.tokens,
+                "ar": ar.tokens}, out / "baselines.pt")

@@ -314,3 +314,83 @@ class SetDecoder:
         if end is not None:
             s.end = end
             s.done = True
+
+
+class BaselineDecoder(SetDecoder):
+    """The two diffusion baselines, through the same model, sampling and acceptance rule (batch
+    of one, as the papers measure):
+
+    - :meth:`block` (BD3LM): blocks of ``block_size`` left to right; inside a block every step
+      re-runs the whole block as the noisy copy (decoded tokens as ids, the rest [MASK]) over the
+      cache, bidirectionally; a finished block costs one more forward, as clean tokens, to enter
+      the cache. The cache grows once per block, not per step.
+    - :meth:`mdlm` (MDLM): no cache; every step runs the clean prompt and the whole noisy
+      continuation again.
+    """
+
+    def _forward(self, cache, tokens, positions, own, commit):
+        n = len(tokens)
+        allowed = torch.cat([cache.valid.cpu()[:, None, :].expand(1, n, cache.length),
+                             own[None]], dim=2).to(self.device)
+        tokens = torch.tensor(tokens, device=self.device)[None]
+        positions = torch.tensor(positions, device=self.device)[None]
+        with torch.no_grad(), decode_step(cache, allowed):
+            logits = self.model(tokens, positions, None)
+        cache.commit(torch.full((1, n), commit, dtype=torch.bool, device=self.device), positions)
+        return self._full_vocab(logits)[:, 0].float().cpu()  # [n, V]
+
+    def block(self, prompt: list[int], max_new_tokens: int, block_size: int,
+              threshold: float = math.inf, sampling: Sampling = Sampling()) -> Result:
+        if not prompt:
+            raise DecodeError("the prompt is empty")
+        gen = torch.Generator().manual_seed(sampling.seed)
+        s = _Sample(tokens=list(prompt) + [None] * max_new_tokens,
+                    region=list(range(len(prompt), len(prompt) + max_new_tokens)),
+                    prompt_len=len(prompt))
+        cache = KVCache(self.model.config.num_layers, 1, self.device)
+        start = time.perf_counter()
+        P = len(prompt)
+        self._forward(cache, prompt, list(range(P)), torch.ones(P, P).tril().bool(), True)
+        s.steps += 1
+        for b0 in range(P, P + max_new_tokens, block_size):
+            block = list(range(b0, min(b0 + block_size, P + max_new_tokens)))
+            everyone = torch.ones(len(block), len(block), dtype=torch.bool)
+            while any(s.tokens[p] is None for p in block):
+                ids = [self.mask_id if s.tokens[p] is None else s.tokens[p] for p in block]
+                logits = self._forward(cache, ids, block, everyone, False)
+                masked = [j for j, p in enumerate(block) if s.tokens[p] is None]
+                picks = self._choose(logits[masked], [block[j] for j in masked], s, sampling,
+                                     gen, threshold)
+                for pos, tok in picks:
+                    s.tokens[pos] = tok
+                s.steps += 1
+            # the finished block enters the cache as clean tokens (in-block attention: a set)
+            self._forward(cache, [s.tokens[p] for p in block], block, everyone, True)
+            s.steps += 1  # steps count forward passes, so that tokens/step compare across modes
+        ids = [s.tokens[p] for p in s.region]
+        return Result(ids, self.tok.decode(ids), s.steps, time.perf_counter() - start)
+
+    def mdlm(self, prompt: list[int], max_new_tokens: int, threshold: float = math.inf,
+             sampling: Sampling = Sampling()) -> Result:
+        if not prompt:
+            raise DecodeError("the prompt is empty")
+        gen = torch.Generator().manual_seed(sampling.seed)
+        P, N = len(prompt), max_new_tokens
+        s = _Sample(tokens=list(prompt) + [None] * N, region=list(range(P, P + N)),
+                    prompt_len=P)
+        # the prompt is causal; the continuation is one set: it sees the prompt and itself
+        own = torch.zeros(P + N, P + N, dtype=torch.bool)
+        own[:P, :P] = torch.ones(P, P).tril().bool()
+        own[P:, :] = True
+        start = time.perf_counter()
+        while s.masked():
+            cache = KVCache(self.model.config.num_layers, 1, self.device)  # nothing is reused
+            ids = [self.mask_id if t is None else t for t in s.tokens]
+            logits = self._forward(cache, ids, list(range(P + N)), own, False)
+            masked = s.masked()
+            picks = self._choose(logits[masked], masked, s, sampling, gen, threshold)
+            for pos, tok in picks:
+                s.tokens[pos] = tok
+            s.steps += 1
+        ids = [s.tokens[p] for p in s.region]
+        return Result(ids, self.tok.decode(ids), s.steps, time.perf_counter() - start)
