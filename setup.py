@@ -55,6 +55,7 @@ setup(
             "setdiff-train=setdiff_dist.cli.train:main",
             "setdiff-generate=setdiff_dist.cli.generate:main",
             "setdiff-convert=setdiff_dist.cli.convert:main",
+            "setdiff-eval=setdiff_dist.cli.eval:main",
             "setdiff-prep=data_prep.prep:main",
             "setdiff-corpus=data_prep.corpus:main",
             "setdiff-tasks=data_prep.tasks:main",

@@ -11,4 +11,10 @@ DATA=data/tiny-cpu
     --seq-len 128 --out "$DATA"
 # 3. train on 2 ranks (megatron-core model, DeepSpeed ZeRO-1, gloo) with the set-diffusion NELBO;
 #    metrics, tensorboard and checkpoints go to runs/tiny-cpu (resume=auto continues a run)
-exec setdiff-train --nproc-per-node 2 --config configs/tiny-cpu.yaml "$@"
+setdiff-train --nproc-per-node 2 --config configs/tiny-cpu.yaml "$@"
+RUN=$(setdiff-config --config configs/tiny-cpu.yaml "$@" | sed -n 's/^run_dir: //p')
+# 4. decode from the checkpoint with the KV-cached set decoder (window 8, threshold 0.5)
+setdiff-generate --checkpoint "$RUN" --prompt "Shall I compare thee" --max-new-tokens 48 \
+    --window 8 --threshold 0.5 --temperature 0.8 --top-p 0.9 --seed 0
+setdiff-eval --checkpoint "$RUN" --task ppl --out "$RUN/eval_ppl.json" > /dev/null
+echo "[main] checkpoint: $RUN/checkpoints/$(cat "$RUN/checkpoints/latest"); metrics: $RUN/metrics.jsonl; tensorboard --logdir $RUN/tensorboard" >&2

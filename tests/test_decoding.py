@@ -126,7 +126,11 @@ def measure(tp, out):
     stops["regex"] = ar.generate([prompt], 16, window=1, sampling=greedy,
                                  stop=StopCriteria(stop=["re:" + text[3] + "."]))[0].text
     stops["text"] = text
+    stops["repeat"] = ar.generate([prompt], 16, window=1, sampling=greedy,
+                                  stop=StopCriteria(max_repeat_run=1))[0].tokens
     res["stops"] = stops
+    # longer than the model's context (24): the cache is cropped from the left, and it goes on
+    res["past_context"] = len(ar.generate([prompt], 30, window=1, sampling=greedy)[0].tokens)
     errors = []
     for call in (lambda: ar.generate([[]], 4),
                  lambda: ar.generate([list(range(1, 22))], 4, window=4),
@@ -188,9 +192,14 @@ def test_infilling_uses_the_right_context(results):
 
 def test_stop_criteria_shorten_the_output(results):
     s = results[1]["stops"]
+    assert s["repeat"] == s["long"][:1]  # a run of one token is already "repeated" at k = 1
     assert s["eos"] == s["long"][:5]
     assert s["string"] == s["text"][:9]
     assert len(s["regex"]) < len(s["text"]) and s["text"].startswith(s["regex"])
+
+
+def test_generation_past_the_context_crops_the_cache(results):
+    assert results[1]["past_context"] == results[2]["past_context"] == 30
 
 
 def test_bad_decoding_input_is_a_clear_error(results):

@@ -2,6 +2,7 @@
 decodes the same greedy text loaded at TP=1, at TP=2 (torchrun), and after export."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -82,3 +83,42 @@ def test_bad_checkpoints_are_named(trained, tmp_path):
     assert res.returncode == 2 and "no such directory" in res.stderr
     long_prompt = generate(trained, "--prompt", "x " * 40)
     assert long_prompt.returncode == 2 and "does not fit the model's context" in long_prompt.stderr
+
+
+def test_rouge_by_hand():
+    from setdiff_dist.eval.tasks import rouge
+
+    r = rouge("the cat sat on the mat", "the cat is on the mat")
+    # unigrams: 5 of 6 overlap; bigrams: "the cat", "on the", "the mat" = 3 of 5; LCS = 5
+    assert r["rouge1"] == pytest.approx(5 / 6)
+    assert r["rouge2"] == pytest.approx(3 / 5)
+    assert r["rougeL"] == pytest.approx(5 / 6)
+    assert rouge("", "anything")["rougeL"] == 0.0
+
+
+def test_eval_tasks(trained, tmp_path):
+    infill = tmp_path / "infill.jsonl"
+    infill.write_text(json.dumps({"left": "Shall I", "middle": "compare thee", "right": "to a",
+                                  "n_middle": 1, "source": "x"}) + "\n")
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"prompt": "Question: 2+2?\nAnswer: ", "completion": "#### 4",
+                               "answer": "4"}) + "\n")
+    out = {}
+    for task, extra in (("ppl", []), ("infill", ["--data", str(infill)]),
+                        ("gsm", ["--data", str(gsm), "--max-new-tokens", "8"]),
+                        ("throughput", ["--max-new-tokens", "8", "--window", "4"])):
+        path = tmp_path / f"{task}.json"
+        res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.eval", "--checkpoint",
+                              str(trained), "--task", task, "--out", str(path), *extra],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        out[task] = json.loads(path.read_text())
+    assert 1 < out["ppl"]["ppl_bound"] < 300 and out["ppl"]["exact"] is False
+    assert out["infill"]["count"] == 1 and 0 <= out["infill"]["rougeL"] <= 1
+    assert out["gsm"]["count"] == 1 and out["gsm"]["accuracy"] in (0.0, 1.0)
+    rows = out["throughput"]["settings"]
+    assert [(r["window"], r["threshold"]) for r in rows][:2] == [(1, math.inf), (4, math.inf)]
+    assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] >= 1 for r in rows)
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.eval", "--checkpoint",
+                          str(trained), "--task", "infill"], capture_output=True, text=True)
+    assert res.returncode == 2 and "needs --data" in res.stderr

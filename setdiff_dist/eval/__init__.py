@@ -1,0 +1,1 @@
+"""Evaluation: the NELBO perplexity bound, infilling ROUGE, GSM-style accuracy, throughput."""

@@ -1,0 +1,148 @@
+"""The evaluation tasks of ``setdiff-eval``. Each returns a JSON-able dict of results.
+
+- :func:`perplexity`: NELBO per token and the PPL bound (``PPL <=``) on validation shards, over
+  fixed orders seeded by ``order.eval_seed`` and the sample index (reproducible numbers), for
+  the model's own order schedule (or the causal LM's exact perplexity).
+- :func:`infilling`: ROUGE-1/2/L F1 of infilled middles against the references
+  (``setdiff-tasks infill`` records), the middle length given by the reference's tokens.
+- :func:`gsm`: exact-match accuracy of the number after ``####`` (``setdiff-tasks gsm``).
+- :func:`throughput`: tokens/s and tokens/step of set decoding at several (W, tau), next to
+  cached AR decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections import Counter
+
+import torch
+
+from setdiff_dist.data.loader import TokenLoader
+from setdiff_dist.data.shards import ShardSet
+from setdiff_dist.inference.decoder import DecodeError, Sampling, SetDecoder, StopCriteria
+from setdiff_dist.train.objective import Objective
+
+
+def perplexity(model, cfg, shards_dir: str, batches: int = 16, batch_size: int = 8) -> dict:
+    shards = ShardSet(shards_dir, "valid", seq_len=cfg.data.seq_len)
+    objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1)
+    loader = TokenLoader(shards, global_batch=batch_size, micro_batch=batch_size, shuffle=False,
+                         num_workers=0)
+    device = next(model.parameters()).device
+    total = tokens = 0.0
+    n = min(batches, max(1, len(shards) // batch_size))
+    with torch.no_grad():
+        for _, (batch,) in zip(range(n), loader):
+            out, terms = objective.step(model, batch.to(device))
+            s, t = terms(out)
+            total, tokens = total + float(s), tokens + float(t)
+    per_token = total / max(tokens, 1.0)
+    return {"nelbo_per_token": per_token, "ppl_bound": math.exp(min(per_token, 50.0)),
+            "tokens": tokens, "sequences": n * batch_size, "order": cfg.order.kind,
+            "exact": cfg.order.kind in ("causal", "autoregressive")}
+
+
+def _ngrams(words, n):
+    return Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+
+
+def _f1(overlap, a, b):
+    if not a or not b or not overlap:
+        return 0.0
+    p, r = overlap / a, overlap / b
+    return 2 * p * r / (p + r)
+
+
+def rouge(candidate: str, reference: str) -> dict:
+    """ROUGE-1, ROUGE-2 and ROUGE-L F1 on lower-cased words (no stemming)."""
+    c, r = re.findall(r"\w+", candidate.lower()), re.findall(r"\w+", reference.lower())
+    out = {}
+    for n in (1, 2):
+        cn, rn = _ngrams(c, n), _ngrams(r, n)
+        out[f"rouge{n}"] = _f1(sum((cn & rn).values()), sum(cn.values()), sum(rn.values()))
+    # longest common subsequence
+    prev = [0] * (len(r) + 1)
+    for w in c:
+        cur = [0]
+        for j, v in enumerate(r):
+            cur.append(prev[j] + 1 if w == v else max(prev[j + 1], cur[j]))
+        prev = cur
+    out["rougeL"] = _f1(prev[-1], len(c), len(r))
+    return out
+
+
+def _records(path: str, limit: int) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()][:limit]
+
+
+def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, threshold: float,
+              sampling: Sampling) -> dict:
+    scores, examples, skipped = [], [], 0
+    for rec in _records(path, limit):
+        left = tok.encode(rec["left"] + " ")
+        middle = tok.encode(rec["middle"])
+        right = tok.encode(" " + rec["right"])
+        n = len(middle)
+        try:
+            r = decoder.infill([left], [right], [n], window=min(window, n), threshold=threshold,
+                               sampling=sampling)[0]
+        except DecodeError:  # longer than the model's context
+            skipped += 1
+            continue
+        scores.append(rouge(r.text, rec["middle"]))
+        if len(examples) < 3:
+            examples.append({"left": rec["left"], "infill": r.text, "reference": rec["middle"]})
+    mean = {k: sum(s[k] for s in scores) / max(len(scores), 1) for k in ("rouge1", "rouge2",
+                                                                          "rougeL")}
+    return {**mean, "count": len(scores), "skipped_too_long": skipped, "examples": examples}
+
+
+def _answer(text: str):
+    m = re.search(r"####\s*(-?[\d,]+(?:\.\d+)?)", text)
+    return m.group(1).replace(",", "") if m else None
+
+
+def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, window: int,
+        threshold: float, sampling: Sampling) -> dict:
+    correct, total, skipped, examples = 0, 0, 0, []
+    stop = StopCriteria(eos_id=tok.eos_id, stop=["re:####\\s*-?[\\d,]+"])
+    for rec in _records(path, limit):
+        try:
+            r = decoder.generate([tok.encode(rec["prompt"])], max_new_tokens, window=window,
+                                 threshold=threshold, sampling=sampling, stop=stop)[0]
+        except DecodeError:  # longer than the model's context
+            skipped += 1
+            continue
+        got = _answer(r.text)
+        correct += int(got is not None and got == str(rec["answer"]).replace(",", ""))
+        total += 1
+        if len(examples) < 3:
+            examples.append({"prompt": rec["prompt"], "output": r.text, "answer": rec["answer"],
+                             "extracted": got})
+    return {"accuracy": correct / max(total, 1), "count": total, "skipped_too_long": skipped,
+            "examples": examples}
+
+
+def throughput(decoder: SetDecoder, tok, prompts: list[str], max_new_tokens: int,
+               settings: list[tuple[int, float]], sampling: Sampling) -> dict:
+    """Batch-1 tokens/s (the paper's measure) and tokens/step per (W, tau), median over the
+    prompts, after a warm-up."""
+    ids = [tok.encode(p) for p in prompts]
+    decoder.generate(ids[:1], 8, window=1, sampling=sampling)  # warm-up
+    rows = []
+    for window, tau in settings:
+        rates, per_step = [], []
+        for p in ids:
+            t = time.perf_counter()
+            r = decoder.generate([p], max_new_tokens, window=window, threshold=tau,
+                                 sampling=sampling)[0]
+            rates.append(len(r.tokens) / (time.perf_counter() - t))
+            per_step.append(r.tokens_per_step)
+        rows.append({"window": window, "threshold": tau,
+                     "tokens_per_s": sorted(rates)[len(rates) // 2],
+                     "tokens_per_step": sum(per_step) / len(per_step)})
+    return {"batch_size": 1, "max_new_tokens": max_new_tokens, "settings": rows}
