@@ -1,47 +1,28 @@
 """Checkpoints, exact resume, preemption signals and crash consistency, through setdiff-train."""
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from data_prep.prep import prepare
-from setdiff_dist.data import sample_text
+from helpers import losses, run_train, sonnet_shards, train_command
 
 EXIT_PREEMPTED = 75
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ckpt")
-    (tmp / "sonnets.txt").write_text(sample_text())
-    prepare([str(tmp / "sonnets.txt")], "bytes", 32, str(tmp / "shards"), split_paragraphs=True,
-            valid_every=4, workers=1, progress=False)
-    return tmp / "shards"
+    return sonnet_shards(tmp_path_factory.mktemp("ckpt"))
 
 
-def command(run_dir, shards, steps, *overrides, nproc=2):
-    return [sys.executable, "-m", "setdiff_dist.cli.train", "--nproc-per-node", str(nproc),
-            "--config", "configs/tiny-cpu.yaml", f"run_dir={run_dir}",
-            f"data.train_shards={shards}", "data.seq_len=32", "model.vocab_size=257",
-            f"train.steps={steps}", "train.log_interval=1", "data.global_batch_size=8",
-            "data.micro_batch_size=2", "optimizer.warmup_steps=2", "train.tensorboard=false",
-            "train.eval_batches=1", *overrides]
+def command(run_dir, shards, steps, *overrides):
+    return train_command(run_dir, shards, "train.eval_batches=1", *overrides, steps=steps)
 
 
-def train(*args, env=None, **kw):
-    res = subprocess.run(command(*args, **kw), capture_output=True, text=True, timeout=600,
-                         env=env)
-    return res
-
-
-def losses(run_dir):
-    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+def train(run_dir, shards, steps, *overrides, env=None):
+    return run_train(run_dir, shards, "train.eval_batches=1", *overrides, steps=steps, env=env)
 
 
 def latest(run_dir):

@@ -4,18 +4,13 @@ import json
 
 import pytest
 
-from data_prep.prep import prepare
+from helpers import sonnet_shards
 from setdiff_dist.cli.demo import main
-from setdiff_dist.data import sample_text
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("demo")
-    (tmp / "sonnets.txt").write_text(sample_text())
-    prepare([str(tmp / "sonnets.txt")], "bpe:300", 32, str(tmp / "shards"), split_paragraphs=True,
-            valid_every=3, workers=1, progress=False)
-    return tmp / "shards"
+    return sonnet_shards(tmp_path_factory.mktemp("demo"), "bpe:300", valid_every=3)
 
 
 def test_demo_trains_reports_the_bound_and_checks_the_ar_identity(tmp_path, shards, capsys):

@@ -63,33 +63,22 @@ def test_transformer_engine_attention_matches_sdpa(_parallel_state):
 
 @pytest.fixture(scope="module")
 def byte_shards(tmp_path_factory):
-    from data_prep.prep import prepare
-    from setdiff_dist.data import sample_text
+    from helpers import sonnet_shards
 
-    tmp = tmp_path_factory.mktemp("gpu-shards")
-    (tmp / "t.txt").write_text(sample_text())
-    prepare([str(tmp / "t.txt")], "bytes", 64, str(tmp / "shards"), split_paragraphs=True,
-            valid_every=4, workers=1, progress=False)
-    return tmp / "shards"
+    return sonnet_shards(tmp_path_factory.mktemp("gpu-shards"), seq_len=64)
 
 
 def _train(run_dir, shards, nproc, *overrides):
-    import subprocess
-    import sys
+    from helpers import run_train
 
-    cmd = [sys.executable, "-m", "setdiff_dist.cli.train", "--nproc-per-node", str(nproc),
-           "--config", "configs/tiny-cpu.yaml", f"run_dir={run_dir}",
-           f"data.train_shards={shards}", "data.seq_len=64", "model.vocab_size=257",
-           "train.steps=4", "train.log_interval=1", "data.micro_batch_size=2",
-           f"data.global_batch_size={2 * nproc}", "optimizer.warmup_steps=1",
-           "train.tensorboard=false", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return run_train(run_dir, shards, *overrides, nproc=nproc, seq_len=64,
+                     global_batch=2 * nproc)
 
 
 def _losses(run_dir):
-    import json
+    from helpers import losses
 
-    return [json.loads(l)["loss"] for l in open(run_dir / "metrics.jsonl") if '"loss"' in l]
+    return list(losses(run_dir).values())
 
 
 def test_nccl_training_run(byte_shards, tmp_path):

@@ -10,26 +10,17 @@ import sys
 
 import pytest
 
-from data_prep.prep import prepare
-from setdiff_dist.data import sample_text
+from helpers import run_train, sonnet_shards
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("infer")
-    (tmp / "sonnets.txt").write_text(sample_text())
-    prepare([str(tmp / "sonnets.txt")], "bpe:300", 32, str(tmp / "shards"),
-            split_paragraphs=True, valid_every=4, workers=1, progress=False)
-    run = tmp / "run"
-    cmd = [sys.executable, "-m", "setdiff_dist.cli.train", "--nproc-per-node", "2",
-           "--config", "configs/tiny-cpu.yaml", f"run_dir={run}",
-           f"data.train_shards={tmp / 'shards'}", "data.seq_len=32", "model.vocab_size=300",
-           "train.steps=30", "train.log_interval=10", "data.global_batch_size=8",
-           "data.micro_batch_size=4", "optimizer.warmup_steps=2", "train.tensorboard=false",
-           "parallel.tensor=2", "zero.stage=3"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    shards = sonnet_shards(tmp, "bpe:300")
+    res = run_train(tmp / "run", shards, "train.log_interval=10", "parallel.tensor=2",
+                    "zero.stage=3", steps=30, vocab=300, micro_batch=4)
     assert res.returncode == 0, res.stderr[-3000:]
-    return run
+    return tmp / "run"
 
 
 def generate(checkpoint, *extra, tp=1):

@@ -8,35 +8,21 @@ shards made by setdiff-prep, with DeepSpeed and megatron-core; the curves are re
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from data_prep.prep import prepare
-from setdiff_dist.data import sample_text
+from helpers import run_train, sonnet_shards
 
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("train")
-    (tmp / "sonnets.txt").write_text(sample_text())
-    prepare([str(tmp / "sonnets.txt")], "bytes", 32, str(tmp / "shards"), split_paragraphs=True,
-            valid_every=4, workers=1, progress=False)
-    return tmp / "shards"
+    return sonnet_shards(tmp_path_factory.mktemp("train"))
 
 
 def train(run_dir, shards, nproc, *overrides):
-    cmd = [sys.executable, "-m", "setdiff_dist.cli.train", "--nproc-per-node", str(nproc),
-           "--config", "configs/tiny-cpu.yaml", f"run_dir={run_dir}",
-           f"data.train_shards={shards}", "data.seq_len=32", "model.vocab_size=257",
-           f"train.steps={STEPS}", "train.log_interval=1", "data.global_batch_size=8",
-           "data.micro_batch_size=2", "optimizer.warmup_steps=2", "train.tensorboard=false",
-           *overrides]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    return res
+    return run_train(run_dir, shards, *overrides, nproc=nproc, steps=STEPS)
 
 
 def curve(run_dir):
