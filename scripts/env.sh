@@ -8,7 +8,8 @@ SETDIFF_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SETDIFF_VENV:-$SETDIFF_ROOT/.venv}"
 TORCH_PIN="torch==${TORCH_VERSION:-2.13.0}"
 stamp="$VENV/.setdiff-installed"
-want="$(cat "$SETDIFF_ROOT/setup.py" <(echo "$TORCH_PIN") | sha256sum | cut -c1-16)"
+PINS="$SETDIFF_ROOT/docker/requirements.txt"  # the exact versions the docker image uses too
+want="$(cat "$SETDIFF_ROOT/setup.py" "$PINS" <(echo "$TORCH_PIN") | sha256sum | cut -c1-16)"
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setdiff] creating $VENV" >&2
@@ -24,7 +25,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     pip_install --upgrade pip
     pip_install "$TORCH_PIN"
     # torch stays pinned in the same command, or a dependency may resolve a CUDA build
-    pip_install "$TORCH_PIN" -e "$SETDIFF_ROOT[test]"
+    pip_install "$TORCH_PIN" -c "$PINS" -e "$SETDIFF_ROOT[test]"
     check="import torch, deepspeed, megatron.core, setdiff_dist"
     "$VENV/bin/python" -c "$check" >/dev/null 2>&1 || {
         "$VENV/bin/python" -c "$check" || true
