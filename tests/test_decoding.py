@@ -128,13 +128,18 @@ def measure(tp, out):
     stops["text"] = text
     stops["repeat"] = ar.generate([prompt], 16, window=1, sampling=greedy,
                                   stop=StopCriteria(max_repeat_run=1))[0].tokens
-    res["stops"] = stops
     # longer than the model's context (24): the cache is cropped from the left, and it goes on
     res["past_context"] = len(ar.generate([prompt], 30, window=1, sampling=greedy)[0].tokens)
     errors = []
+    # with several stop strings, the earliest match in the text wins
+    stops["two"] = ar.generate([prompt], 16, window=1, sampling=greedy,
+                               stop=StopCriteria(stop=[text[9:11], text[2:4]]))[0].text
+    res["stops"] = stops
     for call in (lambda: ar.generate([[]], 4),
                  lambda: ar.generate([list(range(1, 22))], 4, window=4),
-                 lambda: ar.infill([left], [right], [3], window=4)):
+                 lambda: ar.infill([left], [right], [3], window=4),
+                 lambda: ar.generate([prompt], 0),
+                 lambda: cdec.infill([left], [right], [3], window=1)):
         try:
             call()
         except DecodeError as exc:
@@ -192,7 +197,8 @@ def test_infilling_uses_the_right_context(results):
 
 def test_stop_criteria_shorten_the_output(results):
     s = results[1]["stops"]
-    assert s["repeat"] == s["long"][:1]  # a run of one token is already "repeated" at k = 1
+    assert s["repeat"] == s["long"][:1]
+    assert s["two"] == s["text"][:4]  # a run of one token is already "repeated" at k = 1
     assert s["eos"] == s["long"][:5]
     assert s["string"] == s["text"][:9]
     assert len(s["regex"]) < len(s["text"]) and s["text"].startswith(s["regex"])
@@ -203,7 +209,9 @@ def test_generation_past_the_context_crops_the_cache(results):
 
 
 def test_bad_decoding_input_is_a_clear_error(results):
-    empty, too_long, window = results[1]["errors"]
+    empty, too_long, window, zero, causal_infill = results[1]["errors"]
+    assert "max_new_tokens must be at least 1" in zero
+    assert "a causal LM cannot condition on the right context" in causal_infill
     assert "prompt 0 is empty" in empty
     assert "does not fit the model's context of 24 tokens" in too_long
     assert "window 4 is larger than the masked span of 3 tokens" in window

@@ -89,6 +89,14 @@ def test_mismatched_data_and_divergence_are_clear_errors(shards, tmp_path):
                 "optimizer.schedule=constant", "optimizer.min_lr=0")
     assert res.returncode == 1, res.stderr[-2000:]
     assert "2 consecutive steps with a non-finite loss or gradient norm" in res.stderr
+    # with pipeline parallelism the schedule back-propagates before the loss is known: the
+    # gradients of a non-finite step are dropped there, and the run stops the same way
+    res = train(tmp_path / "pp", shards, 2, "optimizer.lr=1e30", "optimizer.grad_clip=0",
+                "train.max_nonfinite_steps=2", "optimizer.warmup_steps=0",
+                "optimizer.schedule=constant", "optimizer.min_lr=0", "zero.stage=0",
+                "parallel.pipeline=2")
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "consecutive steps with a non-finite loss or gradient norm" in res.stderr
 
 
 def test_bf16_trains_and_fp8_without_transformer_engine_is_refused(reference, shards, tmp_path):

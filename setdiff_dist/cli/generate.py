@@ -100,5 +100,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def entry(argv=None) -> int:
+    """Run, then take the process groups down cleanly: a gloo group left to the interpreter's
+    exit can abort the process in its destructor."""
+    try:
+        return main(argv)
+    finally:
+        from setdiff_dist.parallel import destroy_model_parallel
+
+        destroy_model_parallel()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -99,6 +99,8 @@ class SetDecoder:
                  stop: StopCriteria = StopCriteria(), order: Optional[list[list[int]]] = None
                  ) -> list[Result]:
         """Continue each prompt (token ids) by up to ``max_new_tokens``."""
+        if max_new_tokens < 1:
+            raise DecodeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         for i, p in enumerate(prompts):
             if not p:
                 raise DecodeError(f"prompt {i} is empty: give some text (unconditional "
@@ -117,6 +119,9 @@ class SetDecoder:
                order=None) -> list[Result]:
         """Fill ``middle_len`` masked tokens between ``left`` and ``right``; both contexts are
         in the cache before the first step, and given tokens are never overwritten."""
+        if self.mode == "causal":
+            raise DecodeError("a causal LM cannot condition on the right context: infilling "
+                              "needs a set-diffusion model")
         samples, prefill = [], []
         for i, (lt, rt, n) in enumerate(zip(left, right, middle_len)):
             if n < 1:
@@ -214,9 +219,6 @@ class SetDecoder:
                                                                           device=self.device),
                      positions[:, :C])
         logits = self._full_vocab(logits).transpose(0, 1).float().cpu()  # [B, s, V]
-        over = cache.valid.sum(1).max().item() + window - self.context
-        if over > 0:
-            cache.crop(self.context - window)
         for b, s in enumerate(samples):
             s.pending = []
             if s.done:
@@ -241,6 +243,12 @@ class SetDecoder:
                 self._check_stop(s, stop)
             if not s.masked():
                 s.done = True
+        if not infill:  # (an infill fits the context by construction: never crop its left side)
+            # past the model's context, forget the oldest cache entries: the next step's tokens
+            # (pending commits and up to `window` queries) must fit next to the cache
+            need = max(len(s.pending) for s in samples) + window
+            if int(cache.valid.sum(1).max()) + need > self.context:
+                cache.crop(self.context - need)
 
     def _full_vocab(self, logits):
         """Gather vocab-parallel logits ``[s, b, V/TP]`` and keep the real vocabulary."""
@@ -282,37 +290,39 @@ class SetDecoder:
                 if j == best or conf[j] >= threshold]
 
     def _check_stop(self, s, stop):
-        """End-of-text, stop strings / regex and repeated runs, on the committed left prefix."""
+        """End-of-text, stop strings / regex and repeated runs, on the committed left prefix;
+        generation ends at the earliest of them."""
         prefix = []
         for p in s.region:
             if s.tokens[p] is None:
                 break
             prefix.append((p, s.tokens[p]))
-        end = None
-        for p, t in prefix:
-            if stop.eos_id is not None and t == stop.eos_id:
-                end = p
-                break
-        if end is None and stop.max_repeat_run and len(prefix) >= stop.max_repeat_run:
-            run = [t for _, t in prefix[-stop.max_repeat_run:]]
-            if len(set(run)) == 1:
-                end = prefix[-1][0] + 1
-        if end is None and stop.stop and prefix:
-            ids = [t for _, t in prefix]
+        if not prefix:
+            return
+        ends = []  # candidate end positions (exclusive)
+        ids = [t for _, t in prefix]
+        if stop.eos_id is not None and stop.eos_id in ids:
+            ends.append(prefix[ids.index(stop.eos_id)][0])
+        k = stop.max_repeat_run
+        if k:
+            for i in range(len(ids) - k + 1):  # the earliest run of k equal tokens
+                if len(set(ids[i:i + k])) == 1:
+                    ends.append(prefix[i + k - 1][0] + 1)
+                    break
+        if stop.stop:
             text = self.tok.decode(ids)
             for pattern in stop.stop:
-                m = re.search(pattern[3:], text) if pattern.startswith("re:") else None
-                hit = (m.end() if m else -1) if pattern.startswith("re:") else (
-                    text.find(pattern) + len(pattern) if pattern in text else -1)
-                if hit >= 0:
-                    # the shortest prefix whose text contains the match
-                    for k in range(1, len(ids) + 1):
-                        if len(self.tok.decode(ids[:k])) >= hit:
-                            end = prefix[k - 1][0] + 1
-                            break
-                    break
-        if end is not None:
-            s.end = end
+                if pattern.startswith("re:"):
+                    m = re.search(pattern[3:], text)
+                    hit = m.end() if m else -1
+                else:
+                    hit = text.find(pattern) + len(pattern) if pattern in text else -1
+                if hit >= 0:  # the shortest prefix whose text contains the match
+                    k_tokens = next(k for k in range(1, len(ids) + 1)
+                                    if len(self.tok.decode(ids[:k])) >= hit)
+                    ends.append(prefix[k_tokens - 1][0] + 1)
+        if ends:
+            s.end = min(ends)
             s.done = True
 
 

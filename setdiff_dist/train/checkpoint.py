@@ -109,7 +109,10 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     tag = tag_of(step)
     path = os.path.join(root, tag)
     rank = dist.get_rank()
-    if rank == 0 and os.path.isdir(path):  # a partial save of the same step from a crash
+    if rank == 0 and os.path.isdir(path):  # an earlier save of this step (a crash, or resume=never)
+        pointer = os.path.join(root, LATEST)
+        if os.path.isfile(pointer) and open(pointer).read().strip() == tag:
+            os.remove(pointer)  # never leave latest pointing at a directory being rewritten
         shutil.rmtree(path)
     dist.barrier()
     engine.save_checkpoint(root, tag=tag, client_state=client_state,
@@ -154,11 +157,11 @@ def _fault_point(name: str, step: int) -> None:
 def _prune(root: str, keep_last: int, keep: str) -> None:
     if keep_last <= 0:
         return
-    complete = sorted(d for d in os.listdir(root) if d.startswith("step_")
+    # only checkpoints up to the one just saved: later ones belong to an abandoned run
+    complete = sorted(d for d in os.listdir(root) if d.startswith("step_") and d <= keep
                       and os.path.isfile(os.path.join(root, d, "manifest.json")))
     for d in complete[:-keep_last]:
-        if d != keep:
-            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
 def resolve(cfg) -> Optional[str]:
@@ -170,7 +173,11 @@ def resolve(cfg) -> Optional[str]:
         if not os.path.isfile(pointer):
             return None
         with open(pointer) as fh:
-            return os.path.join(checkpoint_root(cfg.run_dir), fh.read().strip())
+            path = os.path.join(checkpoint_root(cfg.run_dir), fh.read().strip())
+        if not os.path.isfile(os.path.join(path, "manifest.json")):
+            raise CheckpointError(f"{pointer} points at {path}, which is not a complete "
+                                  "checkpoint; remove the pointer or set resume=never / a path")
+        return path
     path = cfg.resume
     if os.path.isfile(os.path.join(path, LATEST)):
         with open(os.path.join(path, LATEST)) as fh:

@@ -91,6 +91,7 @@ class Trainer:
         state = checkpoint.load(self.engine, path)["setdiff"]
         self.step, self.samples_seen = state["step"], state["samples_seen"]
         self.skipped_steps = state["nonfinite_skipped_steps"]
+        self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.loader(0).load_state_dict(state["loader"])  # same data stream, or a clear error
         return path
 
@@ -102,6 +103,7 @@ class Trainer:
         # one key of our own: DeepSpeed reserves names such as "skipped_steps" in client state
         state = {"setdiff": {"step": self.step, "samples_seen": self.samples_seen,
                              "nonfinite_skipped_steps": self.skipped_steps,
+                             "nonfinite_in_a_row": self.nonfinite_in_a_row,
                              "loader": self.loader(self.step).state_dict()}}
         return checkpoint.save(self.engine, self.cfg, self.step, state, self.tokenizer_identity,
                                tokenizer_dir=self.cfg.data.train_shards)
@@ -163,9 +165,12 @@ class Trainer:
             for s in stats:
                 local_sum += s["nll_sum"]
             finite = self._all_finite(local_sum)
-            engine.allreduce_gradients()
-            if not finite:
+            if not finite:  # the schedule has already back-propagated it: drop those gradients
+                for p in engine.module.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
                 self._zero_lr()
+            engine.allreduce_gradients()
             engine.step()
         # the step's loss on every rank: sum over data-parallel ranks (and from the last stage)
         total = local_sum.reshape(1).clone()
