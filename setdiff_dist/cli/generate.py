@@ -17,6 +17,8 @@ import json
 import math
 import sys
 
+from setdiff_dist.cli import with_clean_shutdown
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-generate", description=__doc__,
@@ -100,15 +102,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def entry(argv=None) -> int:
-    """Run, then take the process groups down cleanly: a gloo group left to the interpreter's
-    exit can abort the process in its destructor."""
-    try:
-        return main(argv)
-    finally:
-        from setdiff_dist.parallel import destroy_model_parallel
-
-        destroy_model_parallel()
+entry = with_clean_shutdown(main)
 
 
 if __name__ == "__main__":
