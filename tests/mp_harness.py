@@ -21,3 +21,17 @@ def _entry(rank, world_size, port, fn, args):
 def spawn(fn, world_size, *args):
     """Call ``fn(rank, *args)`` on ``world_size`` processes; fails if any of them fails."""
     mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def _measure_tp1_then_tp2(rank, measure, out):
+    measure(1, out)
+    measure(2, out)
+
+
+def results_at_tp1_and_tp2(measure, out):
+    """Run ``measure(tp, out)`` at TP=1 then TP=2 in one launch of 2 processes (start-up
+    dominates on 2 cores); ``measure`` saves rank 0's results to ``out / f"tp{tp}.pt"``."""
+    import torch
+
+    spawn(_measure_tp1_then_tp2, 2, measure, out)
+    return {tp: torch.load(out / f"tp{tp}.pt") for tp in (1, 2)}

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mp_harness import spawn
+from mp_harness import results_at_tp1_and_tp2, spawn
 
 V, L = 64, 24
 
@@ -149,16 +149,9 @@ def measure(tp, out):
         torch.save(res, out / f"tp{tp}.pt")
 
 
-def run(rank, out):
-    measure(1, out)
-    measure(2, out)
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("decode")
-    spawn(run, 2, out)
-    return {tp: torch.load(out / f"tp{tp}.pt") for tp in (1, 2)}
+    return results_at_tp1_and_tp2(measure, tmp_path_factory.mktemp("decode"))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -7,7 +7,7 @@ rank 0 saves what it measured and the assertions run in the parent.
 import pytest
 import torch
 
-from mp_harness import spawn
+from mp_harness import results_at_tp1_and_tp2
 
 L, B, V = 12, 2, 256
 
@@ -120,16 +120,9 @@ def measure(tp, out):
         torch.save(res, out / f"tp{tp}.pt")
 
 
-def run_tp(rank, out):
-    measure(1, out)
-    measure(2, out)
-
-
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp")
-    spawn(run_tp, 2, out)
-    return {tp: torch.load(out / f"tp{tp}.pt") for tp in (1, 2)}
+    return results_at_tp1_and_tp2(measure, tmp_path_factory.mktemp("tp"))
 
 
 def test_tensor_parallel_logits_and_gradients_equal_a_single_rank(tp_results):
