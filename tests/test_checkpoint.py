@@ -1,5 +1,6 @@
 """Checkpoints, exact resume, preemption signals and crash consistency, through setdiff-train."""
 
+import json
 import os
 import signal
 import subprocess
@@ -113,6 +114,11 @@ def test_a_preemption_signal_checkpoints_and_exits_for_requeue(straight, shards,
     assert proc.returncode == EXIT_PREEMPTED
     step = int(latest(tmp_path).split("_")[1])
     assert 2 <= step < 400 and "(preempted)" in out
+    # what a Slurm job script reads to decide on a requeue (launchers/slurm/train.sbatch)
+    with open(os.path.join(tmp_path, "exit_status.json")) as fh:
+        status = json.load(fh)
+    assert status["outcome"] == "preempted" and status["exit_code"] == EXIT_PREEMPTED
+    assert status["step"] == step and status["checkpoint"].endswith(latest(tmp_path))
 
 
 def _children(pid):

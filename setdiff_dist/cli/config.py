@@ -2,6 +2,7 @@
 
     setdiff-config --config configs/tiny-cpu.yaml order.kind=block order.block_size=8
     setdiff-config --keys
+    setdiff-config --config configs/tiny-cpu.yaml --get run_dir     # one resolved value
 
 Prints the resolved YAML (what a run would use) or every problem, and exits 2 on problems.
 """
@@ -19,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML file (may include others)")
     ap.add_argument("--keys", action="store_true", help="list every key with its help")
+    ap.add_argument("--get", metavar="KEY", help="print only this resolved value (e.g. run_dir, "
+                    "parallel.tensor): for job scripts")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args(argv)
     if args.keys:
@@ -29,6 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    if args.get:
+        value = cfg
+        for part in args.get.split("."):
+            if not hasattr(value, part):
+                print(f"setdiff-config: no key {args.get!r} (see setdiff-config --keys)",
+                      file=sys.stderr)
+                return 2
+            value = getattr(value, part)
+        print(value)
+        return 0
     print(cfg.to_yaml(), end="")
     return 0
 

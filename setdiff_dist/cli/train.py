@@ -11,12 +11,16 @@ default) continues from ``latest``. SIGTERM or SIGUSR1 (to every rank, as Slurm 
 this launcher) checkpoints at the next step boundary and exits with code 75, for a requeue.
 
 Exit codes: 0 done (or stopped at ``train.exit_at_step``), 75 preempted after a checkpoint,
-2 bad config, data or checkpoint, 1 a failed run.
+2 bad config, data or checkpoint, 1 a failed run. Rank 0 also writes the outcome to
+``run_dir/exit_status.json`` (``{"outcome", "exit_code", "step", "checkpoint"}``), since under
+torchrun or srun the exit code a job script sees is the launcher's, not the trainer's: the Slurm
+launchers requeue on ``"preempted"`` and stop on ``"completed"``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +29,7 @@ import sys
 from setdiff_dist.config import ConfigError, load_config
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on a signal; requeue and resume=auto
+EXIT_STATUS_FILE = "exit_status.json"
 
 
 def _parse(argv):
@@ -71,29 +76,76 @@ def launch(nproc: int, argv: list[str]) -> int:
     return next((c for c in codes if c != 0), 0)
 
 
+def _write_exit_status(run_dir: str, outcome: str, code: int, step, checkpoint) -> None:
+    """Rank 0's record of how this attempt ended, replaced atomically."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, EXIT_STATUS_FILE)
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"outcome": outcome, "exit_code": code, "step": step,
+                   "checkpoint": checkpoint}, fh)
+    os.replace(path + ".tmp", path)
+
+
 def run(cfg) -> int:
+    # A preemption signal can come while this rank still imports and builds (tens of seconds on
+    # a big model): remember it from the first moment and hand it to the trainer, which stops
+    # at its first step boundary, rather than dying of SIGUSR1's default action.
+    early, trainer = [], None
+
+    def remember(signum, _frame):
+        early.append(signum)
+        if trainer is not None:
+            trainer._signalled = True
+
+    if cfg.checkpoint.save_on_signal:
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(s, remember)
+
     import torch.distributed as dist
 
     from setdiff_dist.data.shards import ShardError
     from setdiff_dist.data.tokenizers import TokenizerError
-    from setdiff_dist.train.checkpoint import CheckpointError
+    from setdiff_dist.parallel import init_distributed
+    from setdiff_dist.train.checkpoint import CheckpointError, resolve_latest
     from setdiff_dist.train.loop import Trainer, TrainingError
 
+    init_distributed(cfg.parallel.backend)  # idempotent; rank 0 is known before any error
+    rank0 = dist.get_rank() == 0
+    if rank0 and os.path.exists(os.path.join(cfg.run_dir, EXIT_STATUS_FILE)):
+        os.remove(os.path.join(cfg.run_dir, EXIT_STATUS_FILE))  # a previous attempt's
+    outcome, code = "failed", 1
     try:
-        trainer = Trainer(cfg)
-    except (ShardError, TokenizerError, TrainingError, CheckpointError) as exc:
-        print(f"setdiff-train: error: {exc}", file=sys.stderr)
-        return 2
-    if dist.get_rank() == 0:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as fh:
-            fh.write(cfg.to_yaml())
-    try:
-        outcome = trainer.fit()
-    except TrainingError as exc:
-        print(f"setdiff-train: error: {exc}", file=sys.stderr)
-        return 1
-    return EXIT_PREEMPTED if outcome == "preempted" else 0
+        try:
+            trainer = Trainer(cfg)
+        except (ShardError, TokenizerError, TrainingError, CheckpointError) as exc:
+            print(f"setdiff-train: error: {exc}", file=sys.stderr)
+            outcome, code = "invalid", 2
+            return code
+        if early:
+            trainer._signalled = True
+        if rank0:
+            os.makedirs(cfg.run_dir, exist_ok=True)
+            with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as fh:
+                fh.write(cfg.to_yaml())
+        try:
+            outcome = trainer.fit()
+        except TrainingError as exc:
+            print(f"setdiff-train: error: {exc}", file=sys.stderr)
+            return code
+        code = EXIT_PREEMPTED if outcome == "preempted" else 0
+        return code
+    finally:
+        if rank0:
+            try:
+                latest = resolve_latest(cfg.run_dir)
+            except CheckpointError:
+                latest = None
+            _write_exit_status(cfg.run_dir, outcome, code, trainer.step if trainer else None,
+                               latest)
+        if code in (0, EXIT_PREEMPTED):
+            # no rank exits before rank 0 has recorded the outcome: under `srun
+            # --kill-on-bad-exit` the first rank to exit 75 would take rank 0 down with it
+            dist.barrier()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -164,20 +164,25 @@ def _prune(root: str, keep_last: int, keep: str) -> None:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
+def resolve_latest(run_dir: str) -> Optional[str]:
+    """The checkpoint ``latest`` points at in ``run_dir``, or None when there is none yet."""
+    pointer = os.path.join(checkpoint_root(run_dir), LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as fh:
+        path = os.path.join(checkpoint_root(run_dir), fh.read().strip())
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        raise CheckpointError(f"{pointer} points at {path}, which is not a complete "
+                              "checkpoint; remove the pointer or set resume=never / a path")
+    return path
+
+
 def resolve(cfg) -> Optional[str]:
     """The checkpoint directory to resume from, per ``resume`` (auto / never / a path)."""
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
-        pointer = os.path.join(checkpoint_root(cfg.run_dir), LATEST)
-        if not os.path.isfile(pointer):
-            return None
-        with open(pointer) as fh:
-            path = os.path.join(checkpoint_root(cfg.run_dir), fh.read().strip())
-        if not os.path.isfile(os.path.join(path, "manifest.json")):
-            raise CheckpointError(f"{pointer} points at {path}, which is not a complete "
-                                  "checkpoint; remove the pointer or set resume=never / a path")
-        return path
+        return resolve_latest(cfg.run_dir)
     path = cfg.resume
     if os.path.isfile(os.path.join(path, LATEST)):
         with open(os.path.join(path, LATEST)) as fh:

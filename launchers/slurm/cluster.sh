@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# A real Slurm cluster of emulated nodes on this one machine, for tests and development.
+#
+#   bash launchers/slurm/cluster.sh start [NODES]   # install if needed, start munge, slurmctld
+#                                                  # and NODES slurmd daemons (n1..nN; default 2)
+#   source <(bash launchers/slurm/cluster.sh env)  # point sbatch/srun/squeue at it
+#   bash launchers/slurm/cluster.sh status
+#   bash launchers/slurm/cluster.sh stop            # stops every daemon by its pid file
+#
+# Needs root and apt (Debian's slurmctld, slurmd, slurm-client and munge: ~3 MB). Every file it
+# writes lives under $SETDIFF_SLURM_BASE (default /tmp/setdiff-slurm); the only changes outside it
+# are the packages, the munge key if there was none, and one marked line in /etc/hosts naming
+# the emulated nodes, which `stop` removes. The nodes share one kernel: tell them apart by
+# SLURMD_NODENAME / SLURM_NODEID, not by hostname; /dev/shm, ports and files are shared.
+set -euo pipefail
+
+BASE=${SETDIFF_SLURM_BASE:-/tmp/setdiff-slurm}
+CONF=$BASE/slurm.conf
+HOSTS_TAG="# setdiff-slurm emulated nodes"
+log() { echo "[slurm-cluster] $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+node_names() { cat "$BASE/nodes" 2>/dev/null || true; }
+
+install_packages() {
+    command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch \
+        >/dev/null && command -v munged >/dev/null && return 0
+    [ "$(id -u)" = 0 ] || die "Slurm is not installed and installing it needs root"
+    command -v apt-get >/dev/null || die "Slurm is not installed and there is no apt-get: install \
+slurmctld, slurmd, slurm-client and munge with your package manager"
+    log "installing slurmctld slurmd slurm-client munge"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+}
+
+start_munge() {
+    if [ ! -s /etc/munge/munge.key ]; then
+        mkdir -p /etc/munge
+        if command -v mungekey >/dev/null; then mungekey --create --keyfile=/etc/munge/munge.key
+        else dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none; fi
+    fi
+    chown munge:munge /etc/munge/munge.key && chmod 0400 /etc/munge/munge.key
+    mkdir -p /run/munge /var/lib/munge /var/log/munge
+    chown munge:munge /run/munge /var/lib/munge /var/log/munge
+    if ! munge -n >/dev/null 2>&1; then
+        runuser -u munge -- munged
+        for _ in $(seq 50); do munge -n >/dev/null 2>&1 && return 0; sleep 0.1; done
+        die "munged did not start"
+    fi
+}
+
+write_conf() {
+    local n=$1 cpus mem
+    cpus=$(nproc)
+    mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / n / 2 ))
+    mkdir -p "$BASE"/{state/ctld,run,log}
+    : >"$BASE/nodes"
+    for i in $(seq "$n"); do mkdir -p "$BASE/state/d/n$i"; echo "n$i" >>"$BASE/nodes"; done
+    cat >"$CONF" <<EOF
+# written by launchers/slurm/cluster.sh: $n emulated nodes on $(hostname)
+ClusterName=setdiff
+SlurmctldHost=localhost
+SlurmctldPort=${SETDIFF_SLURMCTLD_PORT:-6817}
+AuthType=auth/munge
+CredType=cred/munge
+# short credential lifetime: a requeued job restarts in ~10 s instead of ~150 s
+AuthInfo=cred_expire=10
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation=$BASE/state/ctld
+SlurmdSpoolDir=$BASE/state/d/%n
+SlurmctldPidFile=$BASE/run/slurmctld.pid
+SlurmdPidFile=$BASE/run/slurmd-%n.pid
+SlurmctldLogFile=$BASE/log/slurmctld.log
+SlurmdLogFile=$BASE/log/slurmd-%n.log
+MailProg=/bin/true
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=2
+MpiDefault=none
+SwitchType=switch/none
+ReturnToService=2
+SlurmdParameters=config_overrides
+KillWait=30
+MinJobAge=600
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+NodeName=n[1-$n] NodeHostname=localhost NodeAddr=127.0.0.1 Port=${SETDIFF_SLURMD_PORT:-17001}-$(( ${SETDIFF_SLURMD_PORT:-17001} + n - 1 )) CPUs=$cpus RealMemory=$mem State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+}
+
+add_hosts() {
+    grep -qF "$HOSTS_TAG" /etc/hosts && return 0
+    echo "127.0.0.1 $(node_names | tr '\n' ' ')$HOSTS_TAG" >>/etc/hosts
+}
+
+remove_hosts() {
+    grep -qF "$HOSTS_TAG" /etc/hosts || return 0
+    # /etc/hosts may be a bind mount: rewrite it in place rather than replace it
+    local kept
+    kept=$(grep -vF "$HOSTS_TAG" /etc/hosts)
+    printf '%s\n' "$kept" >/etc/hosts
+}
+
+alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+start() {
+    local n=${1:-2}
+    if alive "$BASE/run/slurmctld.pid"; then
+        log "already running (stop it first to change the node count)"; wait_idle; return 0
+    fi
+    install_packages
+    start_munge
+    write_conf "$n"
+    add_hosts
+    setsid nohup slurmctld -D -i -f "$CONF" >>"$BASE/log/slurmctld.out" 2>&1 </dev/null &
+    for node in $(node_names); do
+        setsid nohup slurmd -D -N "$node" -f "$CONF" >>"$BASE/log/slurmd-$node.out" 2>&1 \
+            </dev/null &
+    done
+    wait_idle
+    log "up: $n nodes; run: export SLURM_CONF=$CONF"
+}
+
+wait_idle() {
+    local n
+    n=$(node_names | wc -l)
+    for _ in $(seq 300); do
+        if [ "$(SLURM_CONF=$CONF sinfo -h -N -t idle,mixed,allocated -o %N 2>/dev/null \
+                | sort -u | wc -l)" -ge "$n" ]; then
+            return 0
+        fi
+        sleep 0.2
+    done
+    die "the nodes did not become idle in 60 s; see $BASE/log/"
+}
+
+stop() {
+    local pidfile pid
+    for pidfile in "$BASE"/run/slurmd-*.pid "$BASE/run/slurmctld.pid"; do
+        [ -e "$pidfile" ] || continue
+        pid=$(cat "$pidfile")
+        if kill -0 "$pid" 2>/dev/null; then
+            kill "$pid"
+            for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+            kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+        fi
+        rm -f "$pidfile"
+    done
+    [ -d "$BASE" ] && remove_hosts
+    log "stopped"
+}
+
+case "${1:-}" in
+    start) start "${2:-2}" ;;
+    stop) stop ;;
+    env) echo "export SLURM_CONF=$CONF" ;;
+    status)
+        if alive "$BASE/run/slurmctld.pid"; then SLURM_CONF=$CONF sinfo -N
+        else echo "not running"; exit 3; fi ;;
+    *) echo "usage: $0 start [NODES] | stop | status | env" >&2; exit 2 ;;
+esac

@@ -1,0 +1,52 @@
+# shellcheck shell=bash
+# Sourced by the sbatch scripts of this directory (not run by itself).
+#
+# Sets MASTER_ADDR / MASTER_PORT / NPROC_PER_NODE for the allocation and defines
+# `setdiff_torchrun ARGS...`, which starts one torchrun agent per node through srun with a c10d
+# rendezvous on the allocation's first node.
+#
+# Environment knobs (all optional):
+#   SETDIFF_ENV       a file to source first on every node (module loads, a virtualenv's
+#                     bin/activate, ...); by default the submitting shell's environment is used
+#                     (sbatch --export=ALL), so activate the environment before sbatch
+#   NPROC_PER_NODE    ranks per node; default: the GPUs Slurm gave the node, else 1
+#   MASTER_PORT       rendezvous port; default 20000 + job id mod 20000, so that concurrent jobs
+#                     on shared nodes do not collide and a requeued job gets the same one
+#   RDZV_TIMEOUT      seconds the agents wait for each other (default 900)
+# NCCL / gloo (exported by you, passed through to every rank):
+#   NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME   the interface to use (e.g. ib0, eth0, ^lo,docker)
+#   NCCL_IB_HCA, NCCL_IB_DISABLE=1            InfiniBand adapters, or plain TCP
+#   NCCL_DEBUG=INFO (NCCL_DEBUG_SUBSYS=INIT,NET) when a job hangs at start-up
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING=1         (torch's default) turns a hung collective into an
+#                                             error after the process-group timeout
+#   TORCH_DISTRIBUTED_DEBUG=DETAIL            reports mismatched collectives
+#   OMP_NUM_THREADS                           CPU threads per rank (torchrun sets 1 by default)
+
+if [ -n "${SETDIFF_ENV:-}" ]; then
+    # shellcheck disable=SC1090
+    source "$SETDIFF_ENV"
+fi
+command -v torchrun >/dev/null || { echo "setdiff: torchrun is not on PATH; activate the \
+environment that has setdiff-dist before sbatch, or set SETDIFF_ENV" >&2; exit 2; }
+
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+    NPROC_PER_NODE=${SLURM_GPUS_ON_NODE:-1}
+fi
+export MASTER_ADDR MASTER_PORT NPROC_PER_NODE
+
+setdiff_torchrun() {
+    # SIGUSR1 is ignored by the agents (a signal ignored before exec stays ignored), so that a
+    # preemption warning sent to the job's steps reaches the ranks, which install their own
+    # handler, without killing torchrun (whose default action on SIGUSR1 is to die).
+    srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$SLURM_NNODES" \
+        bash -c 'trap "" USR1; exec "$@"' setdiff-agent \
+        torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+        --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d \
+        --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
+        --rdzv-conf="join_timeout=${RDZV_TIMEOUT:-900}" --max-restarts=0 "$@"
+}
+
+echo "[setdiff] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST:" \
+     "$SLURM_NNODES node(s) x $NPROC_PER_NODE rank(s), rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
