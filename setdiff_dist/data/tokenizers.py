@@ -7,10 +7,13 @@
 | ``bpe:N`` | a byte-level BPE of N tokens trained on the input (HF tokenizers); setdiff-prep only |
 | ``bytes`` | UTF-8 bytes (256) plus an end-of-text token |
 | ``PATH`` | a directory holding ``tokenizer.json`` (what setdiff-prep ships next to its shards) |
+| ``hf:DIR`` | a Hugging Face model's ``tokenizer.json``; end-of-text = its ``eos_token`` |
 
 Each tokenizer has an *identity* (kind, vocabulary size, end-of-text id and the sha256 of its
 files) that setdiff-prep writes into the shard manifest and that training checks, so shards are
-never read with a different tokenizer than the one that wrote them.
+never read with a different tokenizer than the one that wrote them. A Hugging Face tokenizer whose
+end-of-text token is not ``<|endoftext|>`` (Llama 3's ``<|end_of_text|>``) also records that
+token's name (``eos_token``), so the shipped ``tokenizer.json`` loads with the same one.
 """
 
 from __future__ import annotations
@@ -79,22 +82,35 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face ``tokenizers`` tokenizer (GPT-2 BPE, or a trained / shipped byte-level BPE)."""
+    """A Hugging Face ``tokenizers`` tokenizer (GPT-2 BPE, a trained / shipped byte-level BPE, or
+    a pretrained model's ``tokenizer.json``).
 
-    def __init__(self, tok, kind: str, spec: str, sha256: str, source_file: Optional[str] = None):
+    Text is encoded without the post-processor's special tokens (a Llama 3 tokenizer would add
+    ``<|begin_of_text|>`` to every prompt and completion separately): documents are delimited by
+    the end-of-text token, as for every other tokenizer here."""
+
+    def __init__(self, tok, kind: str, spec: str, sha256: str, source_file: Optional[str] = None,
+                 eos_token: Optional[str] = None):
         self.tok, self.kind, self.spec, self.sha256 = tok, kind, spec, sha256
         self.source_file = source_file
+        self.eos_token = eos_token or EOT
         self.vocab_size = tok.get_vocab_size()
-        eos = tok.token_to_id(EOT)
+        eos = tok.token_to_id(self.eos_token)
         if eos is None:
-            raise TokenizerError(f"tokenizer {spec!r} has no {EOT} token")
+            raise TokenizerError(f"tokenizer {spec!r} has no {self.eos_token} token")
         self.eos_id = eos
 
+    def identity(self) -> dict:
+        ident = super().identity()
+        if self.eos_token != EOT:
+            ident["eos_token"] = self.eos_token
+        return ident
+
     def encode(self, text):
-        return self.tok.encode(text).ids
+        return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts):
-        return [e.ids for e in self.tok.encode_batch(texts)]
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids):
         return self.tok.decode(list(ids), skip_special_tokens=False)
@@ -152,8 +168,50 @@ def gpt2_files() -> tuple[str, str]:
     return os.path.join(d, "encoder.json"), os.path.join(d, "vocab.bpe")
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer named by ``spec`` (see the module docstring)."""
+def hf_eos_token(directory: str) -> Optional[str]:
+    """The end-of-text token of a Hugging Face model directory: ``eos_token`` of
+    ``tokenizer_config.json``, else the token of ``config.json``'s ``eos_token_id``; None when
+    neither names one (then ``<|endoftext|>`` is used)."""
+    import json
+
+    path = os.path.join(directory, "tokenizer_config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            eos = json.load(fh).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if eos:
+            return str(eos)
+    path = os.path.join(directory, "config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            eos_id = json.load(fh).get("eos_token_id")
+        if isinstance(eos_id, list):
+            eos_id = eos_id[0] if eos_id else None
+        if isinstance(eos_id, int):
+            from tokenizers import Tokenizer as HFTok
+
+            return HFTok.from_file(os.path.join(directory, "tokenizer.json")).id_to_token(eos_id)
+    return None
+
+
+def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Tokenizer:
+    """The tokenizer named by ``spec`` (see the module docstring); ``eos_token`` names the
+    end-of-text token of a ``tokenizer.json`` (default ``<|endoftext|>``)."""
+    if spec.startswith("hf:"):
+        directory = spec.split(":", 1)[1]
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise TokenizerError(f"tokenizer {spec}: {path} is missing (a Hugging Face model "
+                                 "directory with a fast tokenizer is needed)")
+        from tokenizers import Tokenizer as HFTok
+
+        try:
+            tok = HFTok.from_file(path)
+        except Exception as exc:
+            raise TokenizerError(f"{path}: not a Hugging Face tokenizer file ({exc})") from None
+        return HFTokenizer(tok, "hf", spec, _sha256_files(path), source_file=path,
+                           eos_token=eos_token or hf_eos_token(directory))
     if spec == "bytes":
         return ByteTokenizer()
     if spec == "gpt2":
@@ -175,11 +233,12 @@ def load_tokenizer(spec: str) -> Tokenizer:
             tok = HFTok.from_file(path)
         except Exception as exc:
             raise TokenizerError(f"{path}: not a Hugging Face tokenizer file ({exc})") from None
-        return HFTokenizer(tok, "hf", spec, _sha256_files(path), source_file=path)
+        return HFTokenizer(tok, "hf", spec, _sha256_files(path), source_file=path,
+                           eos_token=eos_token)
     if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.model")):
         return SentencePieceTokenizer(os.path.join(spec, "tokenizer.model"), spec)
     raise TokenizerError(f"unknown tokenizer {spec!r}: expected gpt2, bytes, sentencepiece:PATH, "
-                         "bpe:N (setdiff-prep), or a directory with tokenizer.json")
+                         "bpe:N (setdiff-prep), hf:DIR, or a directory with tokenizer.json")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
@@ -205,7 +264,8 @@ def load_shipped_tokenizer(directory: str, identity: dict) -> Tokenizer:
     """The tokenizer a manifest names: a shipped file in ``directory``, or a built-in spec."""
     if identity.get("file"):
         tok = load_tokenizer(os.path.join(directory, identity["file"]) if identity["file"].endswith(
-            ".json") else f"sentencepiece:{os.path.join(directory, identity['file'])}")
+            ".json") else f"sentencepiece:{os.path.join(directory, identity['file'])}",
+            eos_token=identity.get("eos_token"))
     else:
         tok = load_tokenizer(identity["spec"])
     if tok.sha256 != identity["sha256"]:

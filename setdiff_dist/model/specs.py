@@ -31,11 +31,11 @@ def layer_spec(model_cfg):
     """The ModuleSpec of one layer for a :class:`setdiff_dist.config.ModelConfig`."""
     norm = "RMSNorm" if model_cfg.normalization == "rmsnorm" else "LayerNorm"
     if model_cfg.layer_spec == "te":
-        spec = _require_te()(qk_layernorm=False)
+        spec = _require_te()(qk_layernorm=model_cfg.qk_norm)
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        spec = get_gpt_layer_local_spec(normalization=norm)
+        spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=model_cfg.qk_norm)
     attention = spec.submodules.self_attention
     attention.params = dict(attention.params, attn_mask_type=AttnMaskType.arbitrary)
     attention.submodules.core_attention = core_attention_class(model_cfg.attention_backend)

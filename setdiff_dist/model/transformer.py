@@ -43,6 +43,34 @@ def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:
 FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise"}  # ours -> megatron's names
 
 
+def rotary_inv_freq(model_cfg, head_dim: int) -> torch.Tensor:
+    """The rotary frequencies ``[head_dim / 2]`` of ``model.rotary_base`` and
+    ``model.rope_scaling``, computed as Hugging Face's Llama / Qwen3 compute them (same formula,
+    same float32 operations) so that imported checkpoints see the positions they were trained on:
+
+    - ``none``: ``base ** (-2i / head_dim)``;
+    - ``linear``: divided by ``rope_scaling_factor`` (the same as dividing the positions);
+    - ``llama3``: Llama 3.1's interpolation: wavelengths longer than
+      ``original_max / low_freq_factor`` are divided by the factor, shorter than
+      ``original_max / high_freq_factor`` kept, and the band between blended smoothly.
+    """
+    m = model_cfg
+    inv_freq = 1.0 / (m.rotary_base ** (torch.arange(0, head_dim, 2, dtype=torch.float32)
+                                        / head_dim))
+    if m.rope_scaling == "linear":
+        return inv_freq / m.rope_scaling_factor
+    if m.rope_scaling == "llama3":
+        factor, low, high = m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor
+        old_context = m.rope_original_max_positions
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
 def transformer_config(model_cfg, tensor: int = 1, pipeline: int = 1,
                        params_dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool = False,
@@ -54,6 +82,7 @@ def transformer_config(model_cfg, tensor: int = 1, pipeline: int = 1,
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        kv_channels=m.head_dim, qk_layernorm=m.qk_norm,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
         layernorm_epsilon=m.norm_epsilon,
@@ -112,9 +141,8 @@ class SetDiffusionTransformer(MegatronModule):
                 init_method=config.init_method, bias=False, gather_output=False,
                 skip_weight_param_allocation=pre_process and self.tie)
         _mark_tensor_parallel(self)
-        head_dim = config.kv_channels
-        self.register_buffer("inv_freq", 1.0 / (model_cfg.rotary_base ** (
-            torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), persistent=False)
+        self.register_buffer("inv_freq", rotary_inv_freq(model_cfg, config.kv_channels),
+                             persistent=False)
 
     # -- pipeline plumbing -------------------------------------------------------------------
     def set_input_tensor(self, input_tensor):

@@ -16,6 +16,7 @@ replaced atomically, so a crash at any point leaves ``latest`` at a complete che
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -205,11 +206,13 @@ def check_compatible(path: str, cfg, tokenizer_identity: dict) -> dict:
         raise CheckpointError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
     diffs = []
     model = cfg.to_dict()["model"]
-    for key in sorted(set(model) | set(m["model"])):
+    # a key added after the checkpoint was written has its default there (e.g. model.head_dim)
+    saved = dict(dataclasses.asdict(type(cfg.model)()), **m["model"])
+    for key in sorted(set(model) | set(saved)):
         if key in ("attention_backend", "attention_dropout", "hidden_dropout"):
             continue  # kernels and dropout may change between runs
-        if model.get(key) != m["model"].get(key):
-            diffs.append(f"model.{key}: checkpoint {m['model'].get(key)!r}, this run "
+        if model.get(key) != saved.get(key):
+            diffs.append(f"model.{key}: checkpoint {saved.get(key)!r}, this run "
                          f"{model.get(key)!r}")
     here = layout()
     for key, name in (("tensor", "parallel.tensor"), ("pipeline", "parallel.pipeline"),

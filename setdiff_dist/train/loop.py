@@ -55,7 +55,7 @@ class Trainer:
                                     sequence_parallel=par.sequence_parallel,
                                     fp8_recipe=cfg.train.fp8_recipe
                                     if cfg.train.precision == "fp8" else None)
-        self.model = build_model(cfg.model, config, seed=cfg.train.seed).to(self.device)
+        self.model = self._initial_model(config).to(self.device)
         self.engine = build_engine(cfg, self.model)
         self.objective = Objective(cfg, seed=cfg.train.seed)
         self.eval_objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1)
@@ -82,6 +82,25 @@ class Trainer:
                                 f"model.vocab_size={self.cfg.model.vocab_size}; set "
                                 f"model.vocab_size={tok.vocab_size}")
         return train, valid, tok
+
+    def _initial_model(self, config):
+        """Weights drawn from the seed, or those of a Hugging Face checkpoint
+        (``checkpoint.init_from_hf``, read per rank in this layout) when there is no checkpoint
+        to resume: a resumed run continues from its own checkpoint, never from the import."""
+        self.initialized_from = None
+        hf = self.cfg.checkpoint.init_from_hf
+        if not hf or checkpoint.resolve(self.cfg) is not None:
+            return build_model(self.cfg.model, config, seed=self.cfg.train.seed)
+        from setdiff_dist.model.hf import HFCheckpointError, build_model_from_hf
+
+        try:
+            model = build_model_from_hf(self.cfg.model, config, hf)
+        except HFCheckpointError as exc:
+            raise TrainingError(f"checkpoint.init_from_hf={hf}: {exc}") from None
+        self.initialized_from = hf
+        if self.rank == 0:
+            print(f"initialized from the Hugging Face checkpoint {hf}", flush=True)
+        return model
 
     def _resume(self):
         path = checkpoint.resolve(self.cfg)
