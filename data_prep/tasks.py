@@ -9,7 +9,8 @@
   ``answer``. Prepare them for fine-tuning with
   ``setdiff-prep --mode padded --prompt-field prompt --text-field completion``.
 - ``infill``: ROCStories-style infilling on real prose: windows of five consecutive KJV verses
-  (within a chapter), the middle one or three to fill. Records: ``left``, ``middle``, ``right``,
+  (within a chapter), or with ``--unit clause`` five clauses (sentence-sized, so that a window
+  fits L = 128), the middle one or three to fill. Records: ``left``, ``middle``, ``right``,
   ``n_middle``, ``source``.
 
 (No summarization proxy yet: the offline candidate, the gensim enwiki sample, needs a 25 MB
@@ -22,7 +23,9 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
+from typing import Optional
 
 from .corpus import kjv_verses
 
@@ -43,26 +46,52 @@ def gsm(size: int, seed: int) -> list[dict]:
     return out
 
 
-def infill(size: int, seed: int) -> list[dict]:
+CLAUSE_END = re.compile(r"(?<=[.;:?!])\s+")
+
+
+def _units(verses: list[dict], unit: str) -> list[tuple[str, str]]:
+    """A chapter's verses as (text, citation) units: the verses themselves, or their clauses
+    (split after . ; : ? !, at least three words), which are sentence-sized like ROCStories'
+    sentences, so that five of them fit a short context (L = 128)."""
+    if unit == "verse":
+        return [(v["text"].strip(), v["citation"]) for v in verses]
+    out = []
+    for v in verses:
+        for part in CLAUSE_END.split(v["text"].strip()):
+            if len(part.split()) >= 3:
+                out.append((part, v["citation"]))
+            elif out:  # a fragment joins the clause before it
+                out[-1] = (out[-1][0] + " " + part, out[-1][1])
+    return out
+
+
+def infill(size: int, seed: int, chapters: Optional[set] = None,
+           unit: str = "verse") -> list[dict]:
+    """``size`` windows of five consecutive units of one chapter (all windows when fewer), the
+    middle one or three to fill. ``unit`` is ``verse`` or ``clause``; ``chapters`` restricts the
+    windows to chapters named as ``setdiff-corpus`` names its KJV documents (``"Genesis 1"``),
+    e.g. a held-out split."""
+    if unit not in ("verse", "clause"):
+        raise ValueError(f"unit must be verse or clause, got {unit!r}")
     rng = random.Random(seed)
-    windows, chapter, verses = [], None, []
+    by_chapter: dict = {}
     for v in kjv_verses():
-        key = (v["book"], v["chapter"])
-        if key != chapter:
-            verses, chapter = [], key
-        verses.append(v)
-        if len(verses) == 5:
-            windows.append(verses)
-            verses = []
+        name = f"{v['book']} {v['chapter']}"
+        if chapters is None or name in chapters:
+            by_chapter.setdefault(name, []).append(v)
+    windows = []
+    for verses in by_chapter.values():
+        units = _units(verses, unit)
+        windows += [units[i:i + 5] for i in range(0, len(units) - 4, 5)]
     rng.shuffle(windows)
     out = []
     for w in windows[:size]:
         n = rng.choice((1, 3))
-        s = [v["text"].strip() for v in w]
+        s = [text for text, _ in w]
         lo = (5 - n) // 2
         out.append({"left": " ".join(s[:lo]), "middle": " ".join(s[lo:lo + n]),
-                    "right": " ".join(s[lo + n:]), "n_middle": n,
-                    "source": f"{w[0]['citation']}-{w[-1]['verse']}"})
+                    "right": " ".join(s[lo + n:]), "n_middle": n, "unit": unit,
+                    "source": f"{w[0][1]}-{w[-1][1].rsplit(':', 1)[1]}"})
     return out
 
 
@@ -73,9 +102,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output .jsonl")
     ap.add_argument("--size", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--unit", choices=("verse", "clause"), default="verse",
+                    help="infill: five verses, or five clauses (sentence-sized; fit L = 128)")
     args = ap.parse_args(argv)
     try:
-        records = (gsm if args.task == "gsm" else infill)(args.size, args.seed)
+        if args.task == "gsm":
+            records = gsm(args.size, args.seed)
+        else:
+            records = infill(args.size, args.seed, unit=args.unit)
     except RuntimeError as exc:
         print(f"setdiff-tasks: error: {exc}", file=sys.stderr)
         return 2

@@ -30,3 +30,11 @@ def test_task_sets(tmp_path):
         assert r["left"] and r["middle"] and r["right"]
         first, last = r["source"].rsplit(":", 1)[1].split("-")
         assert int(last) - int(first) == 4  # five consecutive verses
+    # sentence-sized units from chosen (e.g. held-out) chapters only
+    clauses = tasks.infill(10 ** 6, seed=0, chapters={"Genesis 1", "John 3"}, unit="clause")
+    assert {r["source"].rsplit(":", 1)[0] for r in clauses} == {"Genesis 1", "John 3"}
+    first = next(r for r in clauses if r["source"].startswith("Genesis 1:1-"))
+    assert first["left"].startswith("In the beginning God created the heaven and the earth.")
+    assert all(len(r["middle"].split()) >= 3 * r["n_middle"] for r in clauses)
+    assert len(clauses) > 1.4 * len(tasks.infill(10 ** 6, seed=0, chapters={"Genesis 1",
+                                                                           "John 3"}))

@@ -217,6 +217,8 @@ def test_block_and_mdlm_baselines_decode_through_the_same_model(tmp_path):
     # one token per step; steps count forward passes: block decoding pays the prompt, one per
     # token and one more per finished block (to cache it); MDLM one per token
     assert r["block_steps"] == 1 + 8 + 2
+    assert r["block_denoising"] == 8  # the papers' count: without the prompt and cache passes
+    assert r["mdlm_empty"] == r["mdlm"] and r["mdlm_infill"] == 3 == r["mdlm_infill_steps"]
     assert r["mdlm_steps"] == 8
     assert r["mdlm_fast_steps"] < 8  # a low threshold unmasks several tokens per step
     # with block size 1 the block decoder is AR decoding: equal to the cached set decoder
@@ -236,7 +238,12 @@ def _baselines(rank, out):
     m = dec.mdlm(prompt, 8, sampling=greedy)
     fast = dec.mdlm(prompt, 8, threshold=0.0, sampling=greedy)
     b1 = dec.block(prompt, 8, block_size=1, sampling=greedy)
+    # MDLM infilling: the right context is given; an empty one is plain continuation
+    m_empty = dec.mdlm(prompt, 8, sampling=greedy, right=[])
+    m_infill = dec.mdlm(prompt, 3, sampling=greedy, right=[4, 4, 6])
     ar = dec.generate([prompt], 8, window=1, sampling=greedy)[0]
     torch.save({"block": b.tokens, "block_steps": b.steps, "mdlm": m.tokens,
                 "mdlm_steps": m.steps, "mdlm_fast_steps": fast.steps, "block1": b1.tokens,
-                "ar": ar.tokens}, out / "baselines.pt")
+                "ar": ar.tokens, "block_denoising": b.denoising_steps,
+                "mdlm_empty": m_empty.tokens, "mdlm_infill": len(m_infill.tokens),
+                "mdlm_infill_steps": m_infill.steps}, out / "baselines.pt")

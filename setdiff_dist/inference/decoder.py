@@ -73,12 +73,21 @@ class _Sample:
 class Result:
     tokens: list        # generated token ids (stop marker excluded)
     text: str
-    steps: int
+    steps: int          # forward passes, every one (prefill and cache-only passes included)
     seconds: float
+    denoising_steps: Optional[int] = None  # passes that decode tokens; None = steps
 
     @property
     def tokens_per_step(self) -> float:
+        """Tokens per forward pass: what decides the speed."""
         return len(self.tokens) / max(self.steps, 1)
+
+    @property
+    def tokens_per_denoising_step(self) -> float:
+        """Tokens per decoding step as the papers count them: BD3LM's extra pass that caches a
+        finished block, and its prompt pass, are not steps there (set decoding has neither)."""
+        steps = self.steps if self.denoising_steps is None else self.denoising_steps
+        return len(self.tokens) / max(steps, 1)
 
 
 class SetDecoder:
@@ -362,6 +371,7 @@ class BaselineDecoder(SetDecoder):
         P = len(prompt)
         self._forward(cache, prompt, list(range(P)), torch.ones(P, P).tril().bool(), True)
         s.steps += 1
+        cache_passes = 1
         for b0 in range(P, P + max_new_tokens, block_size):
             block = list(range(b0, min(b0 + block_size, P + max_new_tokens)))
             everyone = torch.ones(len(block), len(block), dtype=torch.bool)
@@ -377,26 +387,37 @@ class BaselineDecoder(SetDecoder):
             # the finished block enters the cache as clean tokens (in-block attention: a set)
             self._forward(cache, [s.tokens[p] for p in block], block, everyone, True)
             s.steps += 1  # steps count forward passes, so that tokens/step compare across modes
+            cache_passes += 1
         ids = [s.tokens[p] for p in s.region]
-        return Result(ids, self.tok.decode(ids), s.steps, time.perf_counter() - start)
+        return Result(ids, self.tok.decode(ids), s.steps, time.perf_counter() - start,
+                      denoising_steps=s.steps - cache_passes)
 
     def mdlm(self, prompt: list[int], max_new_tokens: int, threshold: float = math.inf,
-             sampling: Sampling = Sampling()) -> Result:
+             sampling: Sampling = Sampling(), right: Optional[list[int]] = None) -> Result:
+        """MDLM's sampler; with ``right`` it infills ``max_new_tokens`` between ``prompt`` and
+        ``right``, both given as context (revealed first, causal in position order, as the
+        training order treats context), which the masked span sees in full."""
         if not prompt:
             raise DecodeError("the prompt is empty")
         gen = torch.Generator().manual_seed(sampling.seed)
-        P, N = len(prompt), max_new_tokens
-        s = _Sample(tokens=list(prompt) + [None] * N, region=list(range(P, P + N)),
+        right = list(right or [])
+        P, N, R = len(prompt), max_new_tokens, len(right)
+        if P + N + R > self.context:
+            raise DecodeError(f"{P} + {N} + {R} tokens exceed the model's context of "
+                              f"{self.context}")
+        s = _Sample(tokens=list(prompt) + [None] * N + right, region=list(range(P, P + N)),
                     prompt_len=P)
-        # the prompt is causal; the continuation is one set: it sees the prompt and itself
-        own = torch.zeros(P + N, P + N, dtype=torch.bool)
-        own[:P, :P] = torch.ones(P, P).tril().bool()
-        own[P:, :] = True
+        # the context is causal in position order and never sees the span; the span is one
+        # set: it sees all of the context and itself
+        T = P + N + R
+        own = torch.ones(T, T).tril().bool()
+        own[:, P:P + N] = False
+        own[P:P + N, :] = True
         start = time.perf_counter()
         while s.masked():
             cache = KVCache(self.model.config.num_layers, 1, self.device)  # nothing is reused
             ids = [self.mask_id if t is None else t for t in s.tokens]
-            logits = self._forward(cache, ids, list(range(P + N)), own, False)
+            logits = self._forward(cache, ids, list(range(T)), own, False)
             masked = s.masked()
             picks = self._choose(logits[masked], masked, s, sampling, gen, threshold)
             for pos, tok in picks:
