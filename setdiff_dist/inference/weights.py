@@ -114,9 +114,17 @@ def read_full_state_dict(path: str):
 
 def export(path: str, out: str) -> dict:
     """``setdiff-convert``: one safetensors file of full tensors, with config and tokenizer."""
+    state, cfg, tok, src = read_full_state_dict(path)
+    return write_export(out, state, cfg, tok, src)
+
+
+def write_export(out: str, state: dict, cfg, tok, source: str, extra_meta: Optional[dict] = None,
+                 extra_files: Optional[dict] = None) -> dict:
+    """Write an export directory (``model.safetensors`` of full tensors, ``config.yaml``, the
+    tokenizer, ``export.json`` and any ``extra_files`` {name: JSON-able}) through a temporary
+    directory, so that a failure leaves nothing half-written at ``out``."""
     from safetensors.torch import save_file
 
-    state, cfg, tok, src = read_full_state_dict(path)
     if os.path.exists(out) and os.listdir(out):
         raise LoadError(f"{out} exists and is not empty")
     tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
@@ -125,9 +133,12 @@ def export(path: str, out: str) -> dict:
               os.path.join(tmp, "model.safetensors"), metadata={"format": EXPORT_FORMAT})
     with open(os.path.join(tmp, "config.yaml"), "w") as fh:
         fh.write(cfg.to_yaml())
+    for name, obj in (extra_files or {}).items():
+        with open(os.path.join(tmp, name), "w") as fh:
+            json.dump(obj, fh, indent=2)
     identity = dict(tok.identity(), file=tok.save(tmp))
-    meta = {"format": EXPORT_FORMAT, "source": os.path.abspath(src), "tokenizer": identity,
-            "parameters": int(sum(v.numel() for v in state.values()))}
+    meta = {"format": EXPORT_FORMAT, "source": os.path.abspath(source), "tokenizer": identity,
+            "parameters": int(sum(v.numel() for v in state.values())), **(extra_meta or {})}
     with open(os.path.join(tmp, "export.json"), "w") as fh:
         json.dump(meta, fh, indent=2)
     if os.path.exists(out):

@@ -604,11 +604,9 @@ def import_hf(directory: str, out: str, tokenizer: Optional[str] = None) -> dict
     original ``config.json`` as ``hf_config.json`` for the way back). ``setdiff-generate`` and
     ``setdiff-eval`` read it directly; training starts from the HF directory itself
     (``checkpoint.init_from_hf``), sharded per rank."""
-    from safetensors.torch import save_file
-
     from setdiff_dist.config import Config
     from setdiff_dist.data.tokenizers import TokenizerError, load_tokenizer
-    from setdiff_dist.inference.weights import EXPORT_FORMAT
+    from setdiff_dist.inference.weights import write_export
 
     state, model_cfg, ckpt = read_hf_state(directory)
     spec = tokenizer or f"hf:{directory}"
@@ -624,22 +622,7 @@ def import_hf(directory: str, out: str, tokenizer: Optional[str] = None) -> dict
     cfg = Config(model=model_cfg)
     cfg.order.kind = "causal"  # what the weights are until fine-tuned: decode them as an LM
     cfg.data.seq_len = min(int(ckpt.hf.get("max_position_embeddings") or 4096), 4096)
-    tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()},
-              os.path.join(tmp, "model.safetensors"), metadata={"format": EXPORT_FORMAT})
-    with open(os.path.join(tmp, "config.yaml"), "w") as fh:
-        fh.write(cfg.to_yaml())
-    with open(os.path.join(tmp, "hf_config.json"), "w") as fh:
-        json.dump(ckpt.hf, fh, indent=2)
-    identity = dict(tok.identity(), file=tok.save(tmp))
-    meta = {"format": EXPORT_FORMAT, "source": os.path.abspath(directory), "tokenizer": identity,
-            "parameters": int(sum(v.numel() for v in state.values())),
-            "imported_from": ckpt.architecture}
-    with open(os.path.join(tmp, "export.json"), "w") as fh:
-        json.dump(meta, fh, indent=2)
-    if os.path.exists(out):
-        os.rmdir(out)
-    os.replace(tmp, out)
-    return meta
+    return write_export(out, state, cfg, tok, directory,
+                        extra_meta={"imported_from": ckpt.architecture},
+                        extra_files={"hf_config.json": ckpt.hf})
 
