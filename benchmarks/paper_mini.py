@@ -39,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 TAUS = [math.inf, 0.99, 0.95, 0.9, 0.8, 0.7, 0.6]
+PARALLEL_STEPS = 1.2  # "more than one token per step": at least this many at the lowest tau
 SEEDS = {"corpus split": "every 20th document held out", "training": 20261130,
          "evaluation orders": "order.eval_seed (20260707)", "infill windows": 0,
          "sampling": "prompt index i -> seed i"}
@@ -331,7 +332,8 @@ def claims(results: dict) -> list[dict]:
     out = []
 
     def add(claim, held, measured):
-        out.append({"claim": claim, "held": bool(held), "measured": measured})
+        out.append({"claim": claim, "held": None if held is None else bool(held),
+                    "measured": measured})
 
     if {"setdlm-d4", "bd3lm-4", "mdlm", "ar"} <= ppl.keys():
         add("SetDLM's bound is tighter than BD3LM's and MDLM's",
@@ -350,12 +352,16 @@ def claims(results: dict) -> list[dict]:
         sw = ev["setdlm-d4"]["sweep"]
         steps = [r["tokens_per_step"] for r in sw]
         ppls = [r["gen_ppl"] for r in sw]
-        add("Lowering tau gives more than one token per step, rising smoothly",
-            steps[-1] > 1.0 and all(b >= a - 0.02 for a, b in zip(steps, steps[1:])),
+        faster = steps[-1] >= PARALLEL_STEPS
+        add(f"Lowering tau gives more than one token per step (at least {PARALLEL_STEPS} at "
+            "tau = 0.6), rising smoothly",
+            faster and all(b >= a - 0.02 for a, b in zip(steps, steps[1:])),
             "tokens/step " + " -> ".join(f"{s:.2f}" for s in steps))
-        add("... at a smooth cost in quality (generative PPL rises as tau falls)",
-            ppls[-1] >= ppls[0],
-            "gen PPL " + " -> ".join(f"{p:.1f}" for p in ppls))
+        # the price in quality is only measurable where there was a speed-up to pay for
+        add("... at a smooth cost in quality (generative PPL rises gradually as tau falls)",
+            (ppls[-1] >= ppls[0]) if faster else None,
+            "gen PPL " + " -> ".join(f"{p:.1f}" for p in ppls)
+            + ("" if faster else " (no speed-up, so nothing was traded)"))
     return out
 
 
@@ -422,7 +428,8 @@ def report(out: str, results: dict) -> str:
     labels = {m.name: m.label for m in MODELS}
     lines = ["# Miniature reproduction: results", "",
              f"Machine: {results['machine']}. Mode: {results['mode']}. "
-             f"Total {results['seconds'] / 60:.1f} min.", "",
+             f"Time of all stages {sum(results['timings'].values()) / 60:.1f} min (this "
+             f"invocation {results['seconds'] / 60:.1f} min; finished stages are reused).", "",
              "## Headline", "",
              "| model | PPL (bound) | infill ROUGE-L | tokens/step at tau=0.9 | gen PPL at tau=0.9 |",
              "| --- | --- | --- | --- | --- |"]
@@ -434,7 +441,8 @@ def report(out: str, results: dict) -> str:
                      f"{row['gen_ppl']:.1f} |")
     lines += ["", "## Claims", "", "| claim | held? | measured |", "| --- | --- | --- |"]
     for c in results["claims"]:
-        lines.append(f"| {c['claim']} | {'yes' if c['held'] else 'NO'} | {c['measured']} |")
+        verdict = "not tested" if c["held"] is None else ("yes" if c["held"] else "NO")
+        lines.append(f"| {c['claim']} | {verdict} | {c['measured']} |")
     lines += ["", "## Training", "", "| model | steps | final train loss | tokens/s | minutes |",
               "| --- | --- | --- | --- | --- |"]
     for n, t in tr.items():
@@ -442,7 +450,7 @@ def report(out: str, results: dict) -> str:
                      f"{t['tokens_per_s']:.0f} | {t['seconds'] / 60:.1f} |")
     lines += ["", "## Infilling", "",
               "| model | sees right context | ROUGE-1 | ROUGE-2 | ROUGE-L | ROUGE-L (1 / 3 "
-              "verses) | tokens/s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+              "clauses) | tokens/s |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for n, e in ev.items():
         i = e["infill"]
         lines.append(f"| {labels[n]} | {'yes' if i['uses_right_context'] else 'no'} | "
