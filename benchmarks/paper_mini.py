@@ -103,6 +103,7 @@ def prepare_data(out: str, budget: Budget) -> dict:
     from data_prep.prep import prepare
     from data_prep.tasks import infill
     from setdiff_dist.data.tokenizers import load_tokenizer
+    from setdiff_dist.eval.tasks import infill_window
 
     d = os.path.join(out, "data")
     done = os.path.join(d, "data.json")
@@ -127,9 +128,7 @@ def prepare_data(out: str, budget: Budget) -> dict:
     tok = load_tokenizer(os.path.join(shards, "tokenizer.json"))
     windows, kept = infill(10 ** 9, seed=0, chapters=held_out, unit="clause"), []
     for w in windows:
-        n = len(tok.encode(w["left"] + " ")) + len(tok.encode(w["middle"])) + len(
-            tok.encode(" " + w["right"]))
-        if n <= 128:
+        if sum(len(ids) for ids in infill_window(tok, w)) <= 128:
             kept.append(w)
         if len(kept) == budget.infill_windows:
             break
@@ -232,8 +231,7 @@ def _decode(dec, m: Model, prompt, n, tau, sampling, right=None):
 def evaluate(out: str, m: Model, data: dict, budget: Budget, scorer: Scorer) -> dict:
     import numpy as np
 
-    from setdiff_dist.data.shards import ShardSet
-    from setdiff_dist.eval.tasks import perplexity, rouge
+    from setdiff_dist.eval.tasks import infill_window, perplexity, rouge
     from setdiff_dist.inference.decoder import Sampling
     from setdiff_dist.inference.weights import build_inference_model
 
@@ -252,9 +250,8 @@ def evaluate(out: str, m: Model, data: dict, budget: Budget, scorer: Scorer) -> 
     # infilling: oracle length, greedy; AR and BD3LM cannot use the right context
     rows = []
     for w in (json.loads(x) for x in open(data["infill"])):
-        left, right = tok.encode(w["left"] + " "), tok.encode(" " + w["right"])
-        n = len(tok.encode(w["middle"]))
-        r = _decode(dec, m, left, n, math.inf, greedy,
+        left, middle, right = infill_window(tok, w)
+        r = _decode(dec, m, left, len(middle), math.inf, greedy,
                     right=right if m.decoder in ("set", "mdlm") else None)
         rows.append({**rouge(r.text, w["middle"]), "n_middle": w["n_middle"],
                      "tokens": len(r.tokens), "seconds": r.seconds, "text": r.text})
@@ -270,10 +267,7 @@ def evaluate(out: str, m: Model, data: dict, budget: Budget, scorer: Scorer) -> 
     log(f"{m.name}: infill ROUGE-L {res['infill']['rougeL']:.3f}")
 
     # speed and quality: continuations of validation prompts
-    valid = ShardSet(data["shards"], "valid", seq_len=128)
-    stride = max(len(valid) // budget.sweep_prompts, 1)
-    prompts = [[int(t) for t in valid[i * stride][0][:budget.prompt_tokens]]
-               for i in range(budget.sweep_prompts)]
+    prompts = [ids[:budget.prompt_tokens] for ids in sweep_sequences(data, budget)]
     taus = [math.inf] if m.decoder in ("causal", "mdlm") else TAUS
     res["sweep"] = []
     for tau in taus:
@@ -300,16 +294,21 @@ def evaluate(out: str, m: Model, data: dict, budget: Budget, scorer: Scorer) -> 
     return res
 
 
-def reference_quality(data: dict, budget: Budget, scorer: Scorer) -> dict:
-    """The same measures on the real continuations of the same prompts (what text scores)."""
+def sweep_sequences(data: dict, budget: Budget) -> list[list[int]]:
+    """``budget.sweep_prompts`` validation sequences spread evenly over the split: their first
+    ``prompt_tokens`` are the sweep's prompts, the rest the real continuations."""
     from setdiff_dist.data.shards import ShardSet
 
     valid = ShardSet(data["shards"], "valid", seq_len=128)
     stride = max(len(valid) // budget.sweep_prompts, 1)
+    return [[int(t) for t in valid[i * stride][0]] for i in range(budget.sweep_prompts)]
+
+
+def reference_quality(data: dict, budget: Budget, scorer: Scorer) -> dict:
+    """The same measures on the real continuations of the same prompts (what text scores)."""
     nll = count = 0
     samples = []
-    for i in range(budget.sweep_prompts):
-        ids = [int(t) for t in valid[i * stride][0]]
+    for ids in sweep_sequences(data, budget):
         p = ids[:budget.prompt_tokens]
         cont = ids[budget.prompt_tokens:budget.prompt_tokens + budget.new_tokens]
         s, c = scorer.nll(p, cont)

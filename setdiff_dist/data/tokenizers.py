@@ -195,6 +195,18 @@ def hf_eos_token(directory: str) -> Optional[str]:
     return None
 
 
+def _tokenizer_json(path: str, spec: str, eos_token: Optional[str]) -> HFTokenizer:
+    """A ``tokenizer.json`` file (shipped with shards, or a Hugging Face model's)."""
+    from tokenizers import Tokenizer as HFTok
+
+    try:
+        tok = HFTok.from_file(path)
+    except Exception as exc:
+        raise TokenizerError(f"{path}: not a Hugging Face tokenizer file ({exc})") from None
+    return HFTokenizer(tok, "hf", spec, _sha256_files(path), source_file=path,
+                       eos_token=eos_token)
+
+
 def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Tokenizer:
     """The tokenizer named by ``spec`` (see the module docstring); ``eos_token`` names the
     end-of-text token of a ``tokenizer.json`` (default ``<|endoftext|>``)."""
@@ -204,14 +216,7 @@ def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Tokenizer:
         if not os.path.isfile(path):
             raise TokenizerError(f"tokenizer {spec}: {path} is missing (a Hugging Face model "
                                  "directory with a fast tokenizer is needed)")
-        from tokenizers import Tokenizer as HFTok
-
-        try:
-            tok = HFTok.from_file(path)
-        except Exception as exc:
-            raise TokenizerError(f"{path}: not a Hugging Face tokenizer file ({exc})") from None
-        return HFTokenizer(tok, "hf", spec, _sha256_files(path), source_file=path,
-                           eos_token=eos_token or hf_eos_token(directory))
+        return _tokenizer_json(path, spec, eos_token or hf_eos_token(directory))
     if spec == "bytes":
         return ByteTokenizer()
     if spec == "gpt2":
@@ -227,14 +232,7 @@ def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Tokenizer:
                              "the trained one from the shard directory instead")
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
     if os.path.isfile(path) and path.endswith(".json"):
-        from tokenizers import Tokenizer as HFTok
-
-        try:
-            tok = HFTok.from_file(path)
-        except Exception as exc:
-            raise TokenizerError(f"{path}: not a Hugging Face tokenizer file ({exc})") from None
-        return HFTokenizer(tok, "hf", spec, _sha256_files(path), source_file=path,
-                           eos_token=eos_token)
+        return _tokenizer_json(path, spec, eos_token)
     if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.model")):
         return SentencePieceTokenizer(os.path.join(spec, "tokenizer.model"), spec)
     raise TokenizerError(f"unknown tokenizer {spec!r}: expected gpt2, bytes, sentencepiece:PATH, "

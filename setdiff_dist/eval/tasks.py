@@ -79,13 +79,18 @@ def _records(path: str, limit: int) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()][:limit]
 
 
+def infill_window(tok, rec: dict) -> tuple[list[int], list[int], list[int]]:
+    """The token ids ``(left, middle, right)`` of a ``setdiff-tasks infill`` record, the
+    separating spaces kept with the contexts."""
+    return (tok.encode(rec["left"] + " "), tok.encode(rec["middle"]),
+            tok.encode(" " + rec["right"]))
+
+
 def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, threshold: float,
               sampling: Sampling) -> dict:
     scores, examples, skipped = [], [], 0
     for rec in _records(path, limit):
-        left = tok.encode(rec["left"] + " ")
-        middle = tok.encode(rec["middle"])
-        right = tok.encode(" " + rec["right"])
+        left, middle, right = infill_window(tok, rec)
         n = len(middle)
         try:
             r = decoder.infill([left], [right], [n], window=min(window, n), threshold=threshold,

@@ -36,12 +36,9 @@ def resolve(path: str) -> tuple[str, str]:
         raise LoadError(f"--checkpoint {path}: no such directory")
     if os.path.isfile(os.path.join(path, "export.json")):
         return "export", path
-    for candidate in (path, os.path.join(path, "checkpoints")):
-        pointer = os.path.join(candidate, "latest")
-        if os.path.isfile(pointer):
-            with open(pointer) as fh:
-                path = os.path.join(candidate, fh.read().strip())
-            break
+    from setdiff_dist.train.checkpoint import step_directory
+
+    path = step_directory(path)
     if not os.path.isfile(os.path.join(path, "manifest.json")):
         raise LoadError(f"{path} is neither a setdiff-convert export nor a complete checkpoint "
                         "(no export.json, manifest.json or checkpoints/latest)")

@@ -45,6 +45,12 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# per-layer weights that map one to one (our name after "decoder.layers.N." -> HF's after
+# "model.layers.N."); Qwen3's per-head QK norms only with model.qk_norm
+LAYER_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
+               "pre_mlp_layernorm.weight": "post_attention_layernorm.weight"}
+QK_NORMS = {"self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+            "self_attention.k_layernorm.weight": "self_attn.k_norm.weight"}
 # tensors some checkpoints carry that hold no weights (recomputed buffers)
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # the ModelConfig keys an HF config determines (everything else is training-time choice)
@@ -342,12 +348,9 @@ class HFCheckpoint:
         if not match:
             raise HFCheckpointError(f"no Hugging Face tensor corresponds to {gname}")
         p, rest = f"model.layers.{match.group(1)}.", match.group(2)
-        simple = {"input_layernorm.weight": "input_layernorm.weight",
-                  "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-                  "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-                  "self_attention.k_layernorm.weight": "self_attn.k_norm.weight"}
-        if rest in simple:
-            return self.slice(p + simple[rest])[:]
+        norms = {**LAYER_NORMS, **QK_NORMS}
+        if rest in norms:
+            return self.slice(p + norms[rest])[:]
         d, H, G, f = m.head_dim, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
         if rest == "self_attention.linear_qkv.weight":
             # megatron's rows: per key/value group g, [q of g's heads ; k_g ; v_g]; TP ranks
@@ -454,18 +457,15 @@ def hf_tensors(state: dict, model_cfg) -> dict[str, torch.Tensor]:
         s, p = f"decoder.layers.{i}.", f"model.layers.{i}."
         qkv = state[s + "self_attention.linear_qkv.weight"].view(G, H // G + 2, d, -1)
         fc1 = state[s + "mlp.linear_fc1.weight"]
+        norms = {**LAYER_NORMS, **(QK_NORMS if m.qk_norm else {})}
+        out.update({p + hf: state[s + ours] for ours, hf in norms.items()})
         out.update({
-            p + "input_layernorm.weight": state[s + "input_layernorm.weight"],
-            p + "post_attention_layernorm.weight": state[s + "pre_mlp_layernorm.weight"],
             p + "self_attn.q_proj.weight": qkv[:, :H // G].reshape(H * d, -1),
             p + "self_attn.k_proj.weight": qkv[:, H // G].reshape(G * d, -1),
             p + "self_attn.v_proj.weight": qkv[:, H // G + 1].reshape(G * d, -1),
             p + "self_attn.o_proj.weight": state[s + "self_attention.linear_proj.weight"],
             p + "mlp.gate_proj.weight": fc1[:f], p + "mlp.up_proj.weight": fc1[f:],
             p + "mlp.down_proj.weight": state[s + "mlp.linear_fc2.weight"]})
-        if m.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = state[s + "self_attention.q_layernorm.weight"]
-            out[p + "self_attn.k_norm.weight"] = state[s + "self_attention.k_layernorm.weight"]
     return out
 
 

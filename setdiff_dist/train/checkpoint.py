@@ -165,14 +165,28 @@ def _prune(root: str, keep_last: int, keep: str) -> None:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
-def resolve_latest(run_dir: str) -> Optional[str]:
-    """The checkpoint ``latest`` points at in ``run_dir``, or None when there is none yet."""
-    pointer = os.path.join(checkpoint_root(run_dir), LATEST)
+def pointed(root: str) -> Optional[str]:
+    """The checkpoint directory ``root/latest`` names, or None without that pointer."""
+    pointer = os.path.join(root, LATEST)
     if not os.path.isfile(pointer):
         return None
     with open(pointer) as fh:
-        path = os.path.join(checkpoint_root(run_dir), fh.read().strip())
+        return os.path.join(root, fh.read().strip())
+
+
+def step_directory(path: str) -> str:
+    """The checkpoint a run directory or a checkpoints directory points at (``latest``); a
+    step_* directory itself otherwise."""
+    return pointed(path) or pointed(os.path.join(path, "checkpoints")) or path
+
+
+def resolve_latest(run_dir: str) -> Optional[str]:
+    """The checkpoint ``latest`` points at in ``run_dir``, or None when there is none yet."""
+    path = pointed(checkpoint_root(run_dir))
+    if path is None:
+        return None
     if not os.path.isfile(os.path.join(path, "manifest.json")):
+        pointer = os.path.join(checkpoint_root(run_dir), LATEST)
         raise CheckpointError(f"{pointer} points at {path}, which is not a complete "
                               "checkpoint; remove the pointer or set resume=never / a path")
     return path
@@ -184,13 +198,7 @@ def resolve(cfg) -> Optional[str]:
         return None
     if cfg.resume == "auto":
         return resolve_latest(cfg.run_dir)
-    path = cfg.resume
-    if os.path.isfile(os.path.join(path, LATEST)):
-        with open(os.path.join(path, LATEST)) as fh:
-            path = os.path.join(path, fh.read().strip())
-    elif os.path.isfile(os.path.join(path, "checkpoints", LATEST)):
-        with open(os.path.join(path, "checkpoints", LATEST)) as fh:
-            path = os.path.join(path, "checkpoints", fh.read().strip())
+    path = step_directory(cfg.resume)
     if not os.path.isfile(os.path.join(path, "manifest.json")):
         raise CheckpointError(f"resume={cfg.resume}: {path} is not a complete checkpoint (no "
                               "manifest.json); point at a step_* directory, a checkpoints "
