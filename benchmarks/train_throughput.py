@@ -6,6 +6,10 @@ For each model config it runs the real ``setdiff-train`` (DeepSpeed ZeRO-1 over 
 megatron-core model, on every local GPU, or the CPU) for a few steps on synthetic shards, and
 reads ``tokens_per_s`` and ``mfu`` from ``metrics.jsonl`` (median over the steps after warm-up).
 It prints a table and the set-diffusion / causal ratios measured in the same run.
+
+Runs write no checkpoint (``checkpoint.save_at_end=false``) and each run directory is deleted
+once read (a 1.3B checkpoint is ~21 GB). ``--budget-s`` skips the runs that would start after
+that many seconds. The exit code is 1 if any run failed (or was skipped), else 0.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -46,13 +52,21 @@ def run(model: str, kind: str, args, shards: str, tmp: str) -> dict:
            f"data.global_batch_size={args.micro_batch * nproc}", f"train.steps={args.steps}",
            "train.log_interval=1", f"train.precision={args.precision}", "train.eval_batches=1",
            "zero.stage=1", "optimizer.warmup_steps=0", "checkpoint.save_on_signal=false",
+           "checkpoint.save_at_end=false",
            "train.tensorboard=false", f"order.kind={kind}", "order.mean_set_size=4",
            f"model.attention_backend={args.backend}", "resume=never", "data.num_workers=2"]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode:
-        return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"}
-    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            lines = res.stderr.strip().splitlines()
+            return {"error": f"exit {res.returncode}: " + (lines[-1] if lines else "no output")}
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            rows = [json.loads(line) for line in fh]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     steps = [r for r in rows if "tokens_per_s" in r][args.warmup:]
+    if not steps:
+        return {"error": f"no step after {args.warmup} warm-up steps: raise --steps"}
     out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
            "memory_gb": max(r["memory_gb"] for r in steps)}
     if "mfu" in steps[0]:
@@ -60,7 +74,7 @@ def run(model: str, kind: str, args, shards: str, tmp: str) -> dict:
     return out
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["110m", "1.3b"])
@@ -70,8 +84,11 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="skip the runs that would start after this many seconds")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    start = time.monotonic()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{device} x {max(1, torch.cuda.device_count())}, {args.precision}, L={args.seq_len}, "
           f"micro-batch {args.micro_batch}, backend {args.backend}")
@@ -80,7 +97,11 @@ def main() -> None:
         shards = synthetic_shards(tmp, args.seq_len)
         for model in args.models:
             for kind in ("causal", "staggered"):
-                r = results[f"{model}/{kind}"] = run(model, kind, args, shards, tmp)
+                if args.budget_s is not None and time.monotonic() - start > args.budget_s:
+                    r = results[f"{model}/{kind}"] = {
+                        "error": f"skipped: past the {args.budget_s:.0f} s budget"}
+                else:
+                    r = results[f"{model}/{kind}"] = run(model, kind, args, shards, tmp)
                 if "error" in r:
                     print(f"{model:>6} {kind:<10} error: {r['error']}")
                     continue
@@ -94,7 +115,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": device, "args": vars(args), "results": results}, fh, indent=2)
+    failed = [k for k, r in results.items() if "error" in r]
+    if failed:
+        print(f"failed or skipped: {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

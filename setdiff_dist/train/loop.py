@@ -302,7 +302,7 @@ class Trainer:
                 final = self.evaluate()
                 if final:
                     metrics.log_eval(self.step, final)
-            if saved_at != self.step:
+            if saved_at != self.step and (outcome != "completed" or cfg.checkpoint.save_at_end):
                 path = self.save()
                 if self.rank == 0:
                     print(f"checkpoint {path} ({outcome})", flush=True)

