@@ -146,8 +146,17 @@ class DataConfig:
 class TrainConfig:
     steps: int = _f(1000, "optimizer steps", min=1)
     seed: int = _f(1234, "seed of the initialization, the orders and the noise", min=0)
-    precision: str = _f("fp32", "fp32, bf16 (autocast + bf16 ZeRO) or fp8 (Transformer Engine)",
+    precision: str = _f("fp32", "fp32, bf16 (bf16 weights and compute, fp32 master weights and "
+                        "gradient accumulation in the ZeRO optimizer; needs zero.stage >= 1) or "
+                        "fp8 (Transformer Engine layers in FP8 inside bf16 training)",
                         choices=("fp32", "bf16", "fp8"))
+    recompute: str = _f("none", "activation recompute (megatron's granularity): none, selective "
+                        "(the core attention of every layer: the 2L x 2L scores) or full (whole "
+                        "layers, train.recompute_num_layers at a time)",
+                        choices=("none", "selective", "full"))
+    recompute_num_layers: int = _f(1, "with train.recompute=full: layers per recomputed chunk "
+                                   "(megatron's uniform method; more = less memory, same "
+                                   "compute)", min=1)
     fp8_recipe: str = _f("delayed", "Transformer Engine FP8 recipe",
                          choices=("delayed", "current"))
     log_interval: int = _f(10, "steps between metric lines", min=1)
@@ -507,6 +516,14 @@ def validate(cfg: Config) -> list[str]:
                  "layer spec uses torch norms, which have no sequence parallelism)")
     if par.virtual_pipeline and par.pipeline == 1:
         p.append("parallel.virtual_pipeline is set but parallel.pipeline=1")
+    elif par.virtual_pipeline:
+        p.append(f"parallel.virtual_pipeline={par.virtual_pipeline}: the interleaved 1F1B "
+                 "schedule is not wired into the trainer yet (it needs one model chunk and one "
+                 "data iterator per virtual stage); leave it unset (plain 1F1B)")
+    if par.sequence_parallel and par.tensor > 1 and m.layer_spec == "te":
+        p.append("parallel.sequence_parallel=true: not wired for training yet (the embedding "
+                 "output is not scattered along the sequence, nor the logits gathered before "
+                 "the noisy half is sliced, so the loss would be wrong); leave it false")
 
     if o.kind == "staggered":
         if o.mean_set_size > L:
@@ -530,6 +547,11 @@ def validate(cfg: Config) -> list[str]:
                  "zero.stage 0 or 1 with pipeline parallelism")
     if cfg.zero.offload_params != "none" and cfg.zero.stage != 3:
         p.append("zero.offload_params needs zero.stage=3")
+    if cfg.train.precision in ("bf16", "fp8") and cfg.zero.stage == 0:
+        p.append(f"train.precision={cfg.train.precision} with zero.stage=0: DeepSpeed's stage 0 "
+                 "keeps no fp32 master weights and accumulates gradients in bf16 (it would "
+                 "update the bf16 weights directly); use zero.stage=1, which keeps fp32 master "
+                 "weights and gradients and shards the optimizer state")
     if cfg.train.precision == "fp8" and m.layer_spec != "te":
         p.append("train.precision=fp8 runs through Transformer Engine: set model.layer_spec=te "
                  "(and install the [gpu] extra on a Hopper GPU)")

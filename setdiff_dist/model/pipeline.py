@@ -22,7 +22,8 @@ from .forward import set_diffusion_inputs, set_diffusion_nll
 
 def forward_backward(model, microbatches: Iterable, seq_len: int, micro_batch_size: int,
                      step: Callable, forward_only: bool = False,
-                     loss_scale: Optional[float] = None) -> list[dict]:
+                     loss_scale: Optional[float | torch.Tensor] = None,
+                     main_grad: Optional[Callable] = None) -> list[dict]:
     """Run megatron's schedule. ``step(module, microbatch) -> (output, terms_fn)`` where
     ``terms_fn(logits) -> (nll_sum, tokens)`` on the last stage.
 
@@ -30,7 +31,9 @@ def forward_backward(model, microbatches: Iterable, seq_len: int, micro_batch_si
     normalization); with it, the loss is ``nll_sum * loss_scale`` before megatron's division by
     the number of micro-batches (the trainer passes ``n_micro * dp / global_tokens`` for an exact
     global per-token mean). Returns per-micro-batch ``{"nll_sum", "tokens"}`` on the last stage
-    (an empty list elsewhere); tied-embedding gradients are synchronized after the backward."""
+    (an empty list elsewhere); tied-embedding gradients are synchronized after the backward
+    (in ``main_grad(param)``, the tensor that accumulates a parameter's gradient, when given:
+    the fp32 buffer under bf16)."""
     microbatches = list(microbatches)
 
     def forward_step(data_iterator, module):
@@ -50,7 +53,7 @@ def forward_backward(model, microbatches: Iterable, seq_len: int, micro_batch_si
         num_microbatches=len(microbatches), seq_length=seq_len,
         micro_batch_size=micro_batch_size, forward_only=forward_only)
     if not forward_only:
-        model.sync_tied_embedding_grads()
+        model.sync_tied_embedding_grads(main_grad)
     return stats if ps.is_pipeline_last_stage() else []
 
 

@@ -74,11 +74,20 @@ def rotary_inv_freq(model_cfg, head_dim: int) -> torch.Tensor:
 def transformer_config(model_cfg, tensor: int = 1, pipeline: int = 1,
                        params_dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool = False,
-                       fp8_recipe: str | None = None) -> TransformerConfig:
+                       fp8_recipe: str | None = None,
+                       compute_dtype: torch.dtype | None = None,
+                       recompute: str = "none", recompute_num_layers: int = 1
+                       ) -> TransformerConfig:
     """The megatron ``TransformerConfig`` of a :class:`setdiff_dist.config.ModelConfig`.
     ``fp8_recipe`` (``delayed`` or ``current``) turns on FP8: megatron then runs each layer of
-    the Transformer Engine spec under TE's ``fp8_autocast`` with that recipe (hybrid E4M3/E5M2)."""
+    the Transformer Engine spec under TE's ``fp8_autocast`` with that recipe (hybrid E4M3/E5M2).
+    ``compute_dtype`` is the dtype the weights are cast to for training (bf16 under DeepSpeed's
+    bf16, default ``params_dtype``): pipeline stages send and receive activations in it.
+    ``recompute`` is megatron's activation recompute: ``selective`` recomputes each layer's core
+    attention (our attention backends included) in the backward, ``full`` whole layers in
+    uniform chunks of ``recompute_num_layers``."""
     m = model_cfg
+    compute_dtype = compute_dtype or params_dtype
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
@@ -92,12 +101,16 @@ def transformer_config(model_cfg, tensor: int = 1, pipeline: int = 1,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
         sequence_parallel=sequence_parallel,
-        params_dtype=params_dtype, pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
+        params_dtype=params_dtype, pipeline_dtype=compute_dtype,
+        bf16=compute_dtype == torch.bfloat16,
         # weights are created on the CPU and then set by init_weights_ (layout-invariant)
         use_cpu_initialization=True, perform_initialization=False,
         # the p2p sync is a torch.cuda.synchronize(); batched isend/irecv are waited on anyway
         batch_p2p_sync=torch.cuda.is_available(),
+        recompute_granularity=None if recompute == "none" else recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=recompute_num_layers if recompute == "full" else None,
+        recompute_modules=["core_attn"],
         fp8="hybrid" if fp8_recipe else None,
         fp8_recipe=FP8_RECIPES[fp8_recipe] if fp8_recipe else "delayed",
         fp8_amax_history_len=16 if fp8_recipe == "delayed" else 1,
@@ -161,13 +174,15 @@ class SetDiffusionTransformer(MegatronModule):
         gradient must be summed with the first stage's (over megatron's embedding group)."""
         return self.tie and self.post_process and not self.pre_process
 
-    def sync_tied_embedding_grads(self) -> None:
-        """All-reduce the tied embedding gradient between the first and last pipeline stages."""
+    def sync_tied_embedding_grads(self, main_grad=None) -> None:
+        """All-reduce the tied embedding gradient between the first and last pipeline stages
+        (``main_grad(weight)``: where the gradient accumulates, default ``weight.grad``)."""
         if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
             return
         w = self.embedding.weight if self.pre_process else self.output_layer.weight
-        if w.grad is not None:
-            torch.distributed.all_reduce(w.grad, group=ps.get_embedding_group())
+        grad = main_grad(w) if main_grad is not None else w.grad
+        if grad is not None:
+            torch.distributed.all_reduce(grad, group=ps.get_embedding_group())
 
     # -- forward -------------------------------------------------------------------------------
     def rotary(self, positions: torch.Tensor) -> torch.Tensor:
@@ -211,11 +226,14 @@ def _mark_tensor_parallel(model: SetDiffusionTransformer) -> None:
     :func:`init_weights_` replaces; DeepSpeed's grad norm and our sharding read them."""
     gated = model.config.gated_linear_unit
     for name, module in model.named_modules():
+        mode = parallel_mode(module)
         if isinstance(module, tensor_parallel.VocabParallelEmbedding):
             dim, stride = 0, 1
-        elif isinstance(module, tensor_parallel.ColumnParallelLinear):
+        elif mode == "column":
+            # a gated fc1 holds [gate shard ; up shard] on each rank: the full [gate ; up] is
+            # split with stride 2 (megatron's layout, under the local and the TE spec alike)
             dim, stride = 0, 2 if (gated and name.endswith("linear_fc1")) else 1
-        elif isinstance(module, tensor_parallel.RowParallelLinear):
+        elif mode == "row":
             dim, stride = 1, 1
         else:
             continue
@@ -223,16 +241,51 @@ def _mark_tensor_parallel(model: SetDiffusionTransformer) -> None:
             tensor_parallel.set_tensor_model_parallel_attributes(module.weight, True, dim, stride)
 
 
-def global_name(model: SetDiffusionTransformer, name: str) -> str:
-    """The layout-independent name of a parameter: pipeline-local layer indices become global
-    ones, and a tied output weight is the embedding."""
+def parallel_mode(module) -> str | None:
+    """``"column"``, ``"row"`` or None: how a linear layer is split over tensor-parallel ranks,
+    for megatron's own layers and Transformer Engine's (which say it in ``parallel_mode``)."""
+    if isinstance(module, tensor_parallel.ColumnParallelLinear):
+        return "column"
+    if isinstance(module, tensor_parallel.RowParallelLinear):
+        return "row"
+    mode = getattr(module, "parallel_mode", None)
+    return mode if mode in ("column", "row") else None
+
+
+# Transformer Engine's layer spec fuses the pre-attention and pre-MLP norms into the following
+# linear layer; their weights take the local spec's names, so that checkpoints, exports, the HF
+# adapter and the layout-invariant initialization see one model whatever the spec.
+TE_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
+def layout_free_name(name: str, global_layer: int | None = None, tied: bool = False) -> str:
+    """The layout- and spec-independent name of a parameter called ``name`` in its stage:
+    the layer index replaced by ``global_layer``, TE's fused norm weights by the local spec's
+    names, a tied output weight by the embedding."""
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
-        layer = model.decoder.layers[int(parts[2])]
-        parts[2] = str(layer.layer_number - 1)
-    if name == "output_layer.weight" and model.tie:
+        if global_layer is not None:
+            parts[2] = str(global_layer)
+        rest = ".".join(parts[3:])
+        if rest in TE_FUSED_NORMS:
+            parts = parts[:3] + TE_FUSED_NORMS[rest].split(".")
+    if name == "output_layer.weight" and tied:
         return "embedding.weight"
     return ".".join(parts)
+
+
+def global_name(model: SetDiffusionTransformer, name: str) -> str:
+    """The layout-independent name of a parameter of ``model`` (see :func:`layout_free_name`)."""
+    parts = name.split(".")
+    layer = None
+    if parts[:2] == ["decoder", "layers"]:
+        layer = model.decoder.layers[int(parts[2])].layer_number - 1
+    return layout_free_name(name, layer, model.tie)
 
 
 def full_shape(param: torch.Tensor) -> list[int]:

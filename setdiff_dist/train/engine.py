@@ -90,12 +90,68 @@ def deepspeed_config(cfg, dp_size: int) -> dict:
         "gradient_clipping": o.grad_clip,
         "optimizer": {"type": "AdamW", "params": params},
         "zero_optimization": zero,
-        # FP8 runs the matmuls of TE layers in FP8 inside bf16 training
-        "bf16": {"enabled": cfg.train.precision in ("bf16", "fp8")},
+        **precision_config(cfg.train.precision),
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
+
+
+def precision_config(precision: str) -> dict:
+    """DeepSpeed's precision keys. bf16 (and FP8, which runs the matmuls of TE layers in FP8
+    inside bf16 training) keeps fp32 master weights in the ZeRO optimizer and, as Megatron does
+    with its fp32 ``main_grad`` buffers, accumulates gradients over micro-batches and reduces
+    them over data-parallel ranks in fp32:
+
+    - ``data_types.grad_accum_dtype=fp32``: ZeRO-1 runs DeepSpeed's ``BF16_Optimizer`` (fp32
+      gradient buffers), ZeRO-2/3 keep their gradient partitions in fp32;
+    - ``bf16.immediate_grad_update``: each parameter's bf16 gradient is added to its fp32
+      buffer by a hook as soon as autograd produces it, so the accumulation is fp32 also when
+      megatron's pipeline schedule, not ``engine.backward``, runs the backward;
+    - ``communication_data_type=fp32``: reductions in fp32.
+
+    A non-finite gradient norm makes DeepSpeed skip the step (``bf16.check_grad_overflow``).
+    ZeRO-0 has neither fp32 master weights nor fp32 accumulation in DeepSpeed; the config
+    refuses it with bf16."""
+    if precision not in ("bf16", "fp8"):
+        return {"bf16": {"enabled": False}}
+    return {"bf16": {"enabled": True, "immediate_grad_update": True,
+                     "check_grad_overflow": True},
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "communication_data_type": "fp32"}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the model computes in (DeepSpeed casts the weights to it): what pipeline stages
+    send each other."""
+    return torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
+
+
+def main_grad(engine):
+    """``param -> the tensor that accumulates its gradient``: the fp32 buffer of DeepSpeed's
+    ``BF16_Optimizer`` (ZeRO-1 with bf16), else ``param.grad``. Gradients synchronized by hand
+    (the tied embedding across pipeline stages) must be reduced there."""
+    opt = engine.optimizer
+    buffers = {}
+    if hasattr(opt, "bf16_groups") and hasattr(opt, "fp32_groups_gradients"):
+        for i, group in enumerate(opt.bf16_groups):
+            for j, p in enumerate(group):
+                buffers[id(p)] = opt.fp32_groups_gradients[i][j]
+
+    def get(param):
+        return buffers.get(id(param), param.grad)
+
+    return get
+
+
+def drop_gradients(engine) -> None:
+    """Zero every gradient of this step, wherever DeepSpeed keeps it before the reduction (the
+    parameters' ``.grad``, ``BF16_Optimizer``'s fp32 buffers)."""
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    if hasattr(engine.optimizer, "clear_hp_grads"):
+        engine.optimizer.clear_hp_grads()
 
 
 def lr_multiplier(opt_cfg, total_steps: int):

@@ -30,7 +30,8 @@ from setdiff_dist.model.transformer import build_model, transformer_config
 from setdiff_dist.parallel import initialize_model_parallel
 
 from . import checkpoint
-from .engine import build_engine, check_precision, micro_batches_per_step
+from .engine import (build_engine, check_precision, compute_dtype, drop_gradients, main_grad,
+                     micro_batches_per_step)
 from .metrics import MetricsLogger
 from .objective import Objective
 
@@ -54,7 +55,10 @@ class Trainer:
         config = transformer_config(cfg.model, par.tensor, par.pipeline,
                                     sequence_parallel=par.sequence_parallel,
                                     fp8_recipe=cfg.train.fp8_recipe
-                                    if cfg.train.precision == "fp8" else None)
+                                    if cfg.train.precision == "fp8" else None,
+                                    compute_dtype=compute_dtype(cfg.train.precision),
+                                    recompute=cfg.train.recompute,
+                                    recompute_num_layers=cfg.train.recompute_num_layers)
         self.model = self._initial_model(config).to(self.device)
         self.engine = build_engine(cfg, self.model)
         self.objective = Objective(cfg, seed=cfg.train.seed)
@@ -144,66 +148,78 @@ class Trainer:
                            start_step=start_step)
 
     # -- one step ------------------------------------------------------------------------------
-    def _global_tokens(self, micro_batches) -> float:
-        n = sum(int(self.objective.target_mask(b).sum()) for b in micro_batches)
-        t = torch.tensor([float(n)], device=self.device)
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
-        return float(t)
+    # The host waits on the device twice per step, never per micro-batch: once for whether the
+    # step's loss is finite (before the optimizer runs) and once for the numbers it reports.
+    def _global_tokens(self, micro_batches) -> torch.Tensor:
+        """Target tokens of the whole global batch, on the device (no host synchronization)."""
+        n = torch.stack([self.objective.target_mask(b).sum() for b in micro_batches]).sum()
+        n = n.to(torch.float64).reshape(1)
+        dist.all_reduce(n, group=ps.get_data_parallel_group())
+        return n
 
-    def _all_finite(self, value: torch.Tensor) -> bool:
-        flag = torch.tensor([0.0 if torch.isfinite(value).all() else 1.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() == 0.0
-
-    def train_step(self, micro_batches) -> dict:
-        engine = self.engine
-        micro_batches = [b.to(self.device) for b in micro_batches]
-        global_tokens = self._global_tokens(micro_batches)
-        scale = self.n_micro * self.dp / max(global_tokens, 1.0)
-        lr = engine.optimizer.param_groups[0]["lr"]
-        local_sum = torch.zeros((), device=self.device)
-        finite = True
-        if self.cfg.parallel.pipeline == 1:
-            for b in micro_batches:
-                out, terms = self.objective.step(engine, b)
-                total, _ = terms(out)
-                ok = self._all_finite(total)
-                finite &= ok
-                if ok:
-                    local_sum += total.detach()
-                    engine.backward(total * scale)
-                else:  # back-propagate an exact zero through finite parameters
-                    engine.backward(sum(p.sum() for p in engine.module.parameters()) * 0.0)
-                if not finite and engine.is_gradient_accumulation_boundary():
-                    self._zero_lr()
-                engine.step()
-        else:
-            stats = forward_backward(engine.module, micro_batches, self.objective.model_seq_len,
-                                     self.cfg.data.micro_batch_size, self.objective.step,
-                                     loss_scale=scale)
-            for s in stats:
-                local_sum += s["nll_sum"]
-            finite = self._all_finite(local_sum)
-            if not finite:  # the schedule has already back-propagated it: drop those gradients
-                for p in engine.module.parameters():
-                    if p.grad is not None:
-                        p.grad.zero_()
-                self._zero_lr()
-            engine.allreduce_gradients()
-            engine.step()
-        # the step's loss on every rank: sum over data-parallel ranks (and from the last stage)
-        total = local_sum.reshape(1).clone()
+    def _step_loss_sum(self, local_sum: torch.Tensor) -> torch.Tensor:
+        """The step's loss sum on every rank: summed over data-parallel ranks, taken from the
+        last pipeline stage. A NaN or inf on any rank makes it non-finite everywhere."""
+        total = local_sum.reshape(1).to(torch.float64).clone()
         if not ps.is_pipeline_last_stage():
             total.zero_()
         dist.all_reduce(total, group=ps.get_data_parallel_group())
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+        return total
+
+    def _skip_if_nonfinite(self, total: torch.Tensor) -> bool:
+        """Whether the step is finite (one host synchronization); if not, its gradients are
+        dropped and its LR set to 0, so the optimizer step changes no weight."""
+        finite = bool(torch.isfinite(total).all())
+        if not finite:
+            drop_gradients(self.engine)
+            self._zero_lr()
+        return finite
+
+    def train_step(self, micro_batches) -> dict:
+        engine = self.engine
+        micro_batches = [b.to(self.device) for b in micro_batches]
+        global_tokens = self._global_tokens(micro_batches)
+        scale = (self.n_micro * self.dp / global_tokens.clamp_min(1.0)).to(torch.float32)
+        lr = engine.optimizer.param_groups[0]["lr"]
+        local_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        skipped_before = getattr(engine, "skipped_steps", 0)
+        if self.cfg.parallel.pipeline == 1:
+            # Transformer Engine recasts its FP8 weight copies on a step's first micro-batch
+            # only (megatron's schedules set this themselves on the pipeline path)
+            engine.module.set_is_first_microbatch()
+            for i, b in enumerate(micro_batches):
+                out, terms = self.objective.step(engine, b)
+                total, _ = terms(out)
+                local_sum += total.detach()
+                engine.backward(total * scale)
+                if i == len(micro_batches) - 1:  # the boundary: DeepSpeed has reduced
+                    step_sum = self._step_loss_sum(local_sum)
+                    finite = self._skip_if_nonfinite(step_sum)
+                engine.step()
+        else:
+            stats = forward_backward(engine.module, micro_batches, self.objective.model_seq_len,
+                                     self.cfg.data.micro_batch_size, self.objective.step,
+                                     loss_scale=scale, main_grad=main_grad(engine))
+            for s in stats:
+                local_sum += s["nll_sum"]
+            step_sum = self._step_loss_sum(local_sum)
+            # the schedule has already back-propagated: a non-finite step's gradients are dropped
+            finite = self._skip_if_nonfinite(step_sum)
+            engine.allreduce_gradients()
+            engine.step()
+        if getattr(engine, "skipped_steps", 0) != skipped_before and engine.lr_scheduler:
+            # DeepSpeed skipped the update (a non-finite gradient) and with it the LR schedule:
+            # keep the schedule on the trainer's step count, as for a step we skip ourselves
+            engine.lr_scheduler.step()
         self.step += 1
         self.samples_seen += self.cfg.data.global_batch_size
         norm = engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else float("nan")
+        loss_sum, tokens = torch.cat([step_sum, global_tokens]).tolist()
         # a non-finite gradient norm with a finite loss (an overflow in the backward) is just as
-        # fatal if it repeats: count it too (DeepSpeed's fp32 ZeRO has already stepped by then)
+        # fatal if it repeats: count it too (DeepSpeed has skipped the update, except fp32 ZeRO-0)
         if finite and (norm is None or math.isfinite(grad_norm)):
             self.nonfinite_in_a_row = 0
         else:
@@ -214,9 +230,9 @@ class Trainer:
                     f"{self.nonfinite_in_a_row} consecutive steps with a non-finite loss or "
                     f"gradient norm (last at step {self.step}); lower optimizer.lr, check the "
                     "data, or resume from an earlier checkpoint")
-        return {"step": self.step, "loss": float(total) / max(global_tokens, 1.0) if finite
+        return {"step": self.step, "loss": loss_sum / max(tokens, 1.0) if finite
                 else float("nan"), "lr": lr, "grad_norm": grad_norm,
-                "samples_seen": self.samples_seen, "target_tokens": global_tokens,
+                "samples_seen": self.samples_seen, "target_tokens": tokens,
                 "skipped_steps": self.skipped_steps}
 
     def _zero_lr(self):
@@ -239,6 +255,7 @@ class Trainer:
                         max(1, len(self.valid_set) // (d.micro_batch_size * self.dp)))
         was_training = self.engine.module.training
         self.engine.module.eval()
+        self.engine.module.set_is_first_microbatch()  # the weights changed since the last cast
         total = torch.zeros(2, device=self.device)
         for _, (batch,) in zip(range(n_batches), loader):
             batch = batch.to(self.device)
