@@ -73,9 +73,11 @@ def process_group(backend, seed=0):
         os.environ.update(saved)
 
 
-def tiny_nelbo_step(backend="sdpa", layer_spec="local", device="cuda", L=64, B=2, V=512):
+def tiny_nelbo_step(backend="sdpa", layer_spec="local", device="cuda", L=64, B=2, V=512,
+                    overrides=(), **config_kwargs):
     """One forward and backward of the staggered NELBO on a 2-layer model: (per-token NLL,
-    {name: grad}). Needs a process group (``process_group``)."""
+    {name: grad}). Needs a process group (``process_group``). ``overrides`` are more model.*
+    keys, ``config_kwargs`` go to ``transformer_config``."""
     import torch
 
     from setdiff_dist.config import load_config
@@ -86,8 +88,8 @@ def tiny_nelbo_step(backend="sdpa", layer_spec="local", device="cuda", L=64, B=2
     cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=64",
                              "model.num_attention_heads=4", f"model.vocab_size={V}",
                              f"model.attention_backend={backend}",
-                             f"model.layer_spec={layer_spec}"]).model
-    model = build_model(cfg, transformer_config(cfg), seed=3).to(device)
+                             f"model.layer_spec={layer_spec}", *overrides]).model
+    model = build_model(cfg, transformer_config(cfg, **config_kwargs), seed=3).to(device)
     x = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(0)).to(device)
     o = sample_orders(make_schedule("staggered", L, mean_set_size=4), L, range(B), 0)
     inp = set_diffusion_inputs(x, o, model.mask_id, backend)

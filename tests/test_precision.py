@@ -131,3 +131,148 @@ def test_what_cannot_work_is_refused_at_start(shards, tmp_path, overrides, messa
     assert res.returncode == 2, res.stderr[-2000:]
     assert message in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _recompute(rank, out):
+    from helpers import tiny_nelbo_step
+    from setdiff_dist.parallel import cpu_compat, initialize_model_parallel
+
+    initialize_model_parallel(seed=0, backend="gloo")
+    found = {}
+    for backend in ("sdpa", "permuted_causal"):
+        for mode, layers in (("none", 1), ("selective", 1), ("full", 1), ("full", 2)):
+            # dropout on: a recomputed forward must replay the same masks
+            torch.manual_seed(7)
+            cpu_compat.seed_model_parallel_rng(7)
+            dropout = ["model.hidden_dropout=0.1"] + (
+                ["model.attention_dropout=0.1"] if backend == "sdpa" else [])
+            found[backend, mode, layers] = tiny_nelbo_step(
+                backend, device="cpu", overrides=dropout, recompute=mode,
+                recompute_num_layers=layers)
+    torch.manual_seed(8)
+    cpu_compat.seed_model_parallel_rng(8)
+    found["other seed"] = tiny_nelbo_step("sdpa", device="cpu", overrides=[
+        "model.hidden_dropout=0.1", "model.attention_dropout=0.1"])
+    torch.save(found, out / "recompute.pt")
+
+
+def test_activation_recompute_gives_identical_gradients(tmp_path):
+    from mp_harness import spawn
+
+    spawn(_recompute, 1, tmp_path)
+    found = torch.load(tmp_path / "recompute.pt")
+    other_seed = found.pop("other seed")[0]
+    for (backend, mode, layers), (nll, grads) in found.items():
+        ref_nll, ref_grads = found[backend, "none", 1]
+        assert torch.equal(nll, ref_nll), (backend, mode, layers)
+        for name, g in ref_grads.items():
+            assert torch.equal(grads[name], g), (backend, mode, layers, name)
+    # dropout was on (another seed gives another loss): the recomputed forwards replayed it
+    assert not torch.equal(other_seed, found["sdpa", "none", 1][0])
+
+
+def _first_microbatch_events(rank, shards, run_root, out):
+    """Record, as TE's layers would see it, when set_is_first_microbatch is called relative to
+    the forwards of each step, on the plain and the pipeline path."""
+    from setdiff_dist.config import load_config
+    from setdiff_dist.train.loop import Trainer
+
+    found = {}
+    for name, overrides in (("dp2", []), ("pp2", ["parallel.pipeline=2"])):
+        cfg = load_config("configs/tiny-cpu.yaml", [
+            f"run_dir={run_root}/{name}", "resume=never", f"data.train_shards={shards}",
+            "data.seq_len=32", "model.vocab_size=257", "data.global_batch_size=8",
+            "data.micro_batch_size=2", "train.tensorboard=false", "optimizer.warmup_steps=0",
+            "train.eval_batches=1", *overrides])
+        t = Trainer(cfg)
+        events = []
+        module = t.engine.module
+        module.set_is_first_microbatch = lambda: events.append("first")
+        module.register_forward_pre_hook(lambda *_: events.append("forward"))
+        for _, batches in zip(range(2), t.loader(0)):
+            events.append("step")
+            t.train_step(batches)
+        events.append("eval")
+        t.evaluate()
+        found[name] = events
+    torch.save(found, out / f"events{rank}.pt")
+
+
+def test_transformer_engine_first_microbatch_flag_is_set_once_per_step(shards, tmp_path):
+    """TE casts its FP8 weight copies on a step's first micro-batch only; without the flag it
+    would reuse step 1's forever (a recording stand-in: TE itself needs a GPU)."""
+    from mp_harness import spawn
+
+    spawn(_first_microbatch_events, 2, str(shards), str(tmp_path / "runs"), tmp_path)
+    events = torch.load(tmp_path / "events0.pt")
+    # DP2: 2 micro-batches per rank and step, each step starts with the flag
+    assert events["dp2"] == ["step", "first", "forward", "forward"] * 2 + \
+        ["eval", "first", "forward"]
+    # PP2: megatron's 1F1B sets it before the first of the 4 micro-batches of each step
+    pp = events["pp2"]
+    steps = " ".join(pp).split("step ")[1:]
+    assert all(s.split()[0] == "first" and s.split().count("first") == 1 for s in steps[:-1])
+    assert pp[pp.index("eval") + 1] == "first"
+
+
+def test_transformer_engine_names_map_to_the_layout_free_names():
+    """Checkpoints, exports, --to-hf, init_from_hf and the seeded init all go through one name
+    map; TE's fused norm weights take the local spec's names there."""
+    from setdiff_dist.model.transformer import layout_free_name
+
+    te = {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight":
+          "decoder.layers.4.input_layernorm.weight",
+          "decoder.layers.0.self_attention.linear_qkv.layer_norm_bias":
+          "decoder.layers.4.input_layernorm.bias",
+          "decoder.layers.0.mlp.linear_fc1.layer_norm_weight":
+          "decoder.layers.4.pre_mlp_layernorm.weight",
+          "decoder.layers.0.mlp.linear_fc1.weight": "decoder.layers.4.mlp.linear_fc1.weight",
+          "decoder.layers.0.self_attention.q_layernorm.weight":
+          "decoder.layers.4.self_attention.q_layernorm.weight"}
+    for local, expected in te.items():
+        assert layout_free_name(local, global_layer=4) == expected
+    assert layout_free_name("output_layer.weight", tied=True) == "embedding.weight"
+    assert layout_free_name("output_layer.weight") == "output_layer.weight"
+
+
+def _te_style_tp_attributes(rank, out):
+    """A stand-in with TE's ``parallel_mode`` attribute gets megatron's TP attributes, a gated
+    fc1 with stride 2, so its shards merge as [gate ; up]."""
+    from setdiff_dist.model import transformer as T
+    from setdiff_dist.parallel import initialize_model_parallel
+
+    initialize_model_parallel(tensor=2, seed=0, backend="gloo")
+
+    class TELikeLinear(torch.nn.Module):
+        def __init__(self, mode, rows, cols):
+            super().__init__()
+            self.parallel_mode = mode
+            self.weight = torch.nn.Parameter(torch.zeros(rows, cols))
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"gated_linear_unit": True})()
+            self.linear_fc1 = TELikeLinear("column", 8, 4)
+            self.linear_fc2 = TELikeLinear("row", 4, 4)
+
+    h = Holder()
+    T._mark_tensor_parallel(h)
+    w1, w2 = h.linear_fc1.weight, h.linear_fc2.weight
+    gate, up = torch.arange(16.).reshape(8, 2), 100 + torch.arange(16.).reshape(8, 2)
+    full = torch.cat([gate, up])
+    shards = [T.split_shard(full, r, 2, w1.partition_dim, w1.partition_stride) for r in range(2)]
+    torch.save({"fc1": (w1.tensor_model_parallel, w1.partition_dim, w1.partition_stride),
+                "fc2": (w2.tensor_model_parallel, w2.partition_dim, w2.partition_stride),
+                "rank0": shards[0], "merged": T.merge_shards(shards, 0, 2), "full": full},
+               out / f"tp{rank}.pt")
+
+
+def test_te_linears_get_tensor_parallel_attributes(tmp_path):
+    from mp_harness import spawn
+
+    spawn(_te_style_tp_attributes, 2, tmp_path)
+    found = torch.load(tmp_path / "tp0.pt")
+    assert found["fc1"] == (True, 0, 2) and found["fc2"] == (True, 1, 1)
+    assert torch.equal(found["rank0"], torch.cat([found["full"][:4], found["full"][8:12]]))
+    assert torch.equal(found["merged"], found["full"])

@@ -1,7 +1,8 @@
 """The one place where megatron-core is taught to run without a GPU.
 
 megatron-core 0.16 assumes CUDA in a few spots that our code paths reach: its RNG tracker keeps
-CUDA generator states, and the pipeline schedules and p2p communication allocate their buffers
+CUDA generator states (and activation recompute saves and restores them), and the pipeline
+schedules and p2p communication allocate their buffers
 with ``device="cuda"`` / ``torch.cuda.current_device()`` and call ``torch.cuda.synchronize()``.
 :func:`apply` (a no-op when CUDA is available) replaces the tracker with one that keeps CPU
 generator states, and gives those two pipeline modules a view of ``torch`` whose CUDA device is the
@@ -108,6 +109,10 @@ def apply() -> bool:
 
     mrandom._CUDA_RNG_STATE_TRACKER = _tracker_class()()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # activation recompute saves and restores "the CUDA generator" next to the CPU one: on a CPU
+    # the CPU generator is the only one (the tracker forks swap it), and it is restored already
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     cpu_torch = _CpuTorch()
     for name in _CUDA_BOUND_MODULES:
         importlib.import_module(name).torch = cpu_torch
