@@ -21,6 +21,13 @@
 #                                             error after the process-group timeout
 #   TORCH_DISTRIBUTED_DEBUG=DETAIL            reports mismatched collectives
 #   OMP_NUM_THREADS                           CPU threads per rank (torchrun sets 1 by default)
+# CPUs: each node's one task (the torchrun agent and all its ranks and loader workers) gets every
+# CPU the job holds there (CPUS_PER_TASK overrides); train.sbatch asks for whole nodes.
+# SIGTERM (Slurm's own preemption, scancel): the agents ignore it (torchrun's
+# --signals-to-handle without SIGTERM) and the ranks, which get it too, checkpoint at the next
+# step and exit 75. A large checkpoint must be written before Slurm's SIGKILL: give the
+# partition a PreemptMode=REQUEUE GraceTime (and KillWait) longer than one step plus one save,
+# or rely on train.sbatch's --signal=B:USR1@300 warning, which comes 300 s before the end.
 
 if [ -n "${SETDIFF_ENV:-}" ]; then
     # shellcheck disable=SC1090
@@ -40,9 +47,12 @@ setdiff_torchrun() {
     # SIGUSR1 is ignored by the agents (a signal ignored before exec stays ignored), so that a
     # preemption warning sent to the job's steps reaches the ranks, which install their own
     # handler, without killing torchrun (whose default action on SIGUSR1 is to die).
+    # SIGTERM likewise: torchrun would otherwise kill its ranks 30 s after it, mid-checkpoint.
     srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$SLURM_NNODES" \
-        bash -c 'trap "" USR1; exec "$@"' setdiff-agent \
-        torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+        --cpus-per-task="${CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}" \
+        bash -c 'trap "" USR1 TERM; exec "$@"' setdiff-agent \
+        torchrun --signals-to-handle=SIGINT,SIGHUP,SIGQUIT \
+        --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" \
         --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d \
         --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
         --rdzv-conf="join_timeout=${RDZV_TIMEOUT:-900}" --max-restarts=0 "$@"

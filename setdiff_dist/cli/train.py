@@ -100,6 +100,8 @@ def run(cfg) -> int:
     if cfg.checkpoint.save_on_signal:
         for s in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(s, remember)
+    else:  # the Slurm launchers start the ranks with both ignored: make SIGTERM end them again
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     import torch.distributed as dist
 
@@ -161,8 +163,13 @@ def main(argv: list[str] | None = None) -> int:
                 (i == 0 or argv[i - 1] != "--nproc-per-node") and not a.startswith(
                     "--nproc-per-node=")]
         return launch(args.nproc_per_node, rest)
-    code = run(cfg)
-    from setdiff_dist.parallel import destroy_model_parallel
+    from setdiff_dist.parallel import LaunchError, destroy_model_parallel
+
+    try:
+        code = run(cfg)
+    except LaunchError as exc:
+        print(f"setdiff-train: error: {exc}", file=sys.stderr)
+        return 2
 
     destroy_model_parallel()
     return code

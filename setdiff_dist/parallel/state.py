@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -34,20 +35,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class LaunchError(RuntimeError):
+    """The launch environment cannot work (a GPU job without a usable GPU, ...); the message
+    says why and what to do."""
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list (``scontrol show hostnames`` without scontrol):
+    ``"gpu[03-05,07],cpu1"`` -> ``"gpu03"``."""
+    head = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if head is None:
+        raise LaunchError(f"cannot read the Slurm node list {nodelist!r}; set MASTER_ADDR")
+    prefix, _, ranges = head.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
 def launch_env() -> LaunchEnv:
-    """Rank and rendezvous of this process, from torchrun, Slurm, or nothing (a world of one)."""
+    """Rank and rendezvous of this process, from torchrun, Slurm, or nothing (a world of one).
+    Under ``srun`` alone (one task per rank, no torchrun) the rendezvous is the allocation's
+    first node and port ``20000 + job id mod 20000`` (the Slurm launchers' rule), unless
+    ``MASTER_ADDR`` / ``MASTER_PORT`` say otherwise."""
     env = os.environ
+    slurm = False
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         local = int(env.get("LOCAL_RANK", 0))
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         local = int(env.get("SLURM_LOCALID", 0))
+        slurm = world > 1
     else:
         rank, world, local = 0, 1, 0
-    addr = env.get("MASTER_ADDR", "127.0.0.1")
-    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else (free_port() if world == 1 else 29500)
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if "MASTER_ADDR" in env:
+        addr = env["MASTER_ADDR"]
+    elif slurm and nodes:
+        addr = first_host(nodes)
+    else:
+        addr = "127.0.0.1"
+    if "MASTER_PORT" in env:
+        port = int(env["MASTER_PORT"])
+    elif slurm and "SLURM_JOB_ID" in env:
+        port = 20000 + int(env["SLURM_JOB_ID"]) % 20000
+    else:
+        port = free_port() if world == 1 else 29500
     return LaunchEnv(rank, world, local, addr, port)
+
+
+def gpus_promised() -> str | None:
+    """Which Slurm variable says this job has GPUs, if any (``SLURM_GPUS_ON_NODE=8``)."""
+    for key in ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        value = os.environ.get(key, "").strip()
+        if value and value not in ("0", "(null)"):
+            return f"{key}={value}"
+    return None
 
 
 def init_distributed(backend: str = "auto", timeout_minutes: int = 30) -> LaunchEnv:
@@ -61,10 +104,21 @@ def init_distributed(backend: str = "auto", timeout_minutes: int = 30) -> Launch
                        ("MASTER_PORT", le.master_port)):
         os.environ.setdefault(key, str(value))
     if backend == "auto":
+        promised = gpus_promised()
+        if promised and not torch.cuda.is_available():
+            # never train a GPU job on its CPUs by accident
+            raise LaunchError(
+                f"this job was given GPUs ({promised}) but torch {torch.__version__} sees none "
+                f"(CUDA build: {torch.version.cuda}); install a CUDA build of torch or check "
+                "the driver, or set parallel.backend=gloo to run on the CPUs on purpose")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         if not torch.cuda.is_available():
-            raise RuntimeError("parallel.backend=nccl needs CUDA GPUs; use gloo (or auto) on CPUs")
+            raise LaunchError("parallel.backend=nccl needs CUDA GPUs; use gloo (or auto) on CPUs")
+        if le.local_rank >= torch.cuda.device_count():
+            raise LaunchError(f"local rank {le.local_rank} has no GPU: this node shows "
+                              f"{torch.cuda.device_count()}; launch at most that many ranks per "
+                              "node (--nproc-per-node / NPROC_PER_NODE)")
         torch.cuda.set_device(le.local_rank)
     # env:// reads the variables set above (and reuses torchrun's store when it offers one)
     dist.init_process_group(backend=backend, init_method="env://", rank=le.rank,

@@ -1,0 +1,75 @@
+"""Where a rank's rendezvous comes from (torchrun, srun alone, nothing), and a GPU job that finds
+no GPU: a clear error at start, never a silent fall-back to gloo on the CPUs."""
+
+import pytest
+
+from helpers import run_train, sonnet_shards
+from setdiff_dist.parallel import first_host, launch_env
+
+LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+               "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST",
+               "SLURM_JOB_ID")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in LAUNCH_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("nodelist,host", [
+    ("n1", "n1"), ("n1,n2", "n1"), ("gpu[03-05,07]", "gpu03"), ("gpu[7],cpu[1-2]", "gpu7"),
+    ("dgx-a100-[012-015]", "dgx-a100-012"),
+])
+def test_first_host_of_a_slurm_node_list(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_srun_alone_derives_the_rendezvous_from_the_allocation(clean_env):
+    clean_env.setenv("SLURM_PROCID", "5")
+    clean_env.setenv("SLURM_NTASKS", "16")
+    clean_env.setenv("SLURM_LOCALID", "1")
+    clean_env.setenv("SLURM_JOB_NODELIST", "gpu[12-15]")
+    clean_env.setenv("SLURM_JOB_ID", "4242")
+    le = launch_env()
+    assert (le.rank, le.world_size, le.local_rank) == (5, 16, 1)
+    assert (le.master_addr, le.master_port) == ("gpu12", 20000 + 4242 % 20000)
+    clean_env.setenv("MASTER_ADDR", "10.1.2.3")  # an explicit choice still wins
+    clean_env.setenv("MASTER_PORT", "29511")
+    le = launch_env()
+    assert (le.master_addr, le.master_port) == ("10.1.2.3", 29511)
+
+
+def test_torchrun_and_a_world_of_one(clean_env):
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv("MASTER_ADDR", "host-a")
+    clean_env.setenv("MASTER_PORT", "1234")
+    le = launch_env()
+    assert (le.rank, le.world_size, le.local_rank, le.master_addr, le.master_port) == \
+        (1, 2, 0, "host-a", 1234)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        clean_env.delenv(key)
+    le = launch_env()
+    assert (le.rank, le.world_size, le.master_addr) == (0, 1, "127.0.0.1")
+
+
+def test_a_gpu_job_without_a_usable_gpu_fails_clearly(tmp_path):
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    shards = sonnet_shards(tmp_path / "data")
+    env = dict(os.environ, SLURM_GPUS_ON_NODE="8")
+    res = run_train(tmp_path / "run", shards, "optimizer.warmup_steps=0", nproc=1, steps=1,
+                    env=env)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "this job was given GPUs (SLURM_GPUS_ON_NODE=8) but torch" in res.stderr
+    assert "parallel.backend=gloo" in res.stderr and "Traceback" not in res.stderr
+    # gloo on purpose is still allowed
+    res = run_train(tmp_path / "run", shards, "parallel.backend=gloo",
+                    "optimizer.warmup_steps=0", nproc=1, steps=1, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
