@@ -511,19 +511,18 @@ def validate(cfg: Config) -> list[str]:
                                        if par.virtual_pipeline else ""))
     if par.sequence_parallel and par.tensor == 1:
         p.append("parallel.sequence_parallel=true needs parallel.tensor > 1")
-    if par.sequence_parallel and m.layer_spec != "te":
-        p.append("parallel.sequence_parallel=true needs model.layer_spec=te (megatron's local "
-                 "layer spec uses torch norms, which have no sequence parallelism)")
+    if par.sequence_parallel and par.tensor > 1 and (L if o.kind == "causal" else 2 * L) % \
+            par.tensor:
+        p.append(f"parallel.sequence_parallel=true splits the model's sequence "
+                 f"({'L' if o.kind == 'causal' else '2L'} = "
+                 f"{L if o.kind == 'causal' else 2 * L} tokens) over parallel.tensor="
+                 f"{par.tensor} ranks: it must divide it (data.seq_len)")
     if par.virtual_pipeline and par.pipeline == 1:
         p.append("parallel.virtual_pipeline is set but parallel.pipeline=1")
     elif par.virtual_pipeline:
         p.append(f"parallel.virtual_pipeline={par.virtual_pipeline}: the interleaved 1F1B "
                  "schedule is not wired into the trainer yet (it needs one model chunk and one "
                  "data iterator per virtual stage); leave it unset (plain 1F1B)")
-    if par.sequence_parallel and par.tensor > 1 and m.layer_spec == "te":
-        p.append("parallel.sequence_parallel=true: not wired for training yet (the embedding "
-                 "output is not scattered along the sequence, nor the logits gathered before "
-                 "the noisy half is sliced, so the loss would be wrong); leave it false")
 
     if o.kind == "staggered":
         if o.mean_set_size > L:

@@ -77,8 +77,8 @@ def test_conflicting_settings_name_both_keys_and_the_reason():
     assert "zero.stage=3 with parallel.pipeline=2" in text and "pipeline" in text
     _, text = problems(None, ["parallel.tensor=3"])
     assert "parallel.tensor=3 must divide model.num_attention_heads=4" in text
-    _, text = problems(None, ["parallel.sequence_parallel=true", "parallel.tensor=2"])
-    assert "needs model.layer_spec=te" in text
+    _, text = problems(None, ["parallel.sequence_parallel=true"])
+    assert "parallel.sequence_parallel=true needs parallel.tensor > 1" in text
     _, text = problems(None, ["train.precision=fp8"])
     assert "model.layer_spec=te" in text
     _, text = problems(None, ["model.attention_backend=permuted_causal", "order.kind=block",

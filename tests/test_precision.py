@@ -46,7 +46,9 @@ def single_rank_bf16(shards, tmp_path_factory):
     (2, ("zero.stage=1", "parallel.tensor=2")),                  # TP2
     (2, ("zero.stage=1", "parallel.pipeline=2")),                # PP2: crashed at step 1
     (4, ("zero.stage=1", "parallel.tensor=2", "parallel.pipeline=2")),
-], ids=["dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "pp2", "tp2xpp2"])
+    (4, ("zero.stage=1", "parallel.tensor=2", "parallel.pipeline=2",
+         "parallel.sequence_parallel=true")),
+], ids=["dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "pp2", "tp2xpp2", "tp2xpp2-sp"])
 def test_bf16_follows_the_single_rank_curve_on_every_layout(single_rank_bf16, shards, tmp_path,
                                                             nproc, layout):
     losses = _train(tmp_path, shards, nproc, *layout)
@@ -55,25 +57,30 @@ def test_bf16_follows_the_single_rank_curve_on_every_layout(single_rank_bf16, sh
     assert losses[-1] < losses[0] - 0.5  # it learns
 
 
+def _trainer(shards, run_dir, *overrides):
+    """A Trainer of the tiny model on the sonnet shards, inside a spawned rank."""
+    from setdiff_dist.config import load_config
+    from setdiff_dist.train.loop import Trainer
+
+    return Trainer(load_config("configs/tiny-cpu.yaml", [
+        f"run_dir={run_dir}", "resume=never", f"data.train_shards={shards}", "data.seq_len=32",
+        "model.vocab_size=257", "data.global_batch_size=8", "data.micro_batch_size=2",
+        "train.tensorboard=false", "optimizer.warmup_steps=0", *overrides]))
+
+
 def _accumulators(rank, shards, run_root, out):
     """Build bf16 trainers at ZeRO 1/2/3 (DP2) and PP2 and report where gradients accumulate."""
     from megatron.core import parallel_state as ps
 
-    from setdiff_dist.config import load_config
     from setdiff_dist.model.pipeline import forward_backward
     from setdiff_dist.train.engine import main_grad
-    from setdiff_dist.train.loop import Trainer
 
     found = {}
     for name, overrides in (("zero1", ["zero.stage=1"]), ("zero2", ["zero.stage=2"]),
                             ("zero3", ["zero.stage=3"]),
                             ("pp2", ["zero.stage=1", "parallel.pipeline=2"])):
-        cfg = load_config("configs/tiny-cpu.yaml", [
-            f"run_dir={run_root}/{name}", "resume=never", f"data.train_shards={shards}",
-            "data.seq_len=32", "model.vocab_size=257", "data.global_batch_size=8",
-            "data.micro_batch_size=2", "train.precision=bf16", "train.tensorboard=false",
-            "optimizer.warmup_steps=0", *overrides])
-        t = Trainer(cfg)
+        t = _trainer(shards, f"{run_root}/{name}", "train.precision=bf16", *overrides)
+        cfg = t.cfg
         opt = t.engine.optimizer
         weights = {p.dtype for p in t.engine.module.parameters()}
         if name == "zero1" or name == "pp2":
@@ -123,9 +130,10 @@ def test_bf16_gradients_accumulate_in_fp32_on_every_path(shards, tmp_path):
     (["train.precision=bf16", "zero.stage=0"], "use zero.stage=1"),
     (["parallel.pipeline=2", "parallel.virtual_pipeline=2"],
      "parallel.virtual_pipeline=2: the interleaved 1F1B schedule is not wired"),
-    (["parallel.tensor=2", "parallel.sequence_parallel=true", "model.layer_spec=te"],
-     "parallel.sequence_parallel=true: not wired for training yet"),
-], ids=["bf16-zero0", "virtual-pipeline", "sequence-parallel-te"])
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tensor"),
+    (["parallel.tensor=2", "parallel.sequence_parallel=true", "data.seq_len=31",
+      "order.kind=causal"], "it must divide it"),
+], ids=["bf16-zero0", "virtual-pipeline", "sequence-parallel-tp1", "sequence-parallel-odd"])
 def test_what_cannot_work_is_refused_at_start(shards, tmp_path, overrides, message):
     res = run_train(tmp_path, shards, *overrides, nproc=2, steps=2)
     assert res.returncode == 2, res.stderr[-2000:]
@@ -174,17 +182,9 @@ def test_activation_recompute_gives_identical_gradients(tmp_path):
 def _first_microbatch_events(rank, shards, run_root, out):
     """Record, as TE's layers would see it, when set_is_first_microbatch is called relative to
     the forwards of each step, on the plain and the pipeline path."""
-    from setdiff_dist.config import load_config
-    from setdiff_dist.train.loop import Trainer
-
     found = {}
     for name, overrides in (("dp2", []), ("pp2", ["parallel.pipeline=2"])):
-        cfg = load_config("configs/tiny-cpu.yaml", [
-            f"run_dir={run_root}/{name}", "resume=never", f"data.train_shards={shards}",
-            "data.seq_len=32", "model.vocab_size=257", "data.global_batch_size=8",
-            "data.micro_batch_size=2", "train.tensorboard=false", "optimizer.warmup_steps=0",
-            "train.eval_batches=1", *overrides])
-        t = Trainer(cfg)
+        t = _trainer(shards, f"{run_root}/{name}", "train.eval_batches=1", *overrides)
         events = []
         module = t.engine.module
         module.set_is_first_microbatch = lambda: events.append("first")
@@ -276,3 +276,30 @@ def test_te_linears_get_tensor_parallel_attributes(tmp_path):
     assert found["fc1"] == (True, 0, 2) and found["fc2"] == (True, 1, 1)
     assert torch.equal(found["rank0"], torch.cat([found["full"][:4], found["full"][8:12]]))
     assert torch.equal(found["merged"], found["full"])
+
+
+def test_partial_gradients_are_summed_over_tensor_parallel_ranks(shards, tmp_path):
+    """QK-norm weights (each TP rank normalizes its own heads) and, under sequence parallelism,
+    every norm (each rank sees its slice of the tokens) get partial gradients per TP rank; they
+    are summed over the group, as megatron's finalize_model_grads does. Without it the TP=2
+    curves drift from TP=1 in the 6th digit and the replicated copies diverge."""
+    from safetensors.torch import load_file
+
+    curves = {}
+    for name, nproc, layout in (("tp1", 1, []), ("tp2", 2, ["parallel.tensor=2"]),
+                                ("tp2-sp", 2, ["parallel.tensor=2",
+                                               "parallel.sequence_parallel=true"])):
+        res = run_train(tmp_path / name, shards, "model.qk_norm=true", *layout, nproc=nproc,
+                        steps=STEPS)
+        assert res.returncode == 0, res.stderr[-3000:]
+        curves[name] = _curve(tmp_path / name)
+    assert curves["tp2"] == pytest.approx(curves["tp1"], rel=2e-6, abs=0)
+    assert curves["tp2-sp"] == pytest.approx(curves["tp1"], rel=2e-6, abs=0)
+    for name in ("tp2", "tp2-sp"):
+        ckpt = tmp_path / name / "checkpoints"
+        weights = ckpt / (ckpt / "latest").read_text().strip() / "weights"
+        a, b = (load_file(weights / f"tp0{r}_pp00.safetensors") for r in (0, 1))
+        replicated = [k for k in a if "layernorm" in k]
+        assert any("q_layernorm" in k for k in replicated)
+        for key in replicated:
+            assert torch.equal(a[key], b[key]), (name, key)

@@ -45,7 +45,8 @@ def reference(shards, tmp_path_factory):
     ("zero.stage=1", "parallel.tensor=2"),     # TP=2 (DP=1)
     ("zero.stage=1", "parallel.pipeline=2"),   # PP=2 (DP=1): megatron's 1F1B schedule
     ("zero.stage=1", "parallel.tensor=2", "parallel.pipeline=2", "nproc=4"),  # TP2 x PP2
-], ids=["zero0", "zero2", "zero3", "dp1", "tp2", "pp2", "tp2xpp2"])
+    ("zero.stage=1", "parallel.tensor=2", "parallel.sequence_parallel=true"),  # TP2 + SP
+], ids=["zero0", "zero2", "zero3", "dp1", "tp2", "pp2", "tp2xpp2", "tp2-sp"])
 def test_identical_fp32_loss_curves_across_layouts(reference, shards, tmp_path, layout):
     nproc = next((int(o[6:]) for o in layout if o.startswith("nproc=")), 2)
     res = train(tmp_path, shards, nproc, *[o for o in layout if not o.startswith("nproc")])

@@ -15,6 +15,7 @@ Weights are initialized from the *global* parameter name and a seed, then sliced
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 
@@ -143,17 +144,23 @@ class SetDiffusionTransformer(MegatronModule):
                 self.padded_vocab, config.hidden_size, init_method=config.init_method,
                 config=config)
         n_layers = get_num_layers_to_build(config, pp_rank=ps.get_pipeline_model_parallel_rank())
-        spec = layer_spec(model_cfg)
+        spec = layer_spec(model_cfg, sequence_parallel=config.sequence_parallel)
         self.decoder = TransformerBlock(
-            config, TransformerBlockSubmodules(layer_specs=[spec] * n_layers,
-                                               layer_norm=final_norm_class(model_cfg)),
+            config, TransformerBlockSubmodules(
+                layer_specs=[spec] * n_layers,
+                layer_norm=final_norm_class(model_cfg, config.sequence_parallel)),
             pre_process=pre_process, post_process=post_process)
+        self.sequence_parallel = config.sequence_parallel
         if post_process:
+            # with sequence parallelism the hidden states are gathered before the noisy half is
+            # sliced off, so the output projection itself sees the whole (sliced) sequence
             self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, self.padded_vocab, config=config,
+                config.hidden_size, self.padded_vocab,
+                config=dataclasses.replace(config, sequence_parallel=False),
                 init_method=config.init_method, bias=False, gather_output=False,
                 skip_weight_param_allocation=pre_process and self.tie)
         _mark_tensor_parallel(self)
+        _sum_partial_grads_over_tensor_parallel_ranks(self)
         self.register_buffer("inv_freq", rotary_inv_freq(model_cfg, config.kv_channels),
                              persistent=False)
 
@@ -191,11 +198,20 @@ class SetDiffusionTransformer(MegatronModule):
         return torch.cat([f, f], dim=-1)[:, :, None, :]
 
     def forward(self, tokens, positions, attention_mask=None, logits_from: int = 0):
-        hidden = self.embedding(tokens).transpose(0, 1).contiguous() if self.pre_process else None
+        hidden = None
+        if self.pre_process:
+            hidden = self.embedding(tokens).transpose(0, 1).contiguous()
+            if self.sequence_parallel:  # each TP rank keeps its slice of the sequence
+                hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
         hidden = self.decoder(hidden, attention_mask=attention_mask,
                               rotary_pos_emb=self.rotary(positions))
         if not self.post_process:
             return hidden
+        if self.sequence_parallel:
+            # the whole sequence again; the output projection's input copy all-reduces the
+            # gradient over TP, so the gather's backward only splits it
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False)
         logits, _ = self.output_layer(hidden[logits_from:], weight=self.output_weight())
         return self._mask_unpredictable(logits)
 
@@ -239,6 +255,29 @@ def _mark_tensor_parallel(model: SetDiffusionTransformer) -> None:
             continue
         if getattr(module, "weight", None) is not None:
             tensor_parallel.set_tensor_model_parallel_attributes(module.weight, True, dim, stride)
+
+
+def _sum_partial_grads_over_tensor_parallel_ranks(model) -> None:
+    """Parameters that are replicated over TP ranks but see only part of the computation there
+    get each backward's gradient summed over the TP group before it accumulates (a tensor hook,
+    so every ZeRO stage and the fp32 buffers see the full gradient), as megatron's
+    ``finalize_model_grads`` does once per step:
+
+    - QK-norm weights (each rank normalizes only its own heads), whenever TP > 1;
+    - with sequence parallelism, the norms that run on a rank's slice of the sequence (the
+      parameters megatron and TE mark ``sequence_parallel``, and ours)."""
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    for name, p in model.named_parameters():
+        qk = ".q_layernorm." in name or ".k_layernorm." in name
+        if qk or (model.config.sequence_parallel and getattr(p, "sequence_parallel", False)):
+            p.register_hook(_all_reduce_over_tensor_parallel)
+
+
+def _all_reduce_over_tensor_parallel(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    torch.distributed.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
+    return grad
 
 
 def parallel_mode(module) -> str | None:

@@ -2,8 +2,9 @@
 
 megatron-core 0.16 assumes CUDA in a few spots that our code paths reach: its RNG tracker keeps
 CUDA generator states (and activation recompute saves and restores them), and the pipeline
-schedules and p2p communication allocate their buffers
-with ``device="cuda"`` / ``torch.cuda.current_device()`` and call ``torch.cuda.synchronize()``.
+schedules, p2p communication and the sequence-parallel gathers and scatters allocate their
+buffers with ``device="cuda"`` / ``torch.cuda.current_device()`` and call
+``torch.cuda.synchronize()``.
 :func:`apply` (a no-op when CUDA is available) replaces the tracker with one that keeps CPU
 generator states, and gives those two pipeline modules a view of ``torch`` whose CUDA device is the
 CPU. Nothing else is patched: the real megatron layers, schedules and p2p code run unchanged.
@@ -20,7 +21,11 @@ import torch
 _APPLIED = False
 # megatron modules that allocate on the CUDA device by name; they get the CPU view of torch
 _CUDA_BOUND_MODULES = ("megatron.core.pipeline_parallel.schedules",
-                       "megatron.core.pipeline_parallel.p2p_communication")
+                       "megatron.core.pipeline_parallel.p2p_communication",
+                       # sequence parallelism: the all-gather / reduce-scatter buffers
+                       "megatron.core.tensor_parallel.mappings",
+                       "megatron.core.tensor_parallel.layers",
+                       "megatron.core.utils")
 
 
 def _cpu_device(device):
