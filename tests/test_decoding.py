@@ -1,6 +1,8 @@
-"""KV-cached set decoding on the megatron model: exactness against the training forward, the AR
-and causal baselines against decoding without a cache, batching, infilling, stop criteria, bad
-input. One launch of 2 gloo processes measures at TP=1 and TP=2; assertions run in the parent."""
+"""KV-cached set decoding on both inference engines (the megatron training model and the lean
+decode-time model built from its weights): exactness against the training forward, the AR and
+causal baselines against decoding without a cache, batching, infilling, stop criteria, bad input,
+and the lean model's logits against megatron's. One launch of 2 gloo processes measures at TP=1
+and TP=2; assertions run in the parent."""
 
 import math
 
@@ -24,15 +26,37 @@ class Chars:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
-def model_for(kind, tp):
+ENGINES = ("megatron", "lean")
+
+
+def model_for(kind, tp, engine="megatron", overrides=()):
     from setdiff_dist.config import load_config
     from setdiff_dist.model.transformer import build_model, transformer_config
 
     cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=32",
                              "model.num_attention_heads=4", "model.num_query_groups=2",
                              "model.ffn_hidden_size=64", f"model.vocab_size={V}",
-                             "model.init_std=0.3", f"order.kind={kind}"]).model
-    return build_model(cfg, transformer_config(cfg, tensor=tp), seed=3).eval()
+                             "model.init_std=0.3", f"order.kind={kind}", *overrides]).model
+    model = build_model(cfg, transformer_config(cfg, tensor=tp), seed=3).eval()
+    return lean_copy(model) if engine == "lean" else model
+
+
+def lean_copy(model):
+    """The lean decode-time model with the megatron model's weights (full tensors by global
+    name, as a checkpoint holds them), this rank's TP slices."""
+    from megatron.core import parallel_state as ps
+
+    from setdiff_dist.inference.lean import LeanTransformer
+    from setdiff_dist.model.transformer import global_name, unshard
+
+    rows, state = model.vocab_size + 1, {}
+    for name, p in model.named_parameters():
+        g = global_name(model, name)
+        full = unshard(p.detach(), p)
+        state[g] = full[:rows] if g in ("embedding.weight", "output_layer.weight") else full
+    return LeanTransformer.from_state_dict(
+        model.model_cfg, state, ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()).eval()
 
 
 def training_logits(model, tokens, prompt_len, order):
@@ -75,12 +99,31 @@ def no_cache_greedy(model, prompt, n, causal):
 
 
 def measure(tp, out):
-    from setdiff_dist.inference.decoder import DecodeError, Sampling, SetDecoder, StopCriteria
     from setdiff_dist.parallel import initialize_model_parallel
 
     initialize_model_parallel(tensor=tp, seed=0)
+    res = {engine: measure_engine(tp, engine) for engine in ENGINES}
+    # the lean model computes the training model's function: same logits for a set-causal
+    # training forward, with GQA, QK-norm, LayerNorm / GELU and an untied head too
+    same = {}
+    for name, extra in (("default", ()), ("variant", ("model.qk_norm=true",
+                                                      "model.normalization=layernorm",
+                                                      "model.activation=gelu",
+                                                      "model.tie_embeddings=false"))):
+        tokens = [5, 9, 2, 7, 1, 3, 8, 6, 4, 0]
+        order = [6, 4, 9, 5, 7, 8]
+        same[name] = tuple(training_logits(model_for("staggered", tp, engine, extra), tokens, 4,
+                                           order) for engine in ENGINES)
+    res["same_logits"] = same
+    if torch.distributed.get_rank() == 0:
+        torch.save(res, out / f"tp{tp}.pt")
+
+
+def measure_engine(tp, engine):
+    from setdiff_dist.inference.decoder import DecodeError, Sampling, SetDecoder, StopCriteria
+
     tok, greedy, res = Chars(), Sampling(greedy=True), {}
-    model = model_for("staggered", tp)
+    model = model_for("staggered", tp, engine)
     dec = SetDecoder(model, tok, context=L, keep_logits=True)
     prompt = [5, 9, 2, 7]
     order = [6, 4, 9, 5, 7, 8]  # a fixed reveal order of the 6 new positions 4..9
@@ -104,7 +147,7 @@ def measure(tp, out):
                                             repetition_penalty=1.3))
     res["sampled"] = [s.tokens for s in sampled]
     # the causal-LM baseline: KV-cached == no-cache greedy
-    causal = model_for("causal", tp)
+    causal = model_for("causal", tp, engine)
     cdec = SetDecoder(causal, tok, context=L, mode="causal")
     res["causal"] = (cdec.generate([prompt], 10, window=1, sampling=greedy)[0].tokens,
                      no_cache_greedy(causal, prompt, 10, True))
@@ -145,13 +188,31 @@ def measure(tp, out):
         except DecodeError as exc:
             errors.append(str(exc))
     res["errors"] = errors
-    if torch.distributed.get_rank() == 0:
-        torch.save(res, out / f"tp{tp}.pt")
+    return res
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def measured(tmp_path_factory):
     return results_at_tp1_and_tp2(measure, tmp_path_factory.mktemp("decode"))
+
+
+@pytest.fixture(params=ENGINES)
+def results(measured, request):
+    """{tp: the measurements of one engine}."""
+    return {tp: r[request.param] for tp, r in measured.items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_lean_model_computes_the_training_models_logits(measured, tp):
+    for name, (megatron, lean) in measured[tp]["same_logits"].items():
+        assert torch.allclose(lean, megatron, atol=2e-5), (name, (lean - megatron).abs().max())
+
+
+def test_both_engines_decode_the_same_tokens(measured):
+    for tp in (1, 2):
+        megatron, lean = (measured[tp][e] for e in ENGINES)
+        for key in ("ar", "causal", "infill", "sampled", "fast"):
+            assert lean[key] == megatron[key], (tp, key)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -212,7 +273,9 @@ def test_bad_decoding_input_is_a_clear_error(results):
 
 def test_block_and_mdlm_baselines_decode_through_the_same_model(tmp_path):
     spawn(_baselines, 1, tmp_path)
-    r = torch.load(tmp_path / "baselines.pt")
+    both = torch.load(tmp_path / "baselines.pt")
+    assert both["lean"] == both["megatron"]  # the same tokens and steps on either engine
+    r = both["megatron"]
     assert len(r["block"]) == 8 and len(r["mdlm"]) == 8
     # one token per step; steps count forward passes: block decoding pays the prompt, one per
     # token and one more per finished block (to cache it); MDLM one per token
@@ -226,12 +289,17 @@ def test_block_and_mdlm_baselines_decode_through_the_same_model(tmp_path):
 
 
 def _baselines(rank, out):
-    from setdiff_dist.inference.decoder import BaselineDecoder, Sampling
     from setdiff_dist.parallel import initialize_model_parallel
 
     initialize_model_parallel(seed=0)
+    torch.save({engine: _baselines_on(engine) for engine in ENGINES}, out / "baselines.pt")
+
+
+def _baselines_on(engine):
+    from setdiff_dist.inference.decoder import BaselineDecoder, Sampling
+
     greedy = Sampling(greedy=True)
-    block_model = model_for("block", 1)
+    block_model = model_for("block", 1, engine)
     dec = BaselineDecoder(block_model, Chars(), context=L)
     prompt = [5, 9, 2, 7]
     b = dec.block(prompt, 8, block_size=4, sampling=greedy)
@@ -242,8 +310,8 @@ def _baselines(rank, out):
     m_empty = dec.mdlm(prompt, 8, sampling=greedy, right=[])
     m_infill = dec.mdlm(prompt, 3, sampling=greedy, right=[4, 4, 6])
     ar = dec.generate([prompt], 8, window=1, sampling=greedy)[0]
-    torch.save({"block": b.tokens, "block_steps": b.steps, "mdlm": m.tokens,
-                "mdlm_steps": m.steps, "mdlm_fast_steps": fast.steps, "block1": b1.tokens,
-                "ar": ar.tokens, "block_denoising": b.denoising_steps,
-                "mdlm_empty": m_empty.tokens, "mdlm_infill": len(m_infill.tokens),
-                "mdlm_infill_steps": m_infill.steps}, out / "baselines.pt")
+    return {"block": b.tokens, "block_steps": b.steps, "mdlm": m.tokens,
+            "mdlm_steps": m.steps, "mdlm_fast_steps": fast.steps, "block1": b1.tokens,
+            "ar": ar.tokens, "block_denoising": b.denoising_steps,
+            "mdlm_empty": m_empty.tokens, "mdlm_infill": len(m_infill.tokens),
+            "mdlm_infill_steps": m_infill.steps}

@@ -127,3 +127,20 @@ def test_bf16_pipeline_parallel_on_nccl(byte_shards, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     losses = _losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < losses[0]
+
+
+def test_te_sequence_parallel_equals_tensor_parallel(byte_shards, tmp_path):
+    """TE layers with sequence parallelism at TP=2 follow TP=2 without it (bf16, within 2%).
+    Needs 2 GPUs (TP=2 over NCCL)."""
+    pytest.importorskip("transformer_engine")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 over NCCL needs 2 GPUs")
+    curves = {}
+    for sp in ("false", "true"):
+        run = tmp_path / f"sp-{sp}"
+        res = _train(run, byte_shards, 2, "parallel.backend=nccl", "train.precision=bf16",
+                     "model.layer_spec=te", "parallel.tensor=2",
+                     f"parallel.sequence_parallel={sp}", "train.steps=6")
+        assert res.returncode == 0, res.stderr[-3000:]
+        curves[sp] = _losses(run)
+    assert curves["true"] == pytest.approx(curves["false"], rel=0.02)

@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompt", action="append", default=None, help="throughput prompts")
     ap.add_argument("--tensor-parallel", type=int, default=1)
+    ap.add_argument("--engine", choices=("lean", "megatron"), default="lean",
+                    help="the decode-time model: lean (plain torch, the default) or megatron "
+                         "(the training model; the same function, slower)")
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
 
@@ -45,7 +48,8 @@ def main(argv=None) -> int:
     from setdiff_dist.inference.weights import LoadError, build_inference_model
 
     try:
-        model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel)
+        model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
+                                                engine=args.engine)
         mode = "causal" if cfg.order.kind == "causal" else "set"
         decoder = SetDecoder(model, tok, context=cfg.data.seq_len, mode=mode)
         sampling = Sampling(greedy=args.greedy)

@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--infill-right", default=None)
     ap.add_argument("--infill-length", type=int, default=None, help="tokens to fill")
     ap.add_argument("--tensor-parallel", type=int, default=1)
+    ap.add_argument("--engine", choices=("lean", "megatron"), default="lean",
+                    help="the decode-time model: lean (plain torch, the default) or megatron "
+                         "(the training model; the same function, slower)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
@@ -51,7 +54,8 @@ def main(argv=None) -> int:
     from setdiff_dist.inference.weights import LoadError, build_inference_model
 
     try:
-        model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel)
+        model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
+                                                engine=args.engine)
     except LoadError as exc:
         print(f"setdiff-generate: error: {exc}", file=sys.stderr)
         return 2

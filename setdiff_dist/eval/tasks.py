@@ -22,7 +22,8 @@ import torch
 
 from setdiff_dist.data.loader import TokenLoader
 from setdiff_dist.data.shards import ShardSet
-from setdiff_dist.inference.decoder import DecodeError, Sampling, SetDecoder, StopCriteria
+from setdiff_dist.inference.decoder import (DecodeError, Sampling, SetDecoder, StopCriteria,
+                                            model_device)
 from setdiff_dist.train.objective import Objective
 
 
@@ -31,7 +32,7 @@ def perplexity(model, cfg, shards_dir: str, batches: int = 16, batch_size: int =
     objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1)
     loader = TokenLoader(shards, global_batch=batch_size, micro_batch=batch_size, shuffle=False,
                          num_workers=0)
-    device = next(model.parameters()).device
+    device = model_device(model)
     total = tokens = 0.0
     n = min(batches, max(1, len(shards) // batch_size))
     with torch.no_grad():

@@ -34,6 +34,12 @@ from megatron.core import parallel_state as ps
 from setdiff_dist.model.kv_cache import KVCache, decode_step
 
 
+def model_device(model) -> torch.device:
+    """Where a model's weights live (the lean model keeps them as buffers)."""
+    device = getattr(model, "device", None)
+    return device if isinstance(device, torch.device) else next(model.parameters()).device
+
+
 class DecodeError(ValueError):
     """Bad decoding input; the message says what and how to fix it."""
 
@@ -97,7 +103,7 @@ class SetDecoder:
             raise ValueError(f"unknown decoding mode {mode!r}")
         self.model, self.tok, self.context, self.mode = model, tokenizer, context, mode
         self.mask_id = model.mask_id
-        self.device = next(model.parameters()).device
+        self.device = model_device(model)
         self.keep_logits = keep_logits
         self._last_logits: dict = {}  # position -> logits of the last call (keep_logits=True)
         self.vocab = model.vocab_size

@@ -172,15 +172,21 @@ def load_into(model, state: dict) -> None:
         raise LoadError(f"the checkpoint has tensors the model does not: {', '.join(extra[:5])}")
 
 
+ENGINES = ("lean", "megatron")
+
+
 def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = None,
-                          dtype: torch.dtype = torch.float32):
+                          dtype: torch.dtype = torch.float32, engine: str = "lean"):
     """``(model, config, tokenizer)``: the model of a checkpoint or export, at tensor-parallel
-    size ``tensor`` (the process group must already hold ``tensor`` ranks), attention ``sdpa``."""
+    size ``tensor`` (the process group must already hold ``tensor`` ranks), attention ``sdpa``.
+    ``engine="lean"`` (the default) is :class:`setdiff_dist.inference.lean.LeanTransformer`,
+    the same function in plain torch; ``"megatron"`` is the training model."""
     from megatron.core import parallel_state as ps
 
-    from setdiff_dist.model.transformer import SetDiffusionTransformer, transformer_config
     from setdiff_dist.parallel import initialize_model_parallel
 
+    if engine not in ENGINES:
+        raise LoadError(f"unknown inference engine {engine!r}; one of {', '.join(ENGINES)}")
     state, cfg, tok, _ = read_full_state_dict(path)
     if not ps.model_parallel_is_initialized() or \
             ps.get_tensor_model_parallel_world_size() != tensor:
@@ -188,7 +194,19 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
     cfg.model.attention_backend = "sdpa"  # the KV-cached decoder's kernel
     cfg.model.layer_spec = "local"
     cfg.model.attention_dropout = cfg.model.hidden_dropout = 0.0
-    model = SetDiffusionTransformer(cfg.model, transformer_config(cfg.model, tensor=tensor))
-    load_into(model, state)
+    if engine == "lean":
+        from .lean import LeanError, LeanTransformer
+
+        try:
+            model = LeanTransformer.from_state_dict(
+                cfg.model, state, ps.get_tensor_model_parallel_rank(), tensor,
+                ps.get_tensor_model_parallel_group())
+        except LeanError as exc:
+            raise LoadError(f"{path}: {exc}") from None
+    else:
+        from setdiff_dist.model.transformer import SetDiffusionTransformer, transformer_config
+
+        model = SetDiffusionTransformer(cfg.model, transformer_config(cfg.model, tensor=tensor))
+        load_into(model, state)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device=device, dtype=dtype).eval(), cfg, tok

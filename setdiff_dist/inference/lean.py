@@ -1,0 +1,213 @@
+"""The decode-time transformer: the trained architecture in plain torch, for KV-cached decoding.
+
+The training model is megatron-core's: every layer goes through megatron's autograd wrappers,
+autocast decorators and module plumbing, which costs more than the matmuls of a small model's
+batch-1 decoding step. :class:`LeanTransformer` computes the same function with a handful of
+fused tensor operations per layer and no autograd:
+
+- a full embedding table (replicated over tensor-parallel ranks), RMSNorm or LayerNorm;
+- attention with one fused ``qkv`` matmul in megatron's grouped layout (per query group: its
+  query heads, then its key, then its value), optional QK-norm, rotary embeddings at each
+  token's own position, grouped-query attention, ``sdpa`` under a dense mask or the KV cache of
+  :mod:`setdiff_dist.model.kv_cache`;
+- a SwiGLU or GELU MLP;
+- tensor parallelism as megatron splits the weights: ``qkv`` and ``fc1`` column-parallel (whole
+  query groups, ``[gate ; up]`` halves), the attention output and ``fc2`` row-parallel with one
+  all-reduce each, and a vocab-parallel output head over the TP-padded vocabulary, so that the
+  logits have the training model's layout ``[s, b, V_pad / TP]`` (``[MASK]`` and padding never
+  predicted).
+
+Weights are the layout-free full tensors of a checkpoint or export
+(:func:`setdiff_dist.inference.weights.read_full_state_dict`); each rank keeps only its slices.
+It is called like the training model: ``model(tokens [b, s], positions [b, s], mask, logits_from)``
+with ``mask`` a boolean ``[b, 1, s, s]`` (True = masked out) or None (causal), so the set decoder
+runs on it unchanged.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from setdiff_dist.model import kv_cache
+from setdiff_dist.model.transformer import padded_vocab_size, rotary_inv_freq
+
+
+class LeanError(ValueError):
+    """Weights that do not fit the architecture; the message names the tensor."""
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on ``t [b, s, n, d]`` (megatron's non-interleaved form)."""
+    x1, x2 = t.chunk(2, dim=-1)
+    return t * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class LeanTransformer(nn.Module):
+    def __init__(self, model_cfg, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+        super().__init__()
+        m = model_cfg
+        if m.num_attention_heads % tp_size or (m.num_query_groups or m.num_attention_heads) \
+                % tp_size:
+            raise LeanError(f"tensor-parallel size {tp_size} must divide the attention heads "
+                            f"({m.num_attention_heads}) and key/value groups")
+        self.model_cfg = m
+        self.vocab_size = m.vocab_size
+        self.mask_id = m.vocab_size
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.heads = m.num_attention_heads // tp_size
+        self.groups = (m.num_query_groups or m.num_attention_heads) // tp_size
+        self.head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+        self.ffn = (m.ffn_hidden_size or 4 * m.hidden_size) // tp_size
+        self.gated = m.activation == "swiglu"
+        self.rms = m.normalization == "rmsnorm"
+        self.eps = m.norm_epsilon
+        self.padded_vocab = padded_vocab_size(m.vocab_size, tp_size)
+        self.config = types.SimpleNamespace(num_layers=m.num_layers)  # what the decoders read
+        # kept in fp32 whatever the weights' dtype (not a buffer, so .to(dtype) leaves it)
+        self._inv_freq = rotary_inv_freq(m, self.head_dim)
+
+    # -- weights ---------------------------------------------------------------------------------
+    @classmethod
+    def from_state_dict(cls, model_cfg, state: dict, tp_rank: int = 0, tp_size: int = 1,
+                        tp_group=None) -> "LeanTransformer":
+        """This rank's slices of the full tensors ``state`` (global names, vocabulary tensors with
+        their ``vocab_size + 1`` real rows)."""
+        model = cls(model_cfg, tp_rank, tp_size, tp_group)
+        model._load(state)
+        return model
+
+    def _get(self, state, name, shape):
+        if name not in state:
+            raise LeanError(f"tensor {name} is missing from the checkpoint")
+        t = state[name]
+        if list(t.shape) != list(shape):
+            raise LeanError(f"tensor {name}: shape {tuple(t.shape)}, the architecture needs "
+                            f"{tuple(shape)}")
+        return t
+
+    def _rows(self, t, parts: int = 1):
+        """This rank's rows of ``t``, split evenly (within each of ``parts`` blocks)."""
+        blocks = t.chunk(parts, 0)
+        return torch.cat([b.chunk(self.tp_size, 0)[self.tp_rank] for b in blocks], 0)
+
+    def _cols(self, t):
+        return t.chunk(self.tp_size, 1)[self.tp_rank]
+
+    def _load(self, state):
+        m, h, d = self.model_cfg, self.model_cfg.hidden_size, self.head_dim
+        heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+        ffn = m.ffn_hidden_size or 4 * h
+        rows = m.vocab_size + 1
+        used = set()
+
+        def get(name, shape):
+            used.add(name)
+            return self._get(state, name, shape)
+
+        w = {"embedding": get("embedding.weight", [rows, h])}
+        head = w["embedding"] if m.tie_embeddings else get("output_layer.weight", [rows, h])
+        padded = torch.cat([head, head.new_zeros(self.padded_vocab - rows, h)])
+        w["head"] = self._rows(padded)
+        norms = ("weight",) if self.rms else ("weight", "bias")
+        for i in range(m.num_layers):
+            p = f"decoder.layers.{i}."
+            for norm, key in (("input_layernorm", "norm1"), ("pre_mlp_layernorm", "norm2")):
+                for part in norms:
+                    w[f"{i}.{key}.{part}"] = get(f"{p}{norm}.{part}", [h])
+            qkv = get(f"{p}self_attention.linear_qkv.weight", [(heads + 2 * groups) * d, h])
+            w[f"{i}.qkv"] = self._rows(qkv)  # whole query groups per rank
+            if m.qk_norm:
+                for which in ("q", "k"):
+                    for part in norms:
+                        w[f"{i}.{which}norm.{part}"] = get(
+                            f"{p}self_attention.{which}_layernorm.{part}", [d])
+            w[f"{i}.proj"] = self._cols(get(f"{p}self_attention.linear_proj.weight",
+                                            [h, heads * d]))
+            fc1 = get(f"{p}mlp.linear_fc1.weight", [(2 if self.gated else 1) * ffn, h])
+            w[f"{i}.fc1"] = self._rows(fc1, 2 if self.gated else 1)
+            w[f"{i}.fc2"] = self._cols(get(f"{p}mlp.linear_fc2.weight", [h, ffn]))
+        for part in norms:
+            w[f"final.{part}"] = get(f"decoder.final_layernorm.{part}", [h])
+        extra = sorted(set(state) - used)
+        if extra:
+            raise LeanError(f"the checkpoint has tensors the architecture does not: "
+                            f"{', '.join(extra[:5])}")
+        for k, v in w.items():  # buffers: .to() moves and casts them; nothing needs a gradient
+            self.register_buffer("w_" + k.replace(".", "_"), v.detach().contiguous().clone(),
+                                 persistent=False)
+
+    def _w(self, key: str) -> torch.Tensor:
+        return getattr(self, "w_" + key.replace(".", "_"))
+
+    @property
+    def device(self) -> torch.device:
+        return self.w_embedding.device
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _norm(self, x, key):
+        if self.rms:
+            return F.rms_norm(x, (x.shape[-1],), self._w(key + ".weight"), self.eps)
+        return F.layer_norm(x, (x.shape[-1],), self._w(key + ".weight"), self._w(key + ".bias"),
+                            self.eps)
+
+    def _all_reduce(self, x):
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(x, group=self.tp_group)
+        return x
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None, logits_from: int = 0):
+        b, s = tokens.shape
+        x = F.embedding(tokens, self._w("embedding"))
+        if self._inv_freq.device != tokens.device:
+            self._inv_freq = self._inv_freq.to(tokens.device)
+        freqs = positions.to(torch.float32)[..., None] * self._inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # [b, s, 1, d]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        rep, d = self.heads // self.groups, self.head_dim
+        step = kv_cache.active()
+        for i in range(self.model_cfg.num_layers):
+            h = self._norm(x, f"{i}.norm1")
+            qkv = F.linear(h, self._w(f"{i}.qkv")).view(b, s, self.groups, rep + 2, d)
+            v = qkv[:, :, :, rep + 1]
+            if self.model_cfg.qk_norm:
+                q = self._norm(qkv[:, :, :, :rep], f"{i}.qnorm").reshape(b, s, self.heads, d)
+                k = self._norm(qkv[:, :, :, rep], f"{i}.knorm")
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            else:  # queries and keys rotated in one go: [b, s, g, rep + 1, d]
+                qk = _rotate(qkv[:, :, :, :rep + 1], cos[:, :, :, None], sin[:, :, :, None])
+                q, k = qk[:, :, :, :rep].reshape(b, s, self.heads, d), qk[:, :, :, rep]
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, n, s, d]
+            if step is not None:
+                o = kv_cache.attend(i, q, k, v, None)
+            else:
+                if rep > 1:
+                    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+                    is_causal=attention_mask is None)
+            o = o.transpose(1, 2).reshape(b, s, self.heads * d)
+            x = x + self._all_reduce(F.linear(o, self._w(f"{i}.proj")))
+            h = F.linear(self._norm(x, f"{i}.norm2"), self._w(f"{i}.fc1"))
+            if self.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = F.silu(gate) * up
+            else:
+                h = F.gelu(h)
+            x = x + self._all_reduce(F.linear(h, self._w(f"{i}.fc2")))
+        x = self._norm(x[:, logits_from:], "final").transpose(0, 1)
+        # one 2-d GEMM ([s' b, h] rows, contiguous): a strided 3-d input runs as a slow bmm
+        logits = F.linear(x.reshape(-1, x.shape[-1]), self._w("head")).view(
+            x.shape[0], b, -1)  # [s', b, V_pad / TP]
+        local = logits.shape[-1]
+        start = self.tp_rank * local
+        if start + local > self.vocab_size:  # [MASK] and padding are never predicted
+            ids = torch.arange(start, start + local, device=logits.device)
+            logits = logits.masked_fill(ids >= self.vocab_size, torch.finfo(logits.dtype).min)
+        return logits
