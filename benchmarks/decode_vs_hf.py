@@ -18,7 +18,8 @@ Steady-state tokens/s = (N_long - N_short) / (t(N_long) - t(N_short)) per sample
 loading, the prompt and warm-up are excluded; medians over the repeats. The greedy tokens of
 ``causal`` must equal transformers' (checked, printed). Shapes: ``small`` = 4 layers x 256
 hidden, vocabulary 50,304; ``110m`` = configs/models/110m.yaml as a Llama (RMSNorm, SwiGLU at
-2048 wide). fp32, this machine's threads.
+2048 wide); ``1.3b`` = configs/models/1.3b.yaml. fp32 on the CPU by default; on a GPU
+(``--device cuda --dtype bfloat16``, as tests/gpu/run.sh runs it) the same comparison in bf16.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ SHAPES = {"small": ["model.num_layers=4", "model.hidden_size=256", "model.num_at
           # the 110m shape as a Llama (transformers has no GPT-2 with our rotary / untied
           # layout): RMSNorm + SwiGLU at 2048 = 8/3 x hidden keeps the parameter count
           "110m": ["model.normalization=rmsnorm", "model.activation=swiglu",
-                   "model.ffn_hidden_size=2048"]}
+                   "model.ffn_hidden_size=2048"],
+          "1.3b": []}
 
 
 class _NoText:
@@ -54,7 +56,8 @@ def _weights(shape: str):
     from setdiff_dist.config import load_config
     from setdiff_dist.model.transformer import build_model, global_name, transformer_config
 
-    path = os.path.join(ROOT, "configs", "models", "110m.yaml") if shape == "110m" else None
+    path = os.path.join(ROOT, "configs", "models", f"{shape}.yaml") if shape != "small" \
+        else None
     cfg = load_config(path, ["order.kind=causal", *SHAPES[shape]])
     model = build_model(cfg.model, transformer_config(cfg.model), seed=0)
     rows = cfg.model.vocab_size + 1
@@ -66,28 +69,28 @@ def _weights(shape: str):
     return cfg.model, state, model.eval()
 
 
-def _hf_model(model_cfg, state, directory):
+def _hf_model(model_cfg, state, directory, device, dtype):
     from transformers import AutoModelForCausalLM
 
     from setdiff_dist.model.hf import hf_config, hf_tensors, write_hf
 
     out = os.path.join(directory, "hf")
     write_hf(hf_tensors(state, model_cfg), hf_config(model_cfg), out, "float32")
-    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).to(device).eval()
 
 
-def _runners(model_cfg, state, megatron_model, directory):
+def _runners(model_cfg, state, megatron_model, directory, device, dtype, variants):
     from setdiff_dist.inference.decoder import Sampling, SetDecoder
     from setdiff_dist.inference.lean import LeanTransformer
 
-    hf = _hf_model(model_cfg, state, directory)
-    lean = LeanTransformer.from_state_dict(model_cfg, state).eval()
+    hf = _hf_model(model_cfg, state, directory, device, dtype)
+    lean = LeanTransformer.from_state_dict(model_cfg, state).to(device, dtype).eval()
     greedy, ctx = Sampling(greedy=True), 4096
 
     def hf_run(prompts, n):
         with torch.no_grad():
-            out = hf.generate(torch.tensor(prompts), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=0)
+            out = hf.generate(torch.tensor(prompts, device=device), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0)
         return out[:, len(prompts[0]):].tolist()
 
     def ours(model, mode, window=1, threshold=float("inf")):
@@ -98,9 +101,12 @@ def _runners(model_cfg, state, megatron_model, directory):
                                                    threshold=threshold, sampling=greedy)]
         return run
 
-    return {"hf": hf_run, "causal": ours(lean, "causal"),
-            "causal megatron": ours(megatron_model, "causal"),
-            "set W=4 tau=inf": ours(lean, "set", 4), "set W=4 tau=0.9": ours(lean, "set", 4, 0.9)}
+    runners = {"hf": hf_run, "causal": ours(lean, "causal"),
+               "set W=4 tau=inf": ours(lean, "set", 4),
+               "set W=4 tau=0.9": ours(lean, "set", 4, 0.9)}
+    if "megatron" in variants:
+        runners["causal megatron"] = ours(megatron_model.to(device, dtype), "causal")
+    return runners
 
 
 def main() -> int:
@@ -111,23 +117,29 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--short", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--no-megatron", action="store_true",
+                    help="skip decoding on the training model (the slow reference)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
     from setdiff_dist.parallel import initialize_model_parallel
 
-    initialize_model_parallel(seed=0, backend="gloo")
+    initialize_model_parallel(seed=0, backend="nccl" if args.device == "cuda" else "gloo")
     results = {}
     for shape in args.shapes:
         model_cfg, state, megatron_model = _weights(shape)
         with tempfile.TemporaryDirectory() as tmp:
-            runners = _runners(model_cfg, state, megatron_model, tmp)
+            runners = _runners(model_cfg, state, megatron_model, tmp, args.device,
+                               getattr(torch, args.dtype),
+                               () if args.no_megatron else ("megatron",))
             gen = torch.Generator().manual_seed(0)
             for batch in args.batches:
                 prompts = torch.randint(0, model_cfg.vocab_size, (batch, 16),
                                         generator=gen).tolist()
                 ref = runners["hf"](prompts, 32)
-                match = runners["causal"](prompts, 32) == ref
+                match = runners["causal"](prompts, 32) == ref  # (bf16 may differ by ties)
                 times = {name: [] for name in runners}
                 for _ in range(args.repeats):
                     for name, run in runners.items():

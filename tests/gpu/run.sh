@@ -14,10 +14,11 @@
 #            into a fresh folder put first on PYTHONPATH, next to the machine's own packages.
 #            No venv: a venv made from the machine's python (itself a venv) would not see its
 #            torch, --system-site-packages or not.
-#   smoke    imports, NCCL init on one rank, one CUDA NELBO forward/backward      (90 s limit)
-#   tests    pytest -m gpu tests/test_gpu.py                                      (240 s limit)
-#   bench    benchmarks/train_throughput.py, shortened, no checkpoints kept      (180 s limit)
-# About 8 minutes at most in all. Exit code: 0 if every stage that ran passed, else 1.
+#   smoke    imports, NCCL init on one rank, one CUDA NELBO forward/backward      (60 s limit)
+#   tests    pytest -m gpu tests/test_gpu.py                                      (180 s limit)
+#   bench    benchmarks/train_throughput.py, shortened, no checkpoints kept      (110 s limit)
+#   decode   benchmarks/decode_vs_hf.py: bf16 decoding vs transformers' generate (110 s limit)
+# Under 8 minutes in all. Exit code: 0 if every stage that ran passed, else 1.
 # Logs go to $OUT (default gpu-results/): one file per stage and summary.txt.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -28,7 +29,7 @@ for arg in "$@"; do
     case "$arg" in
         --cpu-rehearsal) MODE=cpu ;;
         --no-install) INSTALL=0 ;;
-        -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "run.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -133,7 +134,7 @@ if [ "$INSTALL" = 1 ]; then
     if stage install 0 install; then
         export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     else
-        say "smoke, tests, bench: not run (the install failed)"
+        say "smoke, tests, bench, decode: not run (the install failed)"
         say "total $(( $(date +%s) - start )) s: FAILED"
         exit 1
     fi
@@ -143,13 +144,16 @@ fi
 
 if [ "$MODE" = cpu ]; then
     stage smoke 120 "$PY" tests/gpu/smoke.py --device cpu
-    say "tests, bench: not run in the CPU rehearsal (they need the GPU)"
+    say "tests, bench, decode: not run in the CPU rehearsal (they need the GPU)"
 else
-    stage smoke 90 "$PY" tests/gpu/smoke.py --device cuda
-    stage tests 240 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-        --timeout 200
-    stage bench 180 "$PY" benchmarks/train_throughput.py --models 110m 1.3b --precision bf16 \
-        --steps 8 --warmup 3 --micro-batch 8 --budget-s 120 --json "$OUT/throughput.json"
+    stage smoke 60 "$PY" tests/gpu/smoke.py --device cuda
+    stage tests 180 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+        --timeout 150
+    stage bench 110 "$PY" benchmarks/train_throughput.py --models 110m 1.3b --precision bf16 \
+        --steps 8 --warmup 3 --micro-batch 8 --budget-s 60 --json "$OUT/throughput.json"
+    stage decode 110 "$PY" benchmarks/decode_vs_hf.py --device cuda --dtype bfloat16 \
+        --shapes 110m 1.3b --batches 1 8 --repeats 1 --new-tokens 64 --no-megatron \
+        --json "$OUT/decode.json"
 fi
 say "total $(( $(date +%s) - start )) s: $([ $failed = 0 ] && echo ok || echo FAILED)"
 exit $failed
