@@ -221,9 +221,11 @@ class SetDecoder:
         own |= (~is_commit[None, :, None] & is_commit[None, None, :])
         own &= valid[:, None, :] & valid[:, :, None]
         own |= torch.eye(n, dtype=torch.bool)[None]  # every row attends at least itself
-        allowed = torch.cat([cache.valid.cpu()[:, None, :].expand(B, n, cache.length)
-                             & valid[:, :, None], own], dim=2)
-        tokens, positions, allowed = (t.to(self.device) for t in (tokens, positions, allowed))
+        # the cache's side stays on the device (no copy of the cache's mask to the host)
+        tokens, positions, own, valid_d = (t.to(self.device) for t in (tokens, positions, own,
+                                                                       valid))
+        allowed = torch.cat([cache.valid[:, None, :].expand(B, n, cache.length)
+                             & valid_d[:, :, None], own], dim=2)
         if self.mode == "causal":
             # the prediction comes from the last committed token of each sample
             last = torch.tensor([max(len(c) - 1, 0) for c in commits])
@@ -233,7 +235,12 @@ class SetDecoder:
         cache.commit(valid[:, :C].to(self.device) if C else torch.zeros(B, 0, dtype=torch.bool,
                                                                           device=self.device),
                      positions[:, :C])
-        logits = self._full_vocab(logits).transpose(0, 1).float().cpu()  # [B, s, V]
+        logits = self._full_vocab(logits).transpose(0, 1)  # [B, s, V], on the device
+        if self.mode == "causal":  # each sample's prediction comes from its last commit
+            logits = logits[torch.arange(B, device=logits.device), last.to(logits.device)][:, None]
+        fast = self._greedy_on_device(logits, sampling)
+        if fast is None:
+            logits = logits.float().cpu()
         for b, s in enumerate(samples):
             s.pending = []
             if s.done:
@@ -243,12 +250,13 @@ class SetDecoder:
                 if not cands[b]:
                     s.done = True
                     continue
-                picks = self._choose(logits[b, last[b]][None], cands[b], s, sampling, gen,
-                                     threshold)
             else:
                 if not cands[b]:
                     s.done = True
                     continue
+            if fast is not None:
+                picks = self._accept(fast[0][b], fast[1][b], cands[b], threshold)
+            else:
                 picks = self._choose(logits[b, :len(cands[b])], cands[b], s, sampling, gen,
                                      threshold)
             for pos, tok in picks:
@@ -273,6 +281,26 @@ class SetDecoder:
             dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
             logits = torch.cat(parts, dim=-1)
         return logits[..., : self.vocab]
+
+    def _greedy_on_device(self, logits, sampling):
+        """Greedy choices and their confidences for every sample and candidate row of
+        ``logits [B, M, V]`` in a few batched ops on the device; only ``[B, M]`` token ids and
+        confidences go to the host. None where the per-sample path is needed (sampling, a
+        repetition penalty, or logits kept for tests)."""
+        if self.keep_logits or sampling.repetition_penalty != 1.0 or not (
+                sampling.greedy or sampling.temperature == 0):
+            return None
+        probs = torch.softmax(logits.float(), -1)
+        conf, toks = probs.max(-1)
+        return toks.tolist(), conf.tolist()
+
+    @staticmethod
+    def _accept(toks, conf, cands, threshold):
+        """The most confident candidate, and every one at or above the threshold."""
+        conf = conf[:len(cands)]
+        best = max(range(len(cands)), key=lambda j: (conf[j], -j))
+        return [(pos, int(toks[j])) for j, pos in enumerate(cands)
+                if j == best or conf[j] >= threshold]
 
     def _choose(self, logits, cands, s, sampling, gen, threshold):
         """Sample every candidate; accept the most confident and all above the threshold."""
