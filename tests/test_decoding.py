@@ -188,6 +188,21 @@ def measure_engine(tp, engine):
         except DecodeError as exc:
             errors.append(str(exc))
     res["errors"] = errors
+    # a cache that starts tiny grows (and squeezes out cropped slots) without changing a token
+    from setdiff_dist.model import kv_cache
+
+    kv_cache.INITIAL_CAPACITY = 2
+    try:
+        res["tiny_cache"] = (
+            [b.tokens for b in ar.generate([prompt, [3, 1]], 10, window=1, sampling=greedy)],
+            ar.generate([prompt], 30, window=1, sampling=greedy)[0].tokens,
+            ar.infill([left], [right], [5], window=2, sampling=greedy)[0].tokens,
+            ar.generate([prompt], 12, window=6, threshold=0.0, sampling=greedy)[0].tokens)
+    finally:
+        kv_cache.INITIAL_CAPACITY = 64
+    res["default_cache"] = (
+        res["ar"][0], ar.generate([prompt], 30, window=1, sampling=greedy)[0].tokens, a,
+        ar.generate([prompt], 12, window=6, threshold=0.0, sampling=greedy)[0].tokens)
     return res
 
 
@@ -256,6 +271,11 @@ def test_stop_criteria_shorten_the_output(results):
     assert s["eos"] == s["long"][:5]
     assert s["string"] == s["text"][:9]
     assert len(s["regex"]) < len(s["text"]) and s["text"].startswith(s["regex"])
+
+
+def test_a_cache_that_grows_and_squeezes_decodes_the_same_tokens(results):
+    assert results[1]["tiny_cache"] == results[1]["default_cache"]
+    assert results[2]["tiny_cache"] == results[2]["default_cache"]
 
 
 def test_generation_past_the_context_crops_the_cache(results):

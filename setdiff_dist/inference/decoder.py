@@ -221,6 +221,7 @@ class SetDecoder:
         own |= (~is_commit[None, :, None] & is_commit[None, None, :])
         own &= valid[:, None, :] & valid[:, :, None]
         own |= torch.eye(n, dtype=torch.bool)[None]  # every row attends at least itself
+        cache.reserve(n)  # (may squeeze out cropped slots: before the mask is built)
         # the cache's side stays on the device (no copy of the cache's mask to the host)
         tokens, positions, own, valid_d = (t.to(self.device) for t in (tokens, positions, own,
                                                                        valid))
@@ -383,6 +384,7 @@ class BaselineDecoder(SetDecoder):
 
     def _forward(self, cache, tokens, positions, own, commit):
         n = len(tokens)
+        cache.reserve(n)
         allowed = torch.cat([cache.valid.cpu()[:, None, :].expand(1, n, cache.length),
                              own[None]], dim=2).to(self.device)
         tokens = torch.tensor(tokens, device=self.device)[None]

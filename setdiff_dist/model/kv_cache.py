@@ -3,8 +3,9 @@
 A clean token's keys and values never change once computed (SPEC section 3), so the cache is
 exact. During a decoding step the model runs on a few *new* tokens (the tokens committed by the
 previous step, and [MASK] queries); :func:`decode_step` makes the ``sdpa`` core attention attend
-``[cache ; new]`` under the step's mask, and stages the new keys and values; afterwards
-:meth:`KVCache.commit` appends those of the committed tokens only. Each tensor-parallel rank
+``[cache ; new]`` under the step's mask, writing the new keys and values into the preallocated
+cache right after its live prefix; afterwards :meth:`KVCache.commit` keeps those of the
+committed tokens only. Each tensor-parallel rank
 caches its own heads. Keys are cached after rotary embedding, at each token's own position.
 """
 
@@ -16,50 +17,130 @@ from typing import Optional
 import torch
 
 _ACTIVE: Optional["DecodeStep"] = None
+INITIAL_CAPACITY = 64  # slots per sample before the first doubling
 
 
 class KVCache:
-    """Per layer ``k, v [b, groups, S, d]`` and ``valid [b, S]`` (ragged batches, cropped slots)."""
+    """Per layer a preallocated ``k, v [b, groups, capacity, d]``; the first ``length`` slots hold
+    the committed tokens, ``valid [b, length]`` says which slots of each sample are live (ragged
+    batches, cropped entries) and ``positions [b, length]`` their positions.
 
-    def __init__(self, num_layers: int, batch: int, device):
+    A step's new keys and values are written in place right after ``length``
+    (:func:`attend`), so attention reads one contiguous prefix of the buffer and committing the
+    step's leading tokens (the decoders put committed tokens first) only moves ``length``: no
+    per-step concatenation of the whole cache. The buffers double when full; slots that
+    cropping left dead are squeezed out first."""
+
+    def __init__(self, num_layers: int, batch: int, device, capacity: Optional[int] = None):
+        capacity = capacity or INITIAL_CAPACITY
         self.k: list[Optional[torch.Tensor]] = [None] * num_layers
         self.v: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
-        self.positions = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        self._staged: dict[int, tuple] = {}
+        self.batch, self.device, self.capacity = batch, device, capacity
+        self._valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self._positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
+        self.length = 0
+        self._new = 0  # tokens of the current step written after `length`
 
     @property
-    def length(self) -> int:
-        return self.valid.shape[1]
+    def valid(self) -> torch.Tensor:
+        return self._valid[:, :self.length]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions[:, :self.length]
+
+    # -- room ------------------------------------------------------------------------------------
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` new tokens after ``length``."""
+        if self.length + n <= self.capacity:
+            return
+        self._squeeze()
+        if self.length + n <= self.capacity:
+            return
+        capacity = max(2 * self.capacity, self.length + n)
+        grow = capacity - self.capacity
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                if t is not None:
+                    store[i] = torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])], 2)
+        self._valid = torch.cat([self._valid, self._valid.new_zeros(self.batch, grow)], 1)
+        self._positions = torch.cat([self._positions,
+                                     self._positions.new_zeros(self.batch, grow)], 1)
+        self.capacity = capacity
+
+    def _squeeze(self) -> None:
+        """Move each sample's live slots to the front, in order (attention does not depend on
+        the order of the keys: positions are in them)."""
+        valid = self.valid
+        live = int(valid.sum(1).max()) if self.length else 0
+        if live == self.length:
+            return
+        order = torch.sort((~valid).int(), dim=1, stable=True).indices[:, :live]
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                if t is not None:
+                    idx = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+                    t[:, :, :live] = torch.gather(t[:, :, :self.length], 2, idx)
+        self._valid[:, :live] = torch.gather(valid, 1, order)
+        self._positions[:, :live] = torch.gather(self.positions, 1, order)
+        self.length = live
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store a step's new ``k, v [b, g, n, d]`` after the cache; returns the keys and values
+        of ``[cache ; new]``."""
+        n = k.shape[2]
+        if self.k[layer] is None:
+            shape = (self.batch, k.shape[1], self.capacity, k.shape[3])
+            self.k[layer] = k.new_zeros(shape)
+            self.v[layer] = v.new_zeros(shape)
+        end = self.length + n
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        self._new = n
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def commit(self, commit: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append the staged keys/values of the new tokens flagged in ``commit [b, n]``,
-        compacted to the largest per-sample count."""
+        """Keep the keys/values of the step's tokens flagged in ``commit [b, n]``, compacted to
+        the largest per-sample count; the others are forgotten."""
         count = int(commit.sum(1).max()) if commit.numel() else 0
         if count:
-            order = torch.sort(commit.int(), dim=1, descending=True, stable=True).indices[:, :count]
-            keep = torch.gather(commit, 1, order)
-            for layer, (k, v) in self._staged.items():
-                idx = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-                k_new, v_new = torch.gather(k, 2, idx), torch.gather(v, 2, idx)
-                self.k[layer] = k_new if self.k[layer] is None else torch.cat([self.k[layer],
-                                                                               k_new], 2)
-                self.v[layer] = v_new if self.v[layer] is None else torch.cat([self.v[layer],
-                                                                               v_new], 2)
-            self.valid = torch.cat([self.valid, keep], 1)
-            self.positions = torch.cat([self.positions, torch.gather(positions, 1, order)], 1)
-        self._staged = {}
+            first = commit[:, :count]
+            leading = not bool(commit[:, count:].any()) and \
+                bool((first[:, 1:].int() <= first[:, :-1].int()).all())
+            if not leading:
+                # committed tokens are not each row's leading ones: gather them to the front
+                order = torch.sort(commit.int(), dim=1, descending=True,
+                                   stable=True).indices[:, :count]
+                lo, n = self.length, commit.shape[1]
+                for store in (self.k, self.v):
+                    for t in store:
+                        if t is not None:
+                            idx = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+                            t[:, :, lo:lo + count] = torch.gather(t[:, :, lo:lo + n], 2, idx)
+                first = torch.gather(commit, 1, order)
+                positions = torch.gather(positions, 1, order)
+            end = self.length + count
+            self._valid[:, self.length:end] = first
+            self._positions[:, self.length:end] = positions[:, :count]
+            self.length = end
+        self._new = 0
 
     def crop(self, keep_last: int) -> None:
         """Forget all but the ``keep_last`` most recent valid entries of each sample (past the
         model's context)."""
-        newer = self.valid.flip(1).cumsum(1).flip(1)  # valid entries at or after each slot
-        self.valid = self.valid & (newer <= keep_last)
+        valid = self.valid
+        newer = valid.flip(1).cumsum(1).flip(1)  # valid entries at or after each slot
+        self._valid[:, :self.length] = valid & (newer <= keep_last)
 
 
 class DecodeStep:
     def __init__(self, cache: KVCache, allowed: torch.Tensor):
         self.cache, self.allowed = cache, allowed  # allowed: [b, new, cache + new]
+        new = allowed.shape[2] - cache.length
+        if new != allowed.shape[1] or cache.length + new > cache.capacity:
+            raise ValueError(f"a decoding step's mask covers {allowed.shape[2]} keys for "
+                             f"{allowed.shape[1]} new tokens over a cache of {cache.length}: "
+                             "call cache.reserve(new tokens) before building it")
 
 
 @contextlib.contextmanager
@@ -83,11 +164,7 @@ def attend(layer: int, q, k, v, scale):
     import torch.nn.functional as F
 
     step = _ACTIVE
-    cache = step.cache
-    cache._staged[layer] = (k, v)
-    if cache.k[layer] is not None:
-        k = torch.cat([cache.k[layer], k], 2)
-        v = torch.cat([cache.v[layer], v], 2)
+    k, v = step.cache.write(layer, k, v)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
