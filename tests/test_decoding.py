@@ -335,3 +335,37 @@ def _baselines_on(engine):
             "ar": ar.tokens, "block_denoising": b.denoising_steps,
             "mdlm_empty": m_empty.tokens, "mdlm_infill": len(m_infill.tokens),
             "mdlm_infill_steps": m_infill.steps}
+
+
+def test_choices_on_the_device_equal_the_per_sample_path():
+    """The batched chooser (repetition penalty, greedy) picks what the per-sample one picks,
+    with the same confidences; a top-p draw never leaves the nucleus."""
+    from types import SimpleNamespace
+
+    from setdiff_dist.inference.decoder import Sampling, SetDecoder, _Sample
+
+    model = SimpleNamespace(mask_id=V, vocab_size=V, device=torch.device("cpu"))
+    dec = SetDecoder(model, Chars(), context=L)
+    logits = torch.randn(3, 4, V, generator=torch.Generator().manual_seed(0)) * 3
+    samples = [_Sample(tokens=[1, 5, 7, None, None], region=[3, 4], prompt_len=3),
+               _Sample(tokens=[2, 2, None, None, 9], region=[2, 3], prompt_len=2),
+               _Sample(tokens=[0, None, None, None, None], region=[1, 2, 3, 4], prompt_len=1)]
+    cands = [[3, 4], [2, 3], [1, 2, 3, 4]]
+    for penalty in (1.0, 1.7):
+        sampling = Sampling(greedy=True, repetition_penalty=penalty)
+        toks, conf = dec._choose_on_device(logits, samples, sampling, None)
+        for b, s in enumerate(samples):
+            ref = dec._choose(logits[b, :len(cands[b])], cands[b], s, sampling, None, 0.0)
+            assert ref == [(pos, toks[b][j]) for j, pos in enumerate(cands[b])]
+            probs = torch.softmax(logits[b].clone(), -1)
+            if penalty == 1.0:
+                assert torch.allclose(torch.tensor(conf[b]), probs.max(-1).values)
+    gen = torch.Generator().manual_seed(3)
+    sampling = Sampling(temperature=1.0, top_p=0.5)
+    for _ in range(20):
+        toks, _ = dec._choose_on_device(logits, samples, sampling, gen)
+        for b in range(3):
+            for j in range(4):
+                p, idx = torch.softmax(logits[b, j], -1).sort(descending=True)
+                nucleus = idx[:int((p.cumsum(0) - p <= 0.5).sum())].tolist()
+                assert toks[b][j] in nucleus

@@ -161,7 +161,10 @@ class SetDecoder:
         B = len(samples)
         self._last_logits = {}
         cache = KVCache(self.model.config.num_layers, B, self.device)
-        gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
+        # the sampling stream lives where the logits do (one draw per step for all rows; the
+        # per-sample path, used when logits are kept for tests, draws on the host)
+        gen = torch.Generator(device=self.device if not self.keep_logits else "cpu") \
+            .manual_seed(sampling.seed)
         start = time.perf_counter()
         # prefill: the context as clean tokens, causal in position order (left, then right)
         for s, ids in zip(samples, prefill):
@@ -239,7 +242,7 @@ class SetDecoder:
         logits = self._full_vocab(logits).transpose(0, 1)  # [B, s, V], on the device
         if self.mode == "causal":  # each sample's prediction comes from its last commit
             logits = logits[torch.arange(B, device=logits.device), last.to(logits.device)][:, None]
-        fast = self._greedy_on_device(logits, sampling)
+        fast = self._choose_on_device(logits, samples, sampling, gen)
         if fast is None:
             logits = logits.float().cpu()
         for b, s in enumerate(samples):
@@ -283,16 +286,38 @@ class SetDecoder:
             logits = torch.cat(parts, dim=-1)
         return logits[..., : self.vocab]
 
-    def _greedy_on_device(self, logits, sampling):
-        """Greedy choices and their confidences for every sample and candidate row of
-        ``logits [B, M, V]`` in a few batched ops on the device; only ``[B, M]`` token ids and
-        confidences go to the host. None where the per-sample path is needed (sampling, a
-        repetition penalty, or logits kept for tests)."""
-        if self.keep_logits or sampling.repetition_penalty != 1.0 or not (
-                sampling.greedy or sampling.temperature == 0):
+    def _choose_on_device(self, logits, samples, sampling, gen):
+        """Every sample's choices for its candidate rows of ``logits [B, M, V]`` in a few
+        batched ops on the device (repetition penalty, temperature, top-p, greedy or one
+        multinomial draw for all rows); only ``[B, M]`` token ids and confidences go to the
+        host. None when logits are kept for tests (the per-sample path records them)."""
+        if self.keep_logits:
             return None
-        probs = torch.softmax(logits.float(), -1)
-        conf, toks = probs.max(-1)
+        logits = logits.float()
+        B, _, V = logits.shape
+        if sampling.repetition_penalty != 1.0:
+            rows, cols = [], []
+            for b, s in enumerate(samples):
+                ids = {t for t in s.tokens if t is not None}
+                rows += [b] * len(ids)
+                cols += sorted(ids)
+            seen = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
+            index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
+            seen[index[0], index[1]] = True
+            p = sampling.repetition_penalty
+            logits = torch.where(seen[:, None], torch.where(logits > 0, logits / p, logits * p),
+                                 logits)
+        if sampling.greedy or sampling.temperature == 0:
+            conf, toks = torch.softmax(logits, -1).max(-1)
+            return toks.tolist(), conf.tolist()
+        probs = torch.softmax(logits / sampling.temperature, -1)
+        if sampling.top_p < 1.0:
+            sorted_p, idx = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > sampling.top_p
+            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
+            probs = probs / probs.sum(-1, keepdim=True)
+        toks = torch.multinomial(probs.view(-1, V), 1, generator=gen).view(B, -1)
+        conf = probs.gather(-1, toks[..., None])[..., 0]
         return toks.tolist(), conf.tolist()
 
     @staticmethod
