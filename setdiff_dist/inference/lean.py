@@ -111,8 +111,13 @@ class LeanTransformer(nn.Module):
 
         w = {"embedding": get("embedding.weight", [rows, h])}
         head = w["embedding"] if m.tie_embeddings else get("output_layer.weight", [rows, h])
-        padded = torch.cat([head, head.new_zeros(self.padded_vocab - rows, h)])
-        w["head"] = self._rows(padded)
+        if self.tp_size == 1:  # the real rows only (a tied head is the embedding itself)
+            w["head"] = head
+        else:  # this rank's rows of the TP-padded table (padding rows are zero)
+            per = self.padded_vocab // self.tp_size
+            lo = self.tp_rank * per
+            part = head[lo:lo + per]
+            w["head"] = torch.cat([part, part.new_zeros(per - part.shape[0], h)])
         norms = ("weight",) if self.rms else ("weight", "bias")
         for i in range(m.num_layers):
             p = f"decoder.layers.{i}."
@@ -133,13 +138,17 @@ class LeanTransformer(nn.Module):
             w[f"{i}.fc2"] = self._cols(get(f"{p}mlp.linear_fc2.weight", [h, ffn]))
         for part in norms:
             w[f"final.{part}"] = get(f"decoder.final_layernorm.{part}", [h])
-        extra = sorted(set(state) - used)
+        extra = sorted(set(state.keys()) - used)
         if extra:
             raise LeanError(f"the checkpoint has tensors the architecture does not: "
                             f"{', '.join(extra[:5])}")
         for k, v in w.items():  # buffers: .to() moves and casts them; nothing needs a gradient
-            self.register_buffer("w_" + k.replace(".", "_"), v.detach().contiguous().clone(),
-                                 persistent=False)
+            # a TP slice is copied out (a view would keep the whole tensor alive); at TP=1 the
+            # tensors read from the checkpoint are kept as they are: no second copy
+            v = v.detach()
+            if self.tp_size > 1 and k != "embedding":
+                v = v.clone()
+            self.register_buffer("w_" + k.replace(".", "_"), v.contiguous(), persistent=False)
 
     def _w(self, key: str) -> torch.Tensor:
         return getattr(self, "w_" + key.replace(".", "_"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -68,28 +69,63 @@ def _tokenizer_of(directory: str, identity: dict) -> Tokenizer:
         raise LoadError(f"{directory}: cannot load its tokenizer ({exc})") from None
 
 
-def read_full_state_dict(path: str):
-    """``(full tensors by global name, config, tokenizer, source directory)``; vocabulary-shaped
-    tensors keep their ``vocab_size + 1`` real rows (the padding depends on the TP size)."""
-    from safetensors.torch import load_file
+class TensorSource(Mapping):
+    """The full tensors of a checkpoint or export by global name, read *one at a time* (each
+    from the per-rank files that hold its slices, merged), so that loading never holds the
+    whole model twice. Vocabulary-shaped tensors keep their ``vocab_size + 1`` real rows."""
 
-    from setdiff_dist.model.transformer import merge_shards
+    def __init__(self, files: dict, rows: int):
+        # name -> [(safetensors file, sharding) per TP rank]
+        self._files, self._rows = files, rows
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __len__(self):
+        return len(self._files)
+
+    def __contains__(self, name):
+        return name in self._files
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        from setdiff_dist.model.transformer import merge_shards
+
+        parts, meta = [], None
+        for file, meta in self._files[name]:
+            with safe_open(file, framework="pt") as fh:  # closed at once: no mapped pages kept
+                parts.append(fh.get_tensor(name))
+        if meta and meta["tensor_parallel"] and len(parts) > 1:
+            full = merge_shards(parts, meta["dim"], meta["stride"])
+        else:
+            full = parts[0]
+        return full[:self._rows] if name in VOCAB_ROWS else full
+
+
+def open_weights(path: str):
+    """``(TensorSource, config, tokenizer, source directory)`` of a checkpoint (any training
+    layout) or an export; tensors are read when asked for."""
+    from safetensors import safe_open
 
     kind, directory = resolve(path)
     cfg = _config_of(directory)
+    rows = cfg.model.vocab_size + 1
     if kind == "export":
         with open(os.path.join(directory, "export.json")) as fh:
             meta = json.load(fh)
         if meta.get("format") != EXPORT_FORMAT:
             raise LoadError(f"{directory}/export.json: format {meta.get('format')!r}, expected "
                             f"{EXPORT_FORMAT!r}")
-        state = load_file(os.path.join(directory, "model.safetensors"))
-        return state, cfg, _tokenizer_of(directory, meta["tokenizer"]), directory
+        file = os.path.join(directory, "model.safetensors")
+        with safe_open(file, framework="pt") as fh:
+            names = list(fh.keys())
+        source = TensorSource({n: [(file, None)] for n in names}, rows)
+        return source, cfg, _tokenizer_of(directory, meta["tokenizer"]), directory
     with open(os.path.join(directory, "manifest.json")) as fh:
         manifest = json.load(fh)
     layout = manifest["layout"]
-    parts: dict[str, list] = {}
-    sharding: dict[str, dict] = {}
+    files: dict[str, list] = {}
     for pp in range(layout["pipeline"]):
         for tp in range(layout["tensor"]):
             base = os.path.join(directory, "weights", f"tp{tp:02d}_pp{pp:02d}")
@@ -97,16 +133,20 @@ def read_full_state_dict(path: str):
                 raise LoadError(f"{base}.safetensors is missing: the checkpoint is incomplete")
             with open(base + ".json") as fh:
                 meta = json.load(fh)["tensors"]
-            for name, t in load_file(base + ".safetensors").items():
-                parts.setdefault(name, [None] * layout["tensor"])[tp] = t
-                sharding[name] = meta[name]
-    rows = cfg.model.vocab_size + 1
-    state = {}
-    for name, shards in parts.items():
-        m = sharding[name]
-        full = merge_shards(shards, m["dim"], m["stride"]) if m["tensor_parallel"] else shards[0]
-        state[name] = full[:rows] if name in VOCAB_ROWS else full
-    return state, cfg, _tokenizer_of(directory, manifest["tokenizer"]), directory
+            with safe_open(base + ".safetensors", framework="pt") as fh:
+                names = list(fh.keys())
+            for name in names:  # (a tied embedding is in the first and the last stage)
+                files.setdefault(name, {})[tp] = (base + ".safetensors", meta[name])
+    files = {name: [by_tp[tp] for tp in sorted(by_tp)] for name, by_tp in files.items()}
+    return TensorSource(files, rows), cfg, _tokenizer_of(directory, manifest["tokenizer"]), \
+        directory
+
+
+def read_full_state_dict(path: str):
+    """``(full tensors by global name, config, tokenizer, source directory)``; vocabulary-shaped
+    tensors keep their ``vocab_size + 1`` real rows (the padding depends on the TP size)."""
+    source, cfg, tok, directory = open_weights(path)
+    return {name: source[name] for name in source}, cfg, tok, directory
 
 
 def export(path: str, out: str) -> dict:
@@ -187,7 +227,7 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
 
     if engine not in ENGINES:
         raise LoadError(f"unknown inference engine {engine!r}; one of {', '.join(ENGINES)}")
-    state, cfg, tok, _ = read_full_state_dict(path)
+    state, cfg, tok, _ = open_weights(path)  # tensors are read one at a time, as needed
     if not ps.model_parallel_is_initialized() or \
             ps.get_tensor_model_parallel_world_size() != tensor:
         initialize_model_parallel(tensor=tensor, seed=0)
