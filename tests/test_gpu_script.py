@@ -21,7 +21,7 @@ def _wheel(folder, name, version, requires=(), tag="py3-none-any"):
     """A minimal wheel: enough METADATA for the check."""
     dist = f"{name.replace('-', '_')}-{version}"
     path = folder / f"{dist}-{tag}.whl"
-    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
     meta += [f"Requires-Dist: {r}" for r in requires]
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr(f"{dist}.dist-info/METADATA", "\n".join(meta) + "\n\nlong description\n")

@@ -129,7 +129,8 @@ def _full_logits(logits):
 def _measure(rank, dirs, x, run, out):
     """At TP=1 and TP=2: causal logits of each import and of the fine-tuned checkpoint; at PP=2:
     each stage's imported weights against the full tensors."""
-    from setdiff_dist.inference.weights import VOCAB_ROWS, build_inference_model
+    from setdiff_dist.checkpoint.weights import VOCAB_ROWS
+    from setdiff_dist.inference.weights import build_inference_model
     from setdiff_dist.model.hf import HFCheckpoint, build_model_from_hf, read_hf_state
     from setdiff_dist.model.transformer import global_name, transformer_config
     from setdiff_dist.parallel import initialize_model_parallel

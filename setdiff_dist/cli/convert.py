@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         ap.error("--print-config goes with --from-hf")
     if not args.out and not args.print_config:
         ap.error("--out is required")
-    from setdiff_dist.inference.weights import LoadError
+    from setdiff_dist.checkpoint.weights import LoadError
 
     try:
         if args.from_hf:

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     from setdiff_dist.data.shards import ShardError
     from setdiff_dist.eval import tasks
     from setdiff_dist.inference.decoder import DecodeError, Sampling, SetDecoder
-    from setdiff_dist.inference.weights import LoadError, build_inference_model
+    from setdiff_dist.checkpoint.weights import LoadError
+    from setdiff_dist.inference.weights import build_inference_model
 
     try:
         model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,

@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from setdiff_dist.inference.decoder import DecodeError, Sampling, SetDecoder, StopCriteria
-    from setdiff_dist.inference.weights import LoadError, build_inference_model
+    from setdiff_dist.checkpoint.weights import LoadError
+    from setdiff_dist.inference.weights import build_inference_model
 
     try:
         model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,

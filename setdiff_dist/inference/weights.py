@@ -1,187 +1,26 @@
-"""Loading trained weights for inference, from any training layout, and exporting them.
+"""Models for inference from trained weights, and ``setdiff-convert``'s export.
 
-A *checkpoint* (``run_dir``, ``run_dir/checkpoints``, or a ``step_*`` directory) holds
-``weights/tpTT_ppPP.safetensors`` with every model-parallel rank's tensors under their global
-names and their sharding; :func:`read_full_state_dict` merges them into full tensors whatever the
-tensor / pipeline / ZeRO layout was. An *export* (``setdiff-convert``) is one
-``model.safetensors`` of full tensors with ``config.yaml``, ``export.json`` and the tokenizer: a
-directory an evaluator can take elsewhere. :func:`load_into` shards full tensors into a model of
-any tensor-parallel size. Nothing is unpickled.
+The files (a checkpoint's per-rank safetensors in any training layout, or an export) are read
+through :mod:`setdiff_dist.checkpoint.weights`; here they become a model:
+:func:`build_inference_model` (the lean decode-time model by default, or the training model,
+at any tensor-parallel size) and :func:`load_into` (full tensors sharded into a megatron model).
+Nothing is unpickled.
 """
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-from collections.abc import Mapping
 from typing import Optional
 
 import torch
 
-from setdiff_dist.config import config_from_dict
-from setdiff_dist.data.tokenizers import Tokenizer, load_shipped_tokenizer
-
-EXPORT_FORMAT = "setdiff-export/1"
-VOCAB_ROWS = ("embedding.weight", "output_layer.weight")
-
-
-class LoadError(ValueError):
-    """A checkpoint or export that cannot be loaded; the message names what is wrong."""
-
-
-def resolve(path: str) -> tuple[str, str]:
-    """``("export" | "checkpoint", directory)`` for a run dir, a checkpoints dir, a step dir or an
-    export."""
-    if not os.path.isdir(path):
-        raise LoadError(f"--checkpoint {path}: no such directory")
-    if os.path.isfile(os.path.join(path, "export.json")):
-        return "export", path
-    from setdiff_dist.train.checkpoint import step_directory
-
-    path = step_directory(path)
-    if not os.path.isfile(os.path.join(path, "manifest.json")):
-        raise LoadError(f"{path} is neither a setdiff-convert export nor a complete checkpoint "
-                        "(no export.json, manifest.json or checkpoints/latest)")
-    if not glob.glob(os.path.join(path, "weights", "*.safetensors")):
-        raise LoadError(f"{path} has no weights/ directory (a checkpoint from an older version?)")
-    return "checkpoint", path
-
-
-def _config_of(directory: str):
-    import yaml
-
-    path = os.path.join(directory, "config.yaml")
-    if not os.path.isfile(path):
-        raise LoadError(f"{directory}: config.yaml is missing")
-    with open(path) as fh:
-        return config_from_dict(yaml.safe_load(fh), check=False)
-
-
-def _tokenizer_of(directory: str, identity: dict) -> Tokenizer:
-    if identity.get("file") and not os.path.isfile(os.path.join(directory, identity["file"])):
-        raise LoadError(f"{directory} has no tokenizer: {identity['file']} (tokenizer "
-                        f"{identity['spec']!r}) is missing; copy it from the shard directory the "
-                        "model was trained on")
-    try:
-        return load_shipped_tokenizer(directory, identity)
-    except Exception as exc:
-        raise LoadError(f"{directory}: cannot load its tokenizer ({exc})") from None
-
-
-class TensorSource(Mapping):
-    """The full tensors of a checkpoint or export by global name, read *one at a time* (each
-    from the per-rank files that hold its slices, merged), so that loading never holds the
-    whole model twice. Vocabulary-shaped tensors keep their ``vocab_size + 1`` real rows."""
-
-    def __init__(self, files: dict, rows: int):
-        # name -> [(safetensors file, sharding) per TP rank]
-        self._files, self._rows = files, rows
-
-    def __iter__(self):
-        return iter(self._files)
-
-    def __len__(self):
-        return len(self._files)
-
-    def __contains__(self, name):
-        return name in self._files
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        from setdiff_dist.model.transformer import merge_shards
-
-        parts, meta = [], None
-        for file, meta in self._files[name]:
-            with safe_open(file, framework="pt") as fh:  # closed at once: no mapped pages kept
-                parts.append(fh.get_tensor(name))
-        if meta and meta["tensor_parallel"] and len(parts) > 1:
-            full = merge_shards(parts, meta["dim"], meta["stride"])
-        else:
-            full = parts[0]
-        return full[:self._rows] if name in VOCAB_ROWS else full
-
-
-def open_weights(path: str):
-    """``(TensorSource, config, tokenizer, source directory)`` of a checkpoint (any training
-    layout) or an export; tensors are read when asked for."""
-    from safetensors import safe_open
-
-    kind, directory = resolve(path)
-    cfg = _config_of(directory)
-    rows = cfg.model.vocab_size + 1
-    if kind == "export":
-        with open(os.path.join(directory, "export.json")) as fh:
-            meta = json.load(fh)
-        if meta.get("format") != EXPORT_FORMAT:
-            raise LoadError(f"{directory}/export.json: format {meta.get('format')!r}, expected "
-                            f"{EXPORT_FORMAT!r}")
-        file = os.path.join(directory, "model.safetensors")
-        with safe_open(file, framework="pt") as fh:
-            names = list(fh.keys())
-        source = TensorSource({n: [(file, None)] for n in names}, rows)
-        return source, cfg, _tokenizer_of(directory, meta["tokenizer"]), directory
-    with open(os.path.join(directory, "manifest.json")) as fh:
-        manifest = json.load(fh)
-    layout = manifest["layout"]
-    files: dict[str, list] = {}
-    for pp in range(layout["pipeline"]):
-        for tp in range(layout["tensor"]):
-            base = os.path.join(directory, "weights", f"tp{tp:02d}_pp{pp:02d}")
-            if not os.path.isfile(base + ".safetensors"):
-                raise LoadError(f"{base}.safetensors is missing: the checkpoint is incomplete")
-            with open(base + ".json") as fh:
-                meta = json.load(fh)["tensors"]
-            with safe_open(base + ".safetensors", framework="pt") as fh:
-                names = list(fh.keys())
-            for name in names:  # (a tied embedding is in the first and the last stage)
-                files.setdefault(name, {})[tp] = (base + ".safetensors", meta[name])
-    files = {name: [by_tp[tp] for tp in sorted(by_tp)] for name, by_tp in files.items()}
-    return TensorSource(files, rows), cfg, _tokenizer_of(directory, manifest["tokenizer"]), \
-        directory
-
-
-def read_full_state_dict(path: str):
-    """``(full tensors by global name, config, tokenizer, source directory)``; vocabulary-shaped
-    tensors keep their ``vocab_size + 1`` real rows (the padding depends on the TP size)."""
-    source, cfg, tok, directory = open_weights(path)
-    return {name: source[name] for name in source}, cfg, tok, directory
+from setdiff_dist.checkpoint.weights import (VOCAB_ROWS, LoadError, open_weights,
+                                             read_full_state_dict, write_export)
 
 
 def export(path: str, out: str) -> dict:
     """``setdiff-convert``: one safetensors file of full tensors, with config and tokenizer."""
     state, cfg, tok, src = read_full_state_dict(path)
     return write_export(out, state, cfg, tok, src)
-
-
-def write_export(out: str, state: dict, cfg, tok, source: str, extra_meta: Optional[dict] = None,
-                 extra_files: Optional[dict] = None) -> dict:
-    """Write an export directory (``model.safetensors`` of full tensors, ``config.yaml``, the
-    tokenizer, ``export.json`` and any ``extra_files`` {name: JSON-able}) through a temporary
-    directory, so that a failure leaves nothing half-written at ``out``."""
-    from safetensors.torch import save_file
-
-    if os.path.exists(out) and os.listdir(out):
-        raise LoadError(f"{out} exists and is not empty")
-    tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()},
-              os.path.join(tmp, "model.safetensors"), metadata={"format": EXPORT_FORMAT})
-    with open(os.path.join(tmp, "config.yaml"), "w") as fh:
-        fh.write(cfg.to_yaml())
-    for name, obj in (extra_files or {}).items():
-        with open(os.path.join(tmp, name), "w") as fh:
-            json.dump(obj, fh, indent=2)
-    identity = dict(tok.identity(), file=tok.save(tmp))
-    meta = {"format": EXPORT_FORMAT, "source": os.path.abspath(source), "tokenizer": identity,
-            "parameters": int(sum(v.numel() for v in state.values())), **(extra_meta or {})}
-    with open(os.path.join(tmp, "export.json"), "w") as fh:
-        json.dump(meta, fh, indent=2)
-    if os.path.exists(out):
-        os.rmdir(out)
-    os.replace(tmp, out)
-    return meta
 
 
 def load_into(model, state: dict) -> None:

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from setdiff_dist.inference.weights import LoadError
+from setdiff_dist.checkpoint.weights import LoadError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -568,7 +568,7 @@ def export_hf(path: str, out: str, dtype: Optional[str] = None,
     an imported export, or ``checkpoint.init_from_hf`` of the run), so fields we do not model
     (token ids, ``max_position_embeddings``, ...) survive the round trip; ``dtype`` defaults to
     the template's (else float32)."""
-    from setdiff_dist.inference.weights import read_full_state_dict
+    from setdiff_dist.checkpoint.weights import read_full_state_dict
 
     state, cfg, tok, src = read_full_state_dict(path)
     template = None
@@ -606,7 +606,7 @@ def import_hf(directory: str, out: str, tokenizer: Optional[str] = None) -> dict
     (``checkpoint.init_from_hf``), sharded per rank."""
     from setdiff_dist.config import Config
     from setdiff_dist.data.tokenizers import TokenizerError, load_tokenizer
-    from setdiff_dist.inference.weights import write_export
+    from setdiff_dist.checkpoint.weights import write_export
 
     state, model_cfg, ckpt = read_hf_state(directory)
     spec = tokenizer or f"hf:{directory}"

@@ -143,13 +143,3 @@ def seed_model_parallel_rng(seed: int) -> None:
     tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
                 seed + 1024 + 100 * ps.get_expert_model_parallel_rank()
                 + ps.get_expert_tensor_parallel_rank())
-
-
-def skip_deepspeed_shm_build() -> bool:
-    """DeepSpeed's CPU backend JIT-compiles a shared-memory collective (40-90 s on 2 cores) in
-    every new process; gloo does the same job. Returns whether it patched (CPU only)."""
-    if torch.cuda.is_available():
-        return False
-    module = importlib.import_module("deepspeed.comm.torch")  # the module, not torch itself
-    module.build_shm_op = lambda: None
-    return True

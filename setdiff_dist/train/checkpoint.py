@@ -26,20 +26,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-FORMAT = "setdiff-ckpt/1"
-LATEST = "latest"
+from setdiff_dist.checkpoint.files import (FORMAT, LATEST, CheckpointError, checkpoint_root,
+                                           prune, resolve_latest, step_directory, tag_of,
+                                           write_atomic)
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used for this run; the message says what differs."""
-
-
-def checkpoint_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def tag_of(step: int) -> str:
-    return f"step_{step:07d}"
 
 
 def layout() -> dict:
@@ -132,20 +122,11 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
         if tokenizer_identity.get("file") and tokenizer_dir:
             shutil.copyfile(os.path.join(tokenizer_dir, tokenizer_identity["file"]),
                             os.path.join(path, tokenizer_identity["file"]))
-        _write_atomic(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=2))
-        _write_atomic(os.path.join(root, LATEST), tag + "\n")
-        _prune(root, cfg.checkpoint.keep_last, keep=tag)
+        write_atomic(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=2))
+        write_atomic(os.path.join(root, LATEST), tag + "\n")
+        prune(root, cfg.checkpoint.keep_last, keep=tag)
     dist.barrier()
     return path
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def _fault_point(name: str, step: int) -> None:
@@ -153,43 +134,6 @@ def _fault_point(name: str, step: int) -> None:
     this process with SIGKILL at that point of the save of checkpoint STEP."""
     if os.environ.get("SETDIFF_FAULT") == f"{name}:{step}":
         os.kill(os.getpid(), 9)
-
-
-def _prune(root: str, keep_last: int, keep: str) -> None:
-    if keep_last <= 0:
-        return
-    # only checkpoints up to the one just saved: later ones belong to an abandoned run
-    complete = sorted(d for d in os.listdir(root) if d.startswith("step_") and d <= keep
-                      and os.path.isfile(os.path.join(root, d, "manifest.json")))
-    for d in complete[:-keep_last]:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-
-
-def pointed(root: str) -> Optional[str]:
-    """The checkpoint directory ``root/latest`` names, or None without that pointer."""
-    pointer = os.path.join(root, LATEST)
-    if not os.path.isfile(pointer):
-        return None
-    with open(pointer) as fh:
-        return os.path.join(root, fh.read().strip())
-
-
-def step_directory(path: str) -> str:
-    """The checkpoint a run directory or a checkpoints directory points at (``latest``); a
-    step_* directory itself otherwise."""
-    return pointed(path) or pointed(os.path.join(path, "checkpoints")) or path
-
-
-def resolve_latest(run_dir: str) -> Optional[str]:
-    """The checkpoint ``latest`` points at in ``run_dir``, or None when there is none yet."""
-    path = pointed(checkpoint_root(run_dir))
-    if path is None:
-        return None
-    if not os.path.isfile(os.path.join(path, "manifest.json")):
-        pointer = os.path.join(checkpoint_root(run_dir), LATEST)
-        raise CheckpointError(f"{pointer} points at {path}, which is not a complete "
-                              "checkpoint; remove the pointer or set resume=never / a path")
-    return path
 
 
 def resolve(cfg) -> Optional[str]:

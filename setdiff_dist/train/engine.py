@@ -13,13 +13,12 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-
-from setdiff_dist.parallel import cpu_compat
 
 
 class MegatronMPU:
@@ -183,9 +182,19 @@ def param_groups(model, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def skip_deepspeed_shm_build() -> bool:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory collective (40-90 s on 2 cores) in
+    every new process; gloo does the same job. Returns whether it patched (CPU only)."""
+    if torch.cuda.is_available():
+        return False
+    module = importlib.import_module("deepspeed.comm.torch")  # the module, not torch itself
+    module.build_shm_op = lambda: None
+    return True
+
+
 def build_engine(cfg, model):
     """``deepspeed.initialize`` over ``model`` with megatron's groups."""
-    cpu_compat.skip_deepspeed_shm_build()
+    skip_deepspeed_shm_build()
     import deepspeed
 
     dp = ps.get_data_parallel_world_size()

@@ -1,0 +1,71 @@
+"""The on-disk layout of a run's checkpoints: ``run_dir/checkpoints/step_NNNNNNN/`` directories,
+the ``latest`` pointer, atomic writes and pruning. Plain files: nothing here needs torch or a
+process group, so training and inference share it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+FORMAT = "setdiff-ckpt/1"
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used for this run; the message says what differs."""
+
+
+def checkpoint_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def tag_of(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (never half a file)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def prune(root: str, keep_last: int, keep: str) -> None:
+    if keep_last <= 0:
+        return
+    # only checkpoints up to the one just saved: later ones belong to an abandoned run
+    complete = sorted(d for d in os.listdir(root) if d.startswith("step_") and d <= keep
+                      and os.path.isfile(os.path.join(root, d, "manifest.json")))
+    for d in complete[:-keep_last]:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def pointed(root: str) -> Optional[str]:
+    """The checkpoint directory ``root/latest`` names, or None without that pointer."""
+    pointer = os.path.join(root, LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as fh:
+        return os.path.join(root, fh.read().strip())
+
+
+def step_directory(path: str) -> str:
+    """The checkpoint a run directory or a checkpoints directory points at (``latest``); a
+    step_* directory itself otherwise."""
+    return pointed(path) or pointed(os.path.join(path, "checkpoints")) or path
+
+
+def resolve_latest(run_dir: str) -> Optional[str]:
+    """The checkpoint ``latest`` points at in ``run_dir``, or None when there is none yet."""
+    path = pointed(checkpoint_root(run_dir))
+    if path is None:
+        return None
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        pointer = os.path.join(checkpoint_root(run_dir), LATEST)
+        raise CheckpointError(f"{pointer} points at {path}, which is not a complete "
+                              "checkpoint; remove the pointer or set resume=never / a path")
+    return path
