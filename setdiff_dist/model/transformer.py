@@ -30,6 +30,8 @@ from megatron.core.transformer.transformer_block import (TransformerBlock,
                                                          TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
 
+from setdiff_dist.checkpoint.sharding import merge_shards, split_shard
+
 from .specs import final_norm_class, layer_spec
 
 VOCAB_PAD_MULTIPLE = 128
@@ -332,21 +334,6 @@ def full_shape(param: torch.Tensor) -> list[int]:
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= ps.get_tensor_model_parallel_world_size()
     return shape
-
-
-def split_shard(full: torch.Tensor, rank: int, size: int, dim: int, stride: int = 1):
-    """Rank ``rank`` of ``size``'s slice of ``full`` along ``dim``, the way megatron splits it:
-    with ``stride`` (e.g. 2 for SwiGLU's ``[gate ; up]``) each rank gets its own part of each of
-    the ``stride`` blocks."""
-    chunks = torch.split(full, full.shape[dim] // (size * stride), dim=dim)
-    return torch.cat(chunks[rank::size], dim=dim)
-
-
-def merge_shards(parts: list, dim: int, stride: int = 1) -> torch.Tensor:
-    """The inverse of :func:`split_shard`: the full tensor from every rank's slice, in order."""
-    size = len(parts)
-    split = [torch.split(p, p.shape[dim] // stride, dim=dim) for p in parts]
-    return torch.cat([split[c % size][c // size] for c in range(size * stride)], dim=dim)
 
 
 def shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
