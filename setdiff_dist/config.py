@@ -511,12 +511,11 @@ def validate(cfg: Config) -> list[str]:
                                        if par.virtual_pipeline else ""))
     if par.sequence_parallel and par.tensor == 1:
         p.append("parallel.sequence_parallel=true needs parallel.tensor > 1")
-    if par.sequence_parallel and par.tensor > 1 and (L if o.kind == "causal" else 2 * L) % \
-            par.tensor:
-        p.append(f"parallel.sequence_parallel=true splits the model's sequence "
-                 f"({'L' if o.kind == 'causal' else '2L'} = "
-                 f"{L if o.kind == 'causal' else 2 * L} tokens) over parallel.tensor="
-                 f"{par.tensor} ranks: it must divide it (data.seq_len)")
+    model_len, which = (L, "L") if o.kind == "causal" else (2 * L, "2L")
+    if par.sequence_parallel and par.tensor > 1 and model_len % par.tensor:
+        p.append(f"parallel.sequence_parallel=true splits the model's sequence ({which} = "
+                 f"{model_len} tokens) over parallel.tensor={par.tensor} ranks: it must divide "
+                 "it (data.seq_len)")
     if par.virtual_pipeline and par.pipeline == 1:
         p.append("parallel.virtual_pipeline is set but parallel.pipeline=1")
     elif par.virtual_pipeline:

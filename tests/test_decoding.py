@@ -338,8 +338,8 @@ def _baselines_on(engine):
 
 
 def test_choices_on_the_device_equal_the_per_sample_path():
-    """The batched chooser (repetition penalty, greedy) picks what the per-sample one picks,
-    with the same confidences; a top-p draw never leaves the nucleus."""
+    """The batched chooser (repetition penalty, greedy) picks for each sample what it picks
+    for that sample alone, with the same confidences; a top-p draw never leaves the nucleus."""
     from types import SimpleNamespace
 
     from setdiff_dist.inference.decoder import Sampling, SetDecoder, _Sample
@@ -353,7 +353,7 @@ def test_choices_on_the_device_equal_the_per_sample_path():
     cands = [[3, 4], [2, 3], [1, 2, 3, 4]]
     for penalty in (1.0, 1.7):
         sampling = Sampling(greedy=True, repetition_penalty=penalty)
-        toks, conf = dec._choose_on_device(logits, samples, sampling, None)
+        toks, conf = dec._pick(logits, samples, sampling, None)
         for b, s in enumerate(samples):
             ref = dec._choose(logits[b, :len(cands[b])], cands[b], s, sampling, None, 0.0)
             assert ref == [(pos, toks[b][j]) for j, pos in enumerate(cands[b])]
@@ -363,7 +363,7 @@ def test_choices_on_the_device_equal_the_per_sample_path():
     gen = torch.Generator().manual_seed(3)
     sampling = Sampling(temperature=1.0, top_p=0.5)
     for _ in range(20):
-        toks, _ = dec._choose_on_device(logits, samples, sampling, gen)
+        toks, _ = dec._pick(logits, samples, sampling, gen)
         for b in range(3):
             for j in range(4):
                 p, idx = torch.softmax(logits[b, j], -1).sort(descending=True)

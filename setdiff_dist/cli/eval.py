@@ -17,7 +17,7 @@ import json
 import math
 import sys
 
-from setdiff_dist.cli import with_clean_shutdown
+from setdiff_dist.cli import add_engine_argument, with_clean_shutdown
 
 
 def main(argv=None) -> int:
@@ -36,9 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompt", action="append", default=None, help="throughput prompts")
     ap.add_argument("--tensor-parallel", type=int, default=1)
-    ap.add_argument("--engine", choices=("lean", "megatron"), default="lean",
-                    help="the decode-time model: lean (plain torch, the default) or megatron "
-                         "(the training model; the same function, slower)")
+    add_engine_argument(ap)
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
 

@@ -17,7 +17,7 @@ import json
 import math
 import sys
 
-from setdiff_dist.cli import with_clean_shutdown
+from setdiff_dist.cli import add_engine_argument, with_clean_shutdown
 
 
 def main(argv=None) -> int:
@@ -43,9 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--infill-right", default=None)
     ap.add_argument("--infill-length", type=int, default=None, help="tokens to fill")
     ap.add_argument("--tensor-parallel", type=int, default=1)
-    ap.add_argument("--engine", choices=("lean", "megatron"), default="lean",
-                    help="the decode-time model: lean (plain torch, the default) or megatron "
-                         "(the training model; the same function, slower)")
+    add_engine_argument(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)

@@ -242,9 +242,10 @@ class SetDecoder:
         logits = self._full_vocab(logits).transpose(0, 1)  # [B, s, V], on the device
         if self.mode == "causal":  # each sample's prediction comes from its last commit
             logits = logits[torch.arange(B, device=logits.device), last.to(logits.device)][:, None]
-        fast = self._choose_on_device(logits, samples, sampling, gen)
-        if fast is None:
-            logits = logits.float().cpu()
+        if self.keep_logits:  # chosen per sample, which records them
+            fast, logits = None, logits.float().cpu()
+        else:
+            fast = self._pick(logits, samples, sampling, gen)
         for b, s in enumerate(samples):
             s.pending = []
             if s.done:
@@ -286,13 +287,12 @@ class SetDecoder:
             logits = torch.cat(parts, dim=-1)
         return logits[..., : self.vocab]
 
-    def _choose_on_device(self, logits, samples, sampling, gen):
+    @staticmethod
+    def _pick(logits, samples, sampling, gen):
         """Every sample's choices for its candidate rows of ``logits [B, M, V]`` in a few
-        batched ops on the device (repetition penalty, temperature, top-p, greedy or one
-        multinomial draw for all rows); only ``[B, M]`` token ids and confidences go to the
-        host. None when logits are kept for tests (the per-sample path records them)."""
-        if self.keep_logits:
-            return None
+        batched ops where the logits are (repetition penalty over each sample's seen tokens,
+        temperature, top-p, greedy or one multinomial draw for all rows); only ``[B, M]`` token
+        ids and confidences go to the host."""
         logits = logits.float()
         B, _, V = logits.shape
         if sampling.repetition_penalty != 1.0:
@@ -329,34 +329,14 @@ class SetDecoder:
                 if j == best or conf[j] >= threshold]
 
     def _choose(self, logits, cands, s, sampling, gen, threshold):
-        """Sample every candidate; accept the most confident and all above the threshold."""
+        """One sample's choices for ``logits [M, V]`` (recorded with ``keep_logits``); accept
+        the most confident and all above the threshold."""
         if self.keep_logits:
             for j, pos in enumerate(cands):
                 s.logits[pos] = logits[j].clone()
                 self._last_logits[pos] = logits[j].clone()
-        logits = logits.clone()
-        if sampling.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted({t for t in s.tokens if t is not None}), dtype=torch.long)
-            if len(seen):
-                vals = logits[:, seen]
-                logits[:, seen] = torch.where(vals > 0, vals / sampling.repetition_penalty,
-                                              vals * sampling.repetition_penalty)
-        if sampling.greedy or sampling.temperature == 0:
-            probs = torch.softmax(logits, -1)
-            toks = probs.argmax(-1)
-        else:
-            probs = torch.softmax(logits / sampling.temperature, -1)
-            if sampling.top_p < 1.0:
-                sorted_p, idx = probs.sort(-1, descending=True)
-                drop = sorted_p.cumsum(-1) - sorted_p > sampling.top_p
-                sorted_p = sorted_p.masked_fill(drop, 0.0)
-                probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-                probs = probs / probs.sum(-1, keepdim=True)
-            toks = torch.multinomial(probs, 1, generator=gen)[:, 0]
-        conf = probs.gather(1, toks[:, None])[:, 0]
-        best = int(conf.argmax())
-        return [(pos, int(toks[j])) for j, pos in enumerate(cands)
-                if j == best or conf[j] >= threshold]
+        toks, conf = self._pick(logits[None], [s], sampling, gen)
+        return self._accept(toks[0], conf[0], cands, threshold)
 
     def _check_stop(self, s, stop):
         """End-of-text, stop strings / regex and repeated runs, on the committed left prefix;

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from setdiff_dist.checkpoint.sharding import split_shard
 from setdiff_dist.model import kv_cache
 from setdiff_dist.model.transformer import padded_vocab_size, rotary_inv_freq
 
@@ -62,7 +63,6 @@ class LeanTransformer(nn.Module):
         self.heads = m.num_attention_heads // tp_size
         self.groups = (m.num_query_groups or m.num_attention_heads) // tp_size
         self.head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
-        self.ffn = (m.ffn_hidden_size or 4 * m.hidden_size) // tp_size
         self.gated = m.activation == "swiglu"
         self.rms = m.normalization == "rmsnorm"
         self.eps = m.norm_epsilon
@@ -90,13 +90,12 @@ class LeanTransformer(nn.Module):
                             f"{tuple(shape)}")
         return t
 
-    def _rows(self, t, parts: int = 1):
-        """This rank's rows of ``t``, split evenly (within each of ``parts`` blocks)."""
-        blocks = t.chunk(parts, 0)
-        return torch.cat([b.chunk(self.tp_size, 0)[self.tp_rank] for b in blocks], 0)
-
-    def _cols(self, t):
-        return t.chunk(self.tp_size, 1)[self.tp_rank]
+    def _shard(self, t, dim: int, stride: int = 1):
+        """This rank's slice of ``t`` as megatron splits it (a new tensor, so the full one can
+        go); the tensor itself at TP=1."""
+        if self.tp_size == 1:
+            return t
+        return split_shard(t, self.tp_rank, self.tp_size, dim, stride)
 
     def _load(self, state):
         m, h, d = self.model_cfg, self.model_cfg.hidden_size, self.head_dim
@@ -125,30 +124,28 @@ class LeanTransformer(nn.Module):
                 for part in norms:
                     w[f"{i}.{key}.{part}"] = get(f"{p}{norm}.{part}", [h])
             qkv = get(f"{p}self_attention.linear_qkv.weight", [(heads + 2 * groups) * d, h])
-            w[f"{i}.qkv"] = self._rows(qkv)  # whole query groups per rank
+            w[f"{i}.qkv"] = self._shard(qkv, 0)  # whole query groups per rank
             if m.qk_norm:
                 for which in ("q", "k"):
                     for part in norms:
                         w[f"{i}.{which}norm.{part}"] = get(
                             f"{p}self_attention.{which}_layernorm.{part}", [d])
-            w[f"{i}.proj"] = self._cols(get(f"{p}self_attention.linear_proj.weight",
-                                            [h, heads * d]))
+            w[f"{i}.proj"] = self._shard(get(f"{p}self_attention.linear_proj.weight",
+                                             [h, heads * d]), 1)
             fc1 = get(f"{p}mlp.linear_fc1.weight", [(2 if self.gated else 1) * ffn, h])
-            w[f"{i}.fc1"] = self._rows(fc1, 2 if self.gated else 1)
-            w[f"{i}.fc2"] = self._cols(get(f"{p}mlp.linear_fc2.weight", [h, ffn]))
+            w[f"{i}.fc1"] = self._shard(fc1, 0, 2 if self.gated else 1)  # [gate ; up] halves
+            w[f"{i}.fc2"] = self._shard(get(f"{p}mlp.linear_fc2.weight", [h, ffn]), 1)
         for part in norms:
             w[f"final.{part}"] = get(f"decoder.final_layernorm.{part}", [h])
         extra = sorted(set(state.keys()) - used)
         if extra:
             raise LeanError(f"the checkpoint has tensors the architecture does not: "
                             f"{', '.join(extra[:5])}")
-        for k, v in w.items():  # buffers: .to() moves and casts them; nothing needs a gradient
-            # a TP slice is copied out (a view would keep the whole tensor alive); at TP=1 the
-            # tensors read from the checkpoint are kept as they are: no second copy
-            v = v.detach()
-            if self.tp_size > 1 and k != "embedding":
-                v = v.clone()
-            self.register_buffer("w_" + k.replace(".", "_"), v.contiguous(), persistent=False)
+        # buffers: .to() moves and casts them; nothing needs a gradient. The tensors read from
+        # the checkpoint are kept as they are (TP slices are new tensors): no second copy
+        for k, v in w.items():
+            self.register_buffer("w_" + k.replace(".", "_"), v.detach().contiguous(),
+                                 persistent=False)
 
     def _w(self, key: str) -> torch.Tensor:
         return getattr(self, "w_" + key.replace(".", "_"))

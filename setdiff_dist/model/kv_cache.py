@@ -35,11 +35,10 @@ class KVCache:
         capacity = capacity or INITIAL_CAPACITY
         self.k: list[Optional[torch.Tensor]] = [None] * num_layers
         self.v: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.batch, self.device, self.capacity = batch, device, capacity
+        self.batch, self.capacity = batch, capacity
         self._valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self._positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
         self.length = 0
-        self._new = 0  # tokens of the current step written after `length`
 
     @property
     def valid(self) -> torch.Tensor:
@@ -76,14 +75,19 @@ class KVCache:
         if live == self.length:
             return
         order = torch.sort((~valid).int(), dim=1, stable=True).indices[:, :live]
-        for store in (self.k, self.v):
-            for i, t in enumerate(store):
-                if t is not None:
-                    idx = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
-                    t[:, :, :live] = torch.gather(t[:, :, :self.length], 2, idx)
+        self._gather_slots(0, self.length, order)
         self._valid[:, :live] = torch.gather(valid, 1, order)
         self._positions[:, :live] = torch.gather(self.positions, 1, order)
         self.length = live
+
+    def _gather_slots(self, lo: int, width: int, order: torch.Tensor) -> None:
+        """In every layer's keys and values, slots ``lo + order[b, j]`` (within ``[lo, lo +
+        width)``) move to ``lo + j``, per sample."""
+        for store in (self.k, self.v):
+            for t in store:
+                if t is not None:
+                    idx = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+                    t[:, :, lo:lo + order.shape[1]] = torch.gather(t[:, :, lo:lo + width], 2, idx)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store a step's new ``k, v [b, g, n, d]`` after the cache; returns the keys and values
@@ -96,7 +100,6 @@ class KVCache:
         end = self.length + n
         self.k[layer][:, :, self.length:end] = k
         self.v[layer][:, :, self.length:end] = v
-        self._new = n
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def commit(self, commit: torch.Tensor, positions: torch.Tensor) -> None:
@@ -111,19 +114,13 @@ class KVCache:
                 # committed tokens are not each row's leading ones: gather them to the front
                 order = torch.sort(commit.int(), dim=1, descending=True,
                                    stable=True).indices[:, :count]
-                lo, n = self.length, commit.shape[1]
-                for store in (self.k, self.v):
-                    for t in store:
-                        if t is not None:
-                            idx = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
-                            t[:, :, lo:lo + count] = torch.gather(t[:, :, lo:lo + n], 2, idx)
+                self._gather_slots(self.length, commit.shape[1], order)
                 first = torch.gather(commit, 1, order)
                 positions = torch.gather(positions, 1, order)
             end = self.length + count
             self._valid[:, self.length:end] = first
             self._positions[:, self.length:end] = positions[:, :count]
             self.length = end
-        self._new = 0
 
     def crop(self, keep_last: int) -> None:
         """Forget all but the ``keep_last`` most recent valid entries of each sample (past the

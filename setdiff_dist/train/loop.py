@@ -61,6 +61,7 @@ class Trainer:
                                     recompute_num_layers=cfg.train.recompute_num_layers)
         self.model = self._initial_model(config).to(self.device)
         self.engine = build_engine(cfg, self.model)
+        self.main_grad = main_grad(self.engine)  # where each parameter's gradient accumulates
         self.objective = Objective(cfg, seed=cfg.train.seed)
         self.eval_objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1)
         self.n_micro = micro_batches_per_step(cfg, self.dp)
@@ -157,10 +158,10 @@ class Trainer:
         dist.all_reduce(n, group=ps.get_data_parallel_group())
         return n
 
-    def _step_loss_sum(self, local_sum: torch.Tensor) -> torch.Tensor:
-        """The step's loss sum on every rank: summed over data-parallel ranks, taken from the
-        last pipeline stage. A NaN or inf on any rank makes it non-finite everywhere."""
-        total = local_sum.reshape(1).to(torch.float64).clone()
+    @staticmethod
+    def _sum_from_last_stage(total: torch.Tensor) -> torch.Tensor:
+        """``total`` (in place) summed over data-parallel ranks as the last pipeline stage has
+        it, on every rank. A NaN or inf on any rank makes it non-finite everywhere."""
         if not ps.is_pipeline_last_stage():
             total.zero_()
         dist.all_reduce(total, group=ps.get_data_parallel_group())
@@ -195,16 +196,16 @@ class Trainer:
                 local_sum += total.detach()
                 engine.backward(total * scale)
                 if i == len(micro_batches) - 1:  # the boundary: DeepSpeed has reduced
-                    step_sum = self._step_loss_sum(local_sum)
+                    step_sum = self._sum_from_last_stage(local_sum.reshape(1).clone())
                     finite = self._skip_if_nonfinite(step_sum)
                 engine.step()
         else:
             stats = forward_backward(engine.module, micro_batches, self.objective.model_seq_len,
                                      self.cfg.data.micro_batch_size, self.objective.step,
-                                     loss_scale=scale, main_grad=main_grad(engine))
+                                     loss_scale=scale, main_grad=self.main_grad)
             for s in stats:
                 local_sum += s["nll_sum"]
-            step_sum = self._step_loss_sum(local_sum)
+            step_sum = self._sum_from_last_stage(local_sum.reshape(1).clone())
             # the schedule has already back-propagated: a non-finite step's gradients are dropped
             finite = self._skip_if_nonfinite(step_sum)
             engine.allreduce_gradients()
@@ -269,11 +270,7 @@ class Trainer:
                                            self.eval_objective.step, forward_only=True):
                     total += torch.stack([st["nll_sum"].float(), st["tokens"].float()])
         self.engine.module.train(was_training)
-        if not ps.is_pipeline_last_stage():
-            total.zero_()
-        dist.all_reduce(total, group=ps.get_data_parallel_group())
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+        self._sum_from_last_stage(total)
         per_token = float(total[0] / total[1].clamp_min(1))
         return {"valid_loss": per_token, "valid_ppl_bound": math.exp(min(per_token, 50.0)),
                 "valid_tokens": float(total[1])}

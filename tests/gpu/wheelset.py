@@ -105,8 +105,7 @@ def _fits(filename: str, python: str) -> bool:
     py_tags, abi_tags, plat_tags = (parts[-3].split("."), parts[-2].split("."),
                                     parts[-1].split("."))
     cp = "cp" + python.replace(".", "")
-    py_ok = any(t in (cp, "py3", "py" + python.replace(".", ""), "py2.py3") for t in py_tags) \
-        or "py2.py3" in parts[-3]
+    py_ok = any(t in (cp, "py3", "py" + python.replace(".", "")) for t in py_tags)
     abi_ok = any(t in ("none", "abi3", cp) for t in abi_tags)
     plat_ok = any(t == "any" or (t.startswith("manylinux") and t.endswith("x86_64"))
                   for t in plat_tags)
