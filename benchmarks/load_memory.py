@@ -7,7 +7,7 @@ It trains the 110m shape as a Llama (vocabulary 50,257: ~124M parameters, ~0.5 G
 for one step
 at TP=2 on 2 CPU ranks (so the checkpoint holds per-rank shards that loading must merge), and
 a tiny model for the baseline (Python, torch, megatron and DeepSpeed imports). Then, each in its
-own process under ``/usr/bin/time -f %M``: ``setdiff-generate`` on either engine, and
+own process under ``/usr/bin/time -f %M``: ``setdiff-generate``, and
 ``setdiff-convert`` to an export and to Hugging Face. Reported: peak RSS minus the tiny
 model's, divided by the model's fp32 bytes.
 """
@@ -46,10 +46,10 @@ def _peak_kib(*cmd) -> int:
         return int(out.read().strip().splitlines()[-1])
 
 
-def _generate(checkpoint, engine):
+def _generate(checkpoint):
     return _peak_kib(sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
                      checkpoint, "--prompt", "Shall I", "--max-new-tokens", "2", "--window", "1",
-                     "--greedy", "--engine", engine)
+                     "--greedy")
 
 
 def main() -> int:
@@ -84,10 +84,7 @@ def main() -> int:
                     counted.add(k)
                     params += math.prod(fh.get_slice(k).get_shape())
     model_kib = params * 4 / 1024
-    rows = []
-    base = {e: _generate(tiny, e) for e in ("lean", "megatron")}
-    for engine in ("lean", "megatron"):
-        rows.append((f"setdiff-generate --engine {engine}", _generate(big, engine), base[engine]))
+    rows = [("setdiff-generate", _generate(big), _generate(tiny))]
     for what, extra in (("export", []), ("--to-hf", ["--to-hf"])):
         out = os.path.join(tmp, f"out-{what.strip('-')}")
         tiny_out = os.path.join(tmp, f"tiny-{what.strip('-')}")

@@ -1,8 +1,8 @@
-"""KV-cached set decoding on both inference engines (the megatron training model and the lean
-decode-time model built from its weights): exactness against the training forward, the AR and
-causal baselines against decoding without a cache, batching, infilling, stop criteria, bad input,
-and the lean model's logits against megatron's. One launch of 2 gloo processes measures at TP=1
-and TP=2; assertions run in the parent."""
+"""KV-cached set decoding on the inference engine (the lean decode-time model, built from the
+weights of a megatron training model): exactness against the training model's forward, the AR
+and causal baselines against the training model decoding without a cache, batching, infilling,
+stop criteria, bad input, and the lean model's logits against megatron's. One launch of 2 gloo
+processes measures at TP=1 and TP=2; assertions run in the parent."""
 
 import math
 
@@ -26,10 +26,8 @@ class Chars:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
-ENGINES = ("megatron", "lean")
-
-
-def model_for(kind, tp, engine="megatron", overrides=()):
+def model_for(kind, tp, overrides=()):
+    """A seeded megatron training model (the reference) at this TP size."""
     from setdiff_dist.config import load_config
     from setdiff_dist.model.transformer import build_model, transformer_config
 
@@ -37,8 +35,7 @@ def model_for(kind, tp, engine="megatron", overrides=()):
                              "model.num_attention_heads=4", "model.num_query_groups=2",
                              "model.ffn_hidden_size=64", f"model.vocab_size={V}",
                              "model.init_std=0.3", f"order.kind={kind}", *overrides]).model
-    model = build_model(cfg, transformer_config(cfg, tensor=tp), seed=3).eval()
-    return lean_copy(model) if engine == "lean" else model
+    return build_model(cfg, transformer_config(cfg, tensor=tp), seed=3).eval()
 
 
 def lean_copy(model):
@@ -54,9 +51,14 @@ def lean_copy(model):
         g = global_name(model, name)
         full = unshard(p.detach(), p)
         state[g] = full[:rows] if g in ("embedding.weight", "output_layer.weight") else full
-    return LeanTransformer.from_state_dict(
+    lean = LeanTransformer.from_state_dict(
         model.model_cfg, state, ps.get_tensor_model_parallel_rank(),
         ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()).eval()
+    # every matmul weight through oneDNN's packed kernel, as large ones are in setdiff-generate
+    # (the dense path is what the causal-LM tests of test_hf_import decode on)
+    lean.pack_for_cpu(min_numel=0)
+    assert lean._packed, "oneDNN packed nothing"
+    return lean
 
 
 def training_logits(model, tokens, prompt_len, order):
@@ -102,7 +104,7 @@ def measure(tp, out):
     from setdiff_dist.parallel import initialize_model_parallel
 
     initialize_model_parallel(tensor=tp, seed=0)
-    res = {engine: measure_engine(tp, engine) for engine in ENGINES}
+    res = measure_decoding(tp)
     # the lean model computes the training model's function: same logits for a set-causal
     # training forward, with GQA, QK-norm, LayerNorm / GELU and an untied head too
     same = {}
@@ -112,32 +114,36 @@ def measure(tp, out):
                                                       "model.tie_embeddings=false"))):
         tokens = [5, 9, 2, 7, 1, 3, 8, 6, 4, 0]
         order = [6, 4, 9, 5, 7, 8]
-        same[name] = tuple(training_logits(model_for("staggered", tp, engine, extra), tokens, 4,
-                                           order) for engine in ENGINES)
+        model = model_for("staggered", tp, extra)
+        same[name] = tuple(training_logits(m, tokens, 4, order)
+                           for m in (model, lean_copy(model)))
     res["same_logits"] = same
     if torch.distributed.get_rank() == 0:
         torch.save(res, out / f"tp{tp}.pt")
 
 
-def measure_engine(tp, engine):
+def measure_decoding(tp):
+    """Decoding on the lean engine; the references (training forward, decoding without a
+    cache) on the megatron model it was built from."""
     from setdiff_dist.inference.decoder import DecodeError, Sampling, SetDecoder, StopCriteria
 
     tok, greedy, res = Chars(), Sampling(greedy=True), {}
-    model = model_for("staggered", tp, engine)
+    reference = model_for("staggered", tp)
+    model = lean_copy(reference)
     dec = SetDecoder(model, tok, context=L, keep_logits=True)
     prompt = [5, 9, 2, 7]
     order = [6, 4, 9, 5, 7, 8]  # a fixed reveal order of the 6 new positions 4..9
     r = dec.generate([prompt], 6, window=1, threshold=math.inf, sampling=greedy,
                      order=[order])[0]
     full = prompt + r.tokens
-    ref = training_logits(model, full, len(prompt), order)
+    ref = training_logits(reference, full, len(prompt), order)
     got = torch.stack([logits for _, logits in sorted(dec._last_logits.items())])
     res["exact"] = (got, ref[len(prompt):])
     # AR: W = 1, tau = inf, greedy == no-cache greedy with [MASK] queries; batched == single
     ar = SetDecoder(model, tok, context=L)
     batch = ar.generate([prompt, [3, 1]], 10, window=1, sampling=greedy)
     res["ar"] = ([b.tokens for b in batch],
-                 [no_cache_greedy(model, p, 10, False) for p in (prompt, [3, 1])])
+                 [no_cache_greedy(reference, p, 10, False) for p in (prompt, [3, 1])])
     res["ar_steps"] = [b.steps for b in batch]
     # parallel decoding: a low threshold commits several tokens per step
     fast = ar.generate([prompt], 12, window=6, threshold=0.0, sampling=greedy)[0]
@@ -147,8 +153,8 @@ def measure_engine(tp, engine):
                                             repetition_penalty=1.3))
     res["sampled"] = [s.tokens for s in sampled]
     # the causal-LM baseline: KV-cached == no-cache greedy
-    causal = model_for("causal", tp, engine)
-    cdec = SetDecoder(causal, tok, context=L, mode="causal")
+    causal = model_for("causal", tp)
+    cdec = SetDecoder(lean_copy(causal), tok, context=L, mode="causal")
     res["causal"] = (cdec.generate([prompt], 10, window=1, sampling=greedy)[0].tokens,
                      no_cache_greedy(causal, prompt, 10, True))
     # infilling: the right context matters, given tokens stay
@@ -189,7 +195,7 @@ def measure_engine(tp, engine):
             errors.append(str(exc))
     res["errors"] = errors
     # a cache that starts tiny grows (and squeezes out cropped slots) without changing a token
-    from setdiff_dist.model import kv_cache
+    from setdiff_dist.inference import kv_cache
 
     kv_cache.INITIAL_CAPACITY = 2
     try:
@@ -211,61 +217,48 @@ def measured(tmp_path_factory):
     return results_at_tp1_and_tp2(measure, tmp_path_factory.mktemp("decode"))
 
 
-@pytest.fixture(params=ENGINES)
-def results(measured, request):
-    """{tp: the measurements of one engine}."""
-    return {tp: r[request.param] for tp, r in measured.items()}
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_lean_model_computes_the_training_models_logits(measured, tp):
     for name, (megatron, lean) in measured[tp]["same_logits"].items():
         assert torch.allclose(lean, megatron, atol=2e-5), (name, (lean - megatron).abs().max())
 
 
-def test_both_engines_decode_the_same_tokens(measured):
-    for tp in (1, 2):
-        megatron, lean = (measured[tp][e] for e in ENGINES)
-        for key in ("ar", "causal", "infill", "sampled", "fast"):
-            assert lean[key] == megatron[key], (tp, key)
-
-
 @pytest.mark.parametrize("tp", [1, 2])
-def test_cached_decoding_logits_equal_the_training_forward(results, tp):
-    got, ref = results[tp]["exact"]
+def test_cached_decoding_logits_equal_the_training_forward(measured, tp):
+    got, ref = measured[tp]["exact"]
     assert got.shape == ref.shape
     assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_ar_mode_equals_decoding_without_a_cache_and_batching_changes_nothing(results, tp):
-    cached, reference = results[tp]["ar"]
+def test_ar_mode_equals_decoding_without_a_cache_and_batching_changes_nothing(measured, tp):
+    cached, reference = measured[tp]["ar"]
     assert cached == reference
-    assert results[tp]["ar_steps"] == [10, 10]
-    assert results[1]["ar"] == results[2]["ar"]
+    assert measured[tp]["ar_steps"] == [10, 10]
+    assert measured[1]["ar"] == measured[2]["ar"]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_causal_lm_cached_decoding_equals_decoding_without_a_cache(results, tp):
-    cached, reference = results[tp]["causal"]
+def test_causal_lm_cached_decoding_equals_decoding_without_a_cache(measured, tp):
+    cached, reference = measured[tp]["causal"]
     assert cached == reference and len(cached) == 10
 
 
-def test_a_low_threshold_decodes_several_tokens_per_step(results):
-    n, steps = results[1]["fast"]
+def test_a_low_threshold_decodes_several_tokens_per_step(measured):
+    n, steps = measured[1]["fast"]
     assert n == 12 and steps < 12
     # two samples of the same prompt draw different continuations (seeded: reproducible)
-    first, second = results[1]["sampled"]
+    first, second = measured[1]["sampled"]
     assert len(first) == len(second) == 8 and first != second
 
 
-def test_infilling_uses_the_right_context(results):
-    a, b = results[1]["infill"]
+def test_infilling_uses_the_right_context(measured):
+    a, b = measured[1]["infill"]
     assert len(a) == len(b) == 5 and a != b
 
 
-def test_stop_criteria_shorten_the_output(results):
-    s = results[1]["stops"]
+def test_stop_criteria_shorten_the_output(measured):
+    s = measured[1]["stops"]
     assert s["repeat"] == s["long"][:1]
     assert s["two"] == s["text"][:4]  # a run of one token is already "repeated" at k = 1
     assert s["eos"] == s["long"][:5]
@@ -273,17 +266,17 @@ def test_stop_criteria_shorten_the_output(results):
     assert len(s["regex"]) < len(s["text"]) and s["text"].startswith(s["regex"])
 
 
-def test_a_cache_that_grows_and_squeezes_decodes_the_same_tokens(results):
-    assert results[1]["tiny_cache"] == results[1]["default_cache"]
-    assert results[2]["tiny_cache"] == results[2]["default_cache"]
+def test_a_cache_that_grows_and_squeezes_decodes_the_same_tokens(measured):
+    assert measured[1]["tiny_cache"] == measured[1]["default_cache"]
+    assert measured[2]["tiny_cache"] == measured[2]["default_cache"]
 
 
-def test_generation_past_the_context_crops_the_cache(results):
-    assert results[1]["past_context"] == results[2]["past_context"] == 30
+def test_generation_past_the_context_crops_the_cache(measured):
+    assert measured[1]["past_context"] == measured[2]["past_context"] == 30
 
 
-def test_bad_decoding_input_is_a_clear_error(results):
-    empty, too_long, window, zero, causal_infill = results[1]["errors"]
+def test_bad_decoding_input_is_a_clear_error(measured):
+    empty, too_long, window, zero, causal_infill = measured[1]["errors"]
     assert "max_new_tokens must be at least 1" in zero
     assert "a causal LM cannot condition on the right context" in causal_infill
     assert "prompt 0 is empty" in empty
@@ -293,9 +286,7 @@ def test_bad_decoding_input_is_a_clear_error(results):
 
 def test_block_and_mdlm_baselines_decode_through_the_same_model(tmp_path):
     spawn(_baselines, 1, tmp_path)
-    both = torch.load(tmp_path / "baselines.pt")
-    assert both["lean"] == both["megatron"]  # the same tokens and steps on either engine
-    r = both["megatron"]
+    r = torch.load(tmp_path / "baselines.pt")
     assert len(r["block"]) == 8 and len(r["mdlm"]) == 8
     # one token per step; steps count forward passes: block decoding pays the prompt, one per
     # token and one more per finished block (to cache it); MDLM one per token
@@ -311,15 +302,12 @@ def test_block_and_mdlm_baselines_decode_through_the_same_model(tmp_path):
 def _baselines(rank, out):
     from setdiff_dist.parallel import initialize_model_parallel
 
-    initialize_model_parallel(seed=0)
-    torch.save({engine: _baselines_on(engine) for engine in ENGINES}, out / "baselines.pt")
-
-
-def _baselines_on(engine):
     from setdiff_dist.inference.decoder import BaselineDecoder, Sampling
 
+    initialize_model_parallel(seed=0)
+
     greedy = Sampling(greedy=True)
-    block_model = model_for("block", 1, engine)
+    block_model = lean_copy(model_for("block", 1))
     dec = BaselineDecoder(block_model, Chars(), context=L)
     prompt = [5, 9, 2, 7]
     b = dec.block(prompt, 8, block_size=4, sampling=greedy)
@@ -330,11 +318,11 @@ def _baselines_on(engine):
     m_empty = dec.mdlm(prompt, 8, sampling=greedy, right=[])
     m_infill = dec.mdlm(prompt, 3, sampling=greedy, right=[4, 4, 6])
     ar = dec.generate([prompt], 8, window=1, sampling=greedy)[0]
-    return {"block": b.tokens, "block_steps": b.steps, "mdlm": m.tokens,
-            "mdlm_steps": m.steps, "mdlm_fast_steps": fast.steps, "block1": b1.tokens,
-            "ar": ar.tokens, "block_denoising": b.denoising_steps,
-            "mdlm_empty": m_empty.tokens, "mdlm_infill": len(m_infill.tokens),
-            "mdlm_infill_steps": m_infill.steps}
+    torch.save({"block": b.tokens, "block_steps": b.steps, "mdlm": m.tokens,
+                "mdlm_steps": m.steps, "mdlm_fast_steps": fast.steps, "block1": b1.tokens,
+                "ar": ar.tokens, "block_denoising": b.denoising_steps,
+                "mdlm_empty": m_empty.tokens, "mdlm_infill": len(m_infill.tokens),
+                "mdlm_infill_steps": m_infill.steps}, out / "baselines.pt")
 
 
 def test_choices_on_the_device_equal_the_per_sample_path():

@@ -16,9 +16,3 @@ def with_clean_shutdown(main):
 
     return entry
 
-
-def add_engine_argument(ap) -> None:
-    """``--engine``, for the commands that decode or score (setdiff-generate, setdiff-eval)."""
-    ap.add_argument("--engine", choices=("lean", "megatron"), default="lean",
-                    help="the decode-time model: lean (plain torch, the default) or megatron "
-                         "(the training model; the same function, slower)")

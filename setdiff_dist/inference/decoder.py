@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from setdiff_dist.model.kv_cache import KVCache, decode_step
+from setdiff_dist.inference.kv_cache import KVCache, decode_step
 
 
 def model_device(model) -> torch.device:
@@ -70,9 +70,33 @@ class _Sample:
     end: Optional[int] = None    # generation stops before this position
     steps: int = 0
     logits: dict = field(default_factory=dict)   # position -> logits when decoded (tests)
+    left: int = 0        # region[:left] is committed (the left prefix)
+    checked: int = 0     # region[:checked] was searched for stops
+    committed: int = 0   # positions of the region committed so far
 
-    def masked(self):
-        return [p for p in self.region if self.tokens[p] is None]
+    def advance(self) -> None:
+        while self.left < len(self.region) and self.tokens[self.region[self.left]] is not None:
+            self.left += 1
+
+    def masked(self, limit: Optional[int] = None) -> list:
+        """The still-masked positions of the region, in order (the first ``limit``)."""
+        self.advance()
+        out = []
+        for p in self.region[self.left:]:
+            if self.tokens[p] is None:
+                out.append(p)
+                if len(out) == limit:
+                    break
+        return out
+
+    def finished(self) -> bool:
+        self.advance()
+        return self.left == len(self.region)
+
+    def commit(self, picks) -> None:
+        for pos, tok in picks:
+            self.tokens[pos] = tok
+        self.committed += len(picks)
 
 
 @dataclass
@@ -106,6 +130,7 @@ class SetDecoder:
         self.device = model_device(model)
         self.keep_logits = keep_logits
         self._last_logits: dict = {}  # position -> logits of the last call (keep_logits=True)
+        self._patterns: dict = {}  # (commits, tokens) -> a step's own-token mask pattern
         self.vocab = model.vocab_size
 
     # -- the public calls ------------------------------------------------------------------------
@@ -184,18 +209,17 @@ class SetDecoder:
         return results
 
     def _candidates(self, s, window, order, b):
-        masked = s.masked()
-        if not masked:
+        if s.finished():
             return []
         if order is not None:
-            return [order[b][len(s.region) - len(masked)]]
-        return masked[:window]
+            return [order[b][s.committed]]
+        return s.masked(window)
 
     def _step(self, samples, cache, window, threshold, sampling, stop, order, gen, infill):
         B = len(samples)
         commits = [s.pending for s in samples]
         if self.mode == "causal":
-            cands = [[] if s.done or not s.masked() else [s.masked()[0]] for s in samples]
+            cands = [[] if s.done else s.masked(1) for s in samples]
         else:
             cands = [[] if s.done else self._candidates(s, window, order, b)
                      for b, s in enumerate(samples)]
@@ -206,42 +230,39 @@ class SetDecoder:
             for s in samples:
                 s.done = True
             return
-        tokens = torch.full((B, n), self.mask_id, dtype=torch.long)
-        positions = torch.zeros(B, n, dtype=torch.long)
-        valid = torch.zeros(B, n, dtype=torch.bool)
+        # the step's inputs, built as host lists and sent in one copy each: per sample its
+        # commits (first C slots), then its candidates ([MASK] queries, next M slots)
+        tok_rows, pos_rows, val_rows = [], [], []
         for b in range(B):
-            for i, (pos, tok) in enumerate(commits[b]):
-                tokens[b, i], positions[b, i], valid[b, i] = tok, pos, True
-            if self.mode == "set":
-                for j, pos in enumerate(cands[b]):
-                    positions[b, C + j], valid[b, C + j] = pos, True
+            c, q = commits[b], cands[b] if self.mode == "set" else []
+            gap_c, gap_q = C - len(c), M - len(q)
+            tok_rows.append([t for _, t in c] + [self.mask_id] * (n - len(c)))
+            pos_rows.append([p for p, _ in c] + [0] * gap_c + list(q) + [0] * gap_q)
+            val_rows.append([True] * len(c) + [False] * gap_c + [True] * len(q)
+                            + [False] * gap_q)
+        dev = self.device
+        tokens = torch.tensor(tok_rows, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos_rows, dtype=torch.long, device=dev)
+        valid = torch.tensor(val_rows, dtype=torch.bool, device=dev)
         # what each new token may attend: valid cache entries, then the step's own tokens
-        i = torch.arange(n)
-        is_commit = i < C
-        own = torch.zeros(B, n, n, dtype=torch.bool)
-        own |= (is_commit[None, :, None] & is_commit[None, None, :] & (i[None, None, :]
-                                                                        <= i[None, :, None]))
-        own |= (~is_commit[None, :, None] & is_commit[None, None, :])
-        own &= valid[:, None, :] & valid[:, :, None]
-        own |= torch.eye(n, dtype=torch.bool)[None]  # every row attends at least itself
+        pattern, eye = self._step_pattern(C, n)
+        own = (pattern & valid[:, None, :] & valid[:, :, None]) | eye
         cache.reserve(n)  # (may squeeze out cropped slots: before the mask is built)
-        # the cache's side stays on the device (no copy of the cache's mask to the host)
-        tokens, positions, own, valid_d = (t.to(self.device) for t in (tokens, positions, own,
-                                                                       valid))
         allowed = torch.cat([cache.valid[:, None, :].expand(B, n, cache.length)
-                             & valid_d[:, :, None], own], dim=2)
-        if self.mode == "causal":
-            # the prediction comes from the last committed token of each sample
-            last = torch.tensor([max(len(c) - 1, 0) for c in commits])
+                             & valid[:, :, None], own], dim=2)
         with torch.no_grad(), decode_step(cache, allowed):
             logits = self.model(tokens, positions, None, logits_from=0 if self.mode == "causal"
                                 else C)
-        cache.commit(valid[:, :C].to(self.device) if C else torch.zeros(B, 0, dtype=torch.bool,
-                                                                          device=self.device),
-                     positions[:, :C])
+        # the commits are each row's leading slots: the cache keeps the first C
+        cache.commit(valid[:, :C], positions[:, :C], leading=True)
         logits = self._full_vocab(logits).transpose(0, 1)  # [B, s, V], on the device
         if self.mode == "causal":  # each sample's prediction comes from its last commit
-            logits = logits[torch.arange(B, device=logits.device), last.to(logits.device)][:, None]
+            last = [max(len(c) - 1, 0) for c in commits]
+            if min(last) == max(last):
+                logits = logits[:, last[0]:last[0] + 1]
+            else:
+                logits = logits[torch.arange(B, device=logits.device),
+                                torch.tensor(last, device=logits.device)][:, None]
         if self.keep_logits:  # chosen per sample, which records them
             fast, logits = None, logits.float().cpu()
         else:
@@ -264,12 +285,11 @@ class SetDecoder:
             else:
                 picks = self._choose(logits[b, :len(cands[b])], cands[b], s, sampling, gen,
                                      threshold)
-            for pos, tok in picks:
-                s.tokens[pos] = tok
+            s.commit(picks)
             s.pending = sorted(picks)
             if not infill:
                 self._check_stop(s, stop)
-            if not s.masked():
+            if s.finished():
                 s.done = True
         if not infill:  # (an infill fits the context by construction: never crop its left side)
             # past the model's context, forget the oldest cache entries: the next step's tokens
@@ -277,6 +297,20 @@ class SetDecoder:
             need = max(len(s.pending) for s in samples) + window
             if int(cache.valid.sum(1).max()) + need > self.context:
                 cache.crop(self.context - need)
+
+    def _step_pattern(self, C: int, n: int):
+        """The step's own-token mask for ``C`` commits among ``n`` tokens, before validity:
+        commits causal among themselves, [MASK] queries see every commit (and themselves,
+        through the identity, which also keeps a padded row from attending nothing)."""
+        key = (C, n)
+        if key not in self._patterns:
+            i = torch.arange(n)
+            is_commit = i < C
+            pattern = (is_commit[:, None] & is_commit[None, :] & (i[None, :] <= i[:, None])) \
+                | (~is_commit[:, None] & is_commit[None, :])
+            self._patterns[key] = (pattern[None].to(self.device),
+                                   torch.eye(n, dtype=torch.bool, device=self.device)[None])
+        return self._patterns[key]
 
     def _full_vocab(self, logits):
         """Gather vocab-parallel logits ``[s, b, V/TP]`` and keep the real vocabulary."""
@@ -340,25 +374,27 @@ class SetDecoder:
 
     def _check_stop(self, s, stop):
         """End-of-text, stop strings / regex and repeated runs, on the committed left prefix;
-        generation ends at the earliest of them."""
-        prefix = []
-        for p in s.region:
-            if s.tokens[p] is None:
-                break
-            prefix.append((p, s.tokens[p]))
-        if not prefix:
+        generation ends at the earliest of them. Only the part of the prefix committed since
+        the last check is searched for end-of-text and runs (the rest was searched before)."""
+        s.advance()
+        lo, hi = s.checked, s.left  # region indices of the newly committed prefix
+        if hi == lo:
             return
+        s.checked = hi
+        tok = lambda j: s.tokens[s.region[j]]  # noqa: E731
         ends = []  # candidate end positions (exclusive)
-        ids = [t for _, t in prefix]
-        if stop.eos_id is not None and stop.eos_id in ids:
-            ends.append(prefix[ids.index(stop.eos_id)][0])
+        if stop.eos_id is not None:
+            hit = next((j for j in range(lo, hi) if tok(j) == stop.eos_id), None)
+            if hit is not None:
+                ends.append(s.region[hit])
         k = stop.max_repeat_run
         if k:
-            for i in range(len(ids) - k + 1):  # the earliest run of k equal tokens
-                if len(set(ids[i:i + k])) == 1:
-                    ends.append(prefix[i + k - 1][0] + 1)
+            for j in range(max(lo, k - 1), hi):  # the earliest run of k equal tokens
+                if all(tok(i) == tok(j) for i in range(j - k + 1, j)):
+                    ends.append(s.region[j] + 1)
                     break
         if stop.stop:
+            ids = [tok(j) for j in range(hi)]
             text = self.tok.decode(ids)
             for pattern in stop.stop:
                 if pattern.startswith("re:"):
@@ -369,7 +405,7 @@ class SetDecoder:
                 if hit >= 0:  # the shortest prefix whose text contains the match
                     k_tokens = next(k for k in range(1, len(ids) + 1)
                                     if len(self.tok.decode(ids[:k])) >= hit)
-                    ends.append(prefix[k_tokens - 1][0] + 1)
+                    ends.append(s.region[k_tokens - 1] + 1)
         if ends:
             s.end = min(ends)
             s.done = True
@@ -422,8 +458,7 @@ class BaselineDecoder(SetDecoder):
                 masked = [j for j, p in enumerate(block) if s.tokens[p] is None]
                 picks = self._choose(logits[masked], [block[j] for j in masked], s, sampling,
                                      gen, threshold)
-                for pos, tok in picks:
-                    s.tokens[pos] = tok
+                s.commit(picks)
                 s.steps += 1
             # the finished block enters the cache as clean tokens (in-block attention: a set)
             self._forward(cache, [s.tokens[p] for p in block], block, everyone, True)
@@ -461,8 +496,7 @@ class BaselineDecoder(SetDecoder):
             logits = self._forward(cache, ids, list(range(T)), own, False)
             masked = s.masked()
             picks = self._choose(logits[masked], masked, s, sampling, gen, threshold)
-            for pos, tok in picks:
-                s.tokens[pos] = tok
+            s.commit(picks)
             s.steps += 1
         ids = [s.tokens[p] for p in s.region]
         return Result(ids, self.tok.decode(ids), s.steps, time.perf_counter() - start)

@@ -9,13 +9,13 @@ fused tensor operations per layer and no autograd:
 - attention with one fused ``qkv`` matmul in megatron's grouped layout (per query group: its
   query heads, then its key, then its value), optional QK-norm, rotary embeddings at each
   token's own position, grouped-query attention, ``sdpa`` under a dense mask or the KV cache of
-  :mod:`setdiff_dist.model.kv_cache`;
+  :mod:`setdiff_dist.inference.kv_cache`;
 - a SwiGLU or GELU MLP;
 - tensor parallelism as megatron splits the weights: ``qkv`` and ``fc1`` column-parallel (whole
   query groups, ``[gate ; up]`` halves), the attention output and ``fc2`` row-parallel with one
   all-reduce each, and a vocab-parallel output head over the TP-padded vocabulary, so that the
   logits have the training model's layout ``[s, b, V_pad / TP]`` (``[MASK]`` and padding never
-  predicted).
+  predicted); at TP=1 the head holds the real vocabulary only, ``[s, b, V]``.
 
 Weights are the layout-free full tensors of a checkpoint or export
 (:func:`setdiff_dist.inference.weights.read_full_state_dict`); each rank keeps only its slices.
@@ -34,8 +34,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from setdiff_dist.checkpoint.sharding import split_shard
-from setdiff_dist.model import kv_cache
+from setdiff_dist.inference import kv_cache
 from setdiff_dist.model.transformer import padded_vocab_size, rotary_inv_freq
+
+
+# Weights stored transposed, ``[in, out]``, and applied as ``x @ w``: the ones wider than they
+# are deep (the fused qkv, fc1 and the output head). For the few rows of a decoding step MKL's
+# GEMM reads a wide ``[out, in]`` weight several times over (measured on 2 Xeon cores: the
+# 50k x 256 head takes 1.8 ms for 4-5 rows, 2.8 ms for 8, against 0.9 ms for one row), the
+# transposed one about once (1.0 ms, 1.1 ms); narrow weights (proj, fc2) are faster as they are.
+_WIDE = ("qkv", "fc1", "head")
+# With :meth:`LeanTransformer.pack_for_cpu`, fp32 weights of at least this many elements go to
+# oneDNN's blocked layout. MKL's GEMM on the dense layout costs about twice as much for the 4-8
+# rows of a set-decoding step (W queries and a commit) or of a batch as for one row; oneDNN's
+# packed kernel stays near the one-row cost (measured in a decoding loop, 110m shape: a W=4 set
+# step 39 -> 27 ms) but costs ~10% more for a single row, and adds ~15 us per call, which
+# small weights do not repay.
+_PACK_MIN = 1 << 20
+
+
+def _dotted(buffer_key: str) -> str:
+    """``3_qkv`` -> ``3.qkv`` (buffer names have no dots)."""
+    return buffer_key.replace("_", ".", 1) if buffer_key[0].isdigit() else buffer_key
 
 
 class LeanError(ValueError):
@@ -70,6 +90,8 @@ class LeanTransformer(nn.Module):
         self.config = types.SimpleNamespace(num_layers=m.num_layers)  # what the decoders read
         # kept in fp32 whatever the weights' dtype (not a buffer, so .to(dtype) leaves it)
         self._inv_freq = rotary_inv_freq(m, self.head_dim)
+        self._first_unreal = m.vocab_size  # local logit columns past the real vocabulary
+        self._packed: dict = {}  # weight key -> oneDNN-packed weight (pack_for_cpu)
 
     # -- weights ---------------------------------------------------------------------------------
     @classmethod
@@ -110,13 +132,17 @@ class LeanTransformer(nn.Module):
 
         w = {"embedding": get("embedding.weight", [rows, h])}
         head = w["embedding"] if m.tie_embeddings else get("output_layer.weight", [rows, h])
-        if self.tp_size == 1:  # the real rows only (a tied head is the embedding itself)
+        if self.tp_size == 1:
             w["head"] = head
+            if m.tie_embeddings:  # one table, stored once ([h, rows]: see _WIDE)
+                del w["embedding"]
         else:  # this rank's rows of the TP-padded table (padding rows are zero)
             per = self.padded_vocab // self.tp_size
             lo = self.tp_rank * per
             part = head[lo:lo + per]
             w["head"] = torch.cat([part, part.new_zeros(per - part.shape[0], h)])
+            # columns from here on are [MASK] or padding, never predicted
+            self._first_unreal = min(per, max(0, m.vocab_size - lo))
         norms = ("weight",) if self.rms else ("weight", "bias")
         for i in range(m.num_layers):
             p = f"decoder.layers.{i}."
@@ -142,17 +168,20 @@ class LeanTransformer(nn.Module):
             raise LeanError(f"the checkpoint has tensors the architecture does not: "
                             f"{', '.join(extra[:5])}")
         # buffers: .to() moves and casts them; nothing needs a gradient. The tensors read from
-        # the checkpoint are kept as they are (TP slices are new tensors): no second copy
+        # the checkpoint are kept as they are (TP slices are new tensors), or transposed in
+        # place of them: no second copy
         for k, v in w.items():
-            self.register_buffer("w_" + k.replace(".", "_"), v.detach().contiguous(),
-                                 persistent=False)
+            v = v.detach()
+            v = v.t().contiguous() if k.rsplit(".", 1)[-1] in _WIDE else v.contiguous()
+            self.register_buffer("w_" + k.replace(".", "_"), v, persistent=False)
+            w[k] = None  # (the full tensor can go as soon as the caller drops it)
 
     def _w(self, key: str) -> torch.Tensor:
         return getattr(self, "w_" + key.replace(".", "_"))
 
     @property
     def device(self) -> torch.device:
-        return self.w_embedding.device
+        return self.w_head.device
 
     # -- forward ---------------------------------------------------------------------------------
     def _norm(self, x, key):
@@ -160,6 +189,42 @@ class LeanTransformer(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self._w(key + ".weight"), self.eps)
         return F.layer_norm(x, (x.shape[-1],), self._w(key + ".weight"), self._w(key + ".bias"),
                             self.eps)
+
+    def _linear(self, x, key):
+        packed = self._packed.get(key)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        w = self._w(key)
+        return x @ w if key.rsplit(".", 1)[-1] in _WIDE else F.linear(x, w)
+
+    def pack_for_cpu(self, min_numel: int = _PACK_MIN) -> "LeanTransformer":
+        """On the CPU, hand the large matmul weights to oneDNN in its blocked layout, in place of
+        the dense tensors (see :data:`_PACK_MIN`). Returns the model. Call it after the last
+        ``.to()``: a packed model stays on the CPU in its dtype. A tied output head is packed
+        too; the dense table stays for the embedding lookups (one more copy of the table)."""
+        if self.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return self
+        tied = self.tp_size == 1 and self.model_cfg.tie_embeddings
+        for name in list(self._buffers):
+            key = _dotted(name[2:])
+            kind = key.rsplit(".", 1)[-1]
+            t = self._buffers[name]
+            if kind not in ("qkv", "fc1", "fc2", "proj", "head") or t.numel() < min_numel \
+                    or t.dtype != torch.float32 or key in self._packed:
+                continue
+            dense = t.t() if kind in _WIDE else t  # [out, in]
+            if key == "head" and self.tp_size == 1:
+                dense = dense[:self.vocab_size]  # the real vocabulary only
+            self._packed[key] = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), 8)
+            if not (key == "head" and tied):
+                self._buffers[name] = t.new_empty(0)
+        return self
+
+    def _embed(self, tokens):
+        if self.tp_size == 1 and self.model_cfg.tie_embeddings:  # columns of the [h, rows] table
+            b, s = tokens.shape
+            return self.w_head.index_select(1, tokens.reshape(-1)).t().reshape(b, s, -1)
+        return F.embedding(tokens, self.w_embedding)
 
     def _all_reduce(self, x):
         if self.tp_size > 1:
@@ -170,7 +235,7 @@ class LeanTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None, logits_from: int = 0):
         b, s = tokens.shape
-        x = F.embedding(tokens, self._w("embedding"))
+        x = self._embed(tokens)
         if self._inv_freq.device != tokens.device:
             self._inv_freq = self._inv_freq.to(tokens.device)
         freqs = positions.to(torch.float32)[..., None] * self._inv_freq
@@ -180,7 +245,7 @@ class LeanTransformer(nn.Module):
         step = kv_cache.active()
         for i in range(self.model_cfg.num_layers):
             h = self._norm(x, f"{i}.norm1")
-            qkv = F.linear(h, self._w(f"{i}.qkv")).view(b, s, self.groups, rep + 2, d)
+            qkv = self._linear(h, f"{i}.qkv").view(b, s, self.groups, rep + 2, d)
             v = qkv[:, :, :, rep + 1]
             if self.model_cfg.qk_norm:
                 q = self._norm(qkv[:, :, :, :rep], f"{i}.qnorm").reshape(b, s, self.heads, d)
@@ -199,21 +264,25 @@ class LeanTransformer(nn.Module):
                     q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
                     is_causal=attention_mask is None)
             o = o.transpose(1, 2).reshape(b, s, self.heads * d)
-            x = x + self._all_reduce(F.linear(o, self._w(f"{i}.proj")))
-            h = F.linear(self._norm(x, f"{i}.norm2"), self._w(f"{i}.fc1"))
+            x = x + self._all_reduce(self._linear(o, f"{i}.proj"))
+            h = self._linear(self._norm(x, f"{i}.norm2"), f"{i}.fc1")
             if self.gated:
                 gate, up = h.chunk(2, dim=-1)
                 h = F.silu(gate) * up
             else:
                 h = F.gelu(h)
-            x = x + self._all_reduce(F.linear(h, self._w(f"{i}.fc2")))
+            x = x + self._all_reduce(self._linear(h, f"{i}.fc2"))
         x = self._norm(x[:, logits_from:], "final").transpose(0, 1)
         # one 2-d GEMM ([s' b, h] rows, contiguous): a strided 3-d input runs as a slow bmm
-        logits = F.linear(x.reshape(-1, x.shape[-1]), self._w("head")).view(
-            x.shape[0], b, -1)  # [s', b, V_pad / TP]
-        local = logits.shape[-1]
-        start = self.tp_rank * local
-        if start + local > self.vocab_size:  # [MASK] and padding are never predicted
-            ids = torch.arange(start, start + local, device=logits.device)
-            logits = logits.masked_fill(ids >= self.vocab_size, torch.finfo(logits.dtype).min)
+        rows = x.reshape(-1, x.shape[-1])
+        if "head" in self._packed:
+            logits = self._linear(rows, "head")
+        else:
+            head = self.w_head
+            if self.tp_size == 1:  # the real vocabulary only: [MASK] is never predicted
+                head = head[:, :self.vocab_size]
+            logits = rows @ head
+        logits = logits.view(x.shape[0], b, -1)  # [s', b, V_pad / TP]
+        if self._first_unreal < logits.shape[-1]:  # [MASK] and padding are never predicted
+            logits[..., self._first_unreal:] = torch.finfo(logits.dtype).min
         return logits

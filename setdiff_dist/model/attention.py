@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
-from . import kv_cache
 
 
 def _heads_first(q, k, v):
@@ -56,15 +55,10 @@ class _CoreAttention(MegatronModule):
 
 
 class SDPAAttention(_CoreAttention):
-    """torch SDPA with a dense boolean mask ``[b, 1, s, s]`` (True = masked out). Inside a
-    KV-cached decoding step (:func:`setdiff_dist.model.kv_cache.decode_step`) it attends the
-    cache too."""
+    """torch SDPA with a dense boolean mask ``[b, 1, s, s]`` (True = masked out)."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        if kv_cache.active() is not None:
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            return _seq_first(kv_cache.attend(self.layer_number - 1, q, k, v, self.softmax_scale))
         q, k, v = _heads_first(query, key, value)
         with tensor_parallel.get_cuda_rng_tracker().fork():  # per-TP-rank dropout streams
             o = F.scaled_dot_product_attention(

@@ -152,7 +152,7 @@ else
     stage bench 110 "$PY" benchmarks/train_throughput.py --models 110m 1.3b --precision bf16 \
         --steps 8 --warmup 3 --micro-batch 8 --budget-s 60 --json "$OUT/throughput.json"
     stage decode 110 "$PY" benchmarks/decode_vs_hf.py --device cuda --dtype bfloat16 \
-        --shapes 110m 1.3b --batches 1 8 --repeats 1 --new-tokens 64 --no-megatron \
+        --shapes 110m 1.3b --batches 1 8 --repeats 1 --new-tokens 64 \
         --json "$OUT/decode.json"
 fi
 say "total $(( $(date +%s) - start )) s: $([ $failed = 0 ] && echo ok || echo FAILED)"

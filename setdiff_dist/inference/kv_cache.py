@@ -2,12 +2,11 @@
 
 A clean token's keys and values never change once computed (SPEC section 3), so the cache is
 exact. During a decoding step the model runs on a few *new* tokens (the tokens committed by the
-previous step, and [MASK] queries); :func:`decode_step` makes the ``sdpa`` core attention attend
-``[cache ; new]`` under the step's mask, writing the new keys and values into the preallocated
-cache right after its live prefix; afterwards :meth:`KVCache.commit` keeps those of the
-committed tokens only. Each tensor-parallel rank
-caches its own heads. Keys are cached after rotary embedding, at each token's own position.
-"""
+previous step, and [MASK] queries); :func:`decode_step` makes the lean model's attention
+(:mod:`setdiff_dist.inference.lean`) attend ``[cache ; new]`` under the step's mask, writing the
+new keys and values into the preallocated cache right after its live prefix; afterwards
+:meth:`KVCache.commit` keeps those of the committed tokens only. Each tensor-parallel rank caches
+its own heads. Keys are cached after rotary embedding, at each token's own position."""
 
 from __future__ import annotations
 
@@ -102,14 +101,20 @@ class KVCache:
         self.v[layer][:, :, self.length:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def commit(self, commit: torch.Tensor, positions: torch.Tensor) -> None:
+    def commit(self, commit: torch.Tensor, positions: torch.Tensor,
+               leading: bool = False) -> None:
         """Keep the keys/values of the step's tokens flagged in ``commit [b, n]``, compacted to
-        the largest per-sample count; the others are forgotten."""
-        count = int(commit.sum(1).max()) if commit.numel() else 0
+        the largest per-sample count; the others are forgotten. ``leading=True`` is the
+        caller's promise that each row's flagged tokens are its first ones and that some row
+        flags all ``n`` (no check, no device-to-host sync)."""
+        if leading:
+            count = commit.shape[1]
+        else:
+            count = int(commit.sum(1).max()) if commit.numel() else 0
         if count:
             first = commit[:, :count]
-            leading = not bool(commit[:, count:].any()) and \
-                bool((first[:, 1:].int() <= first[:, :-1].int()).all())
+            leading = leading or (not bool(commit[:, count:].any()) and
+                                  bool((first[:, 1:].int() <= first[:, :-1].int()).all()))
             if not leading:
                 # committed tokens are not each row's leading ones: gather them to the front
                 order = torch.sort(commit.int(), dim=1, descending=True,
