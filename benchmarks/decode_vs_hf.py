@@ -10,7 +10,7 @@ greedy decoding of N new tokens after a 16-token prompt:
 - ``hf``: ``AutoModelForCausalLM.generate`` (transformers' KV cache);
 - ``causal``: our causal-LM KV-cached decoding (the inference engine,
   :mod:`setdiff_dist.inference.lean`); ``causal packed``: the same with the large weights packed
-  for oneDNN (``pack_for_cpu``, as setdiff-generate loads set-diffusion models on the CPU:
+  for oneDNN (``pack=True``, as setdiff-generate loads set-diffusion models on the CPU:
   cheaper for several rows per step, dearer for one);
 - ``set tau=inf``: set decoding (packed) with window W=4 and one commit per step (each step: the
   committed token plus 4 [MASK] queries), on the lean engine; ``set tau=0.9`` accepts every
@@ -90,8 +90,8 @@ def _runners(model_cfg, state, directory, device, dtype):
     lean = LeanTransformer.from_state_dict(model_cfg, state).to(device, dtype).eval()
     # the same weights packed for oneDNN (a no-op on a GPU), as setdiff-generate loads a
     # set-diffusion model on the CPU
-    packed = LeanTransformer.from_state_dict(model_cfg, state).to(device, dtype).eval() \
-        .pack_for_cpu()
+    packed = LeanTransformer.from_state_dict(model_cfg, state, pack=True).to(device, dtype) \
+        .eval()
     greedy, ctx = Sampling(greedy=True), 4096
 
     def hf_run(prompts, n):

@@ -43,7 +43,7 @@ def lean_copy(model):
     name, as a checkpoint holds them), this rank's TP slices."""
     from megatron.core import parallel_state as ps
 
-    from setdiff_dist.inference.lean import LeanTransformer
+    from setdiff_dist.inference import lean as engine
     from setdiff_dist.model.transformer import global_name, unshard
 
     rows, state = model.vocab_size + 1, {}
@@ -51,14 +51,18 @@ def lean_copy(model):
         g = global_name(model, name)
         full = unshard(p.detach(), p)
         state[g] = full[:rows] if g in ("embedding.weight", "output_layer.weight") else full
-    lean = LeanTransformer.from_state_dict(
-        model.model_cfg, state, ps.get_tensor_model_parallel_rank(),
-        ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()).eval()
     # every matmul weight through oneDNN's packed kernel, as large ones are in setdiff-generate
     # (the dense path is what the causal-LM tests of test_hf_import decode on)
-    lean.pack_for_cpu(min_numel=0)
-    assert lean._packed, "oneDNN packed nothing"
-    return lean
+    engine._PACK_MIN, small = 0, engine._PACK_MIN
+    try:
+        model = engine.LeanTransformer.from_state_dict(
+            model.model_cfg, state, ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group(),
+            pack=True).eval()
+    finally:
+        engine._PACK_MIN = small
+    assert model._packed, "oneDNN packed nothing"
+    return model
 
 
 def training_logits(model, tokens, prompt_len, order):

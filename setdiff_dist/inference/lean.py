@@ -44,18 +44,14 @@ from setdiff_dist.model.transformer import padded_vocab_size, rotary_inv_freq
 # 50k x 256 head takes 1.8 ms for 4-5 rows, 2.8 ms for 8, against 0.9 ms for one row), the
 # transposed one about once (1.0 ms, 1.1 ms); narrow weights (proj, fc2) are faster as they are.
 _WIDE = ("qkv", "fc1", "head")
-# With :meth:`LeanTransformer.pack_for_cpu`, fp32 weights of at least this many elements go to
-# oneDNN's blocked layout. MKL's GEMM on the dense layout costs about twice as much for the 4-8
+# With ``pack=True`` (on the CPU, in fp32), matmul weights of at least this many elements go to
+# oneDNN's blocked layout, straight from the checkpoint's tensors (no second copy). MKL's GEMM on the dense layout costs about twice as much for the 4-8
 # rows of a set-decoding step (W queries and a commit) or of a batch as for one row; oneDNN's
 # packed kernel stays near the one-row cost (measured in a decoding loop, 110m shape: a W=4 set
 # step 39 -> 27 ms) but costs ~10% more for a single row, and adds ~15 us per call, which
 # small weights do not repay.
 _PACK_MIN = 1 << 20
-
-
-def _dotted(buffer_key: str) -> str:
-    """``3_qkv`` -> ``3.qkv`` (buffer names have no dots)."""
-    return buffer_key.replace("_", ".", 1) if buffer_key[0].isdigit() else buffer_key
+_MATMULS = ("qkv", "proj", "fc1", "fc2", "head")
 
 
 class LeanError(ValueError):
@@ -91,16 +87,18 @@ class LeanTransformer(nn.Module):
         # kept in fp32 whatever the weights' dtype (not a buffer, so .to(dtype) leaves it)
         self._inv_freq = rotary_inv_freq(m, self.head_dim)
         self._first_unreal = m.vocab_size  # local logit columns past the real vocabulary
-        self._packed: dict = {}  # weight key -> oneDNN-packed weight (pack_for_cpu)
+        self._packed: dict = {}  # weight key -> oneDNN-packed weight (pack=True)
 
     # -- weights ---------------------------------------------------------------------------------
     @classmethod
     def from_state_dict(cls, model_cfg, state: dict, tp_rank: int = 0, tp_size: int = 1,
-                        tp_group=None) -> "LeanTransformer":
+                        tp_group=None, pack: bool = False) -> "LeanTransformer":
         """This rank's slices of the full tensors ``state`` (global names, vocabulary tensors with
-        their ``vocab_size + 1`` real rows)."""
+        their ``vocab_size + 1`` real rows). ``pack``: on the CPU, hand the large fp32 matmul
+        weights to oneDNN (see :data:`_PACK_MIN`); the model must then stay on the CPU in
+        fp32 (a tied head keeps a dense copy of the table for the embedding lookups)."""
         model = cls(model_cfg, tp_rank, tp_size, tp_group)
-        model._load(state)
+        model._load(state, pack and torch.backends.mkldnn.is_available())
         return model
 
     def _get(self, state, name, shape):
@@ -119,7 +117,7 @@ class LeanTransformer(nn.Module):
             return t
         return split_shard(t, self.tp_rank, self.tp_size, dim, stride)
 
-    def _load(self, state):
+    def _load(self, state, pack: bool = False):
         m, h, d = self.model_cfg, self.model_cfg.hidden_size, self.head_dim
         heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
         ffn = m.ffn_hidden_size or 4 * h
@@ -134,8 +132,8 @@ class LeanTransformer(nn.Module):
         head = w["embedding"] if m.tie_embeddings else get("output_layer.weight", [rows, h])
         if self.tp_size == 1:
             w["head"] = head
-            if m.tie_embeddings:  # one table, stored once ([h, rows]: see _WIDE)
-                del w["embedding"]
+            if m.tie_embeddings and not self._packs(pack, head):  # one table, stored once
+                del w["embedding"]  # ([h, rows], see _WIDE; the lookups read its columns)
         else:  # this rank's rows of the TP-padded table (padding rows are zero)
             per = self.padded_vocab // self.tp_size
             lo = self.tp_rank * per
@@ -172,9 +170,20 @@ class LeanTransformer(nn.Module):
         # place of them: no second copy
         for k, v in w.items():
             v = v.detach()
-            v = v.t().contiguous() if k.rsplit(".", 1)[-1] in _WIDE else v.contiguous()
-            self.register_buffer("w_" + k.replace(".", "_"), v, persistent=False)
+            if k.rsplit(".", 1)[-1] in _MATMULS and self._packs(pack, v):
+                if k == "head" and self.tp_size == 1:
+                    v = v[:m.vocab_size]  # the real vocabulary only (a view: no copy)
+                self._packed[k] = torch.ops.mkldnn._reorder_linear_weight(v.contiguous(), 8)
+                v = v.new_empty(0)
+            elif k.rsplit(".", 1)[-1] in _WIDE:
+                v = v.t().contiguous()
+            self.register_buffer("w_" + k.replace(".", "_"), v.contiguous(), persistent=False)
             w[k] = None  # (the full tensor can go as soon as the caller drops it)
+
+    @staticmethod
+    def _packs(pack: bool, t: torch.Tensor) -> bool:
+        return pack and t.device.type == "cpu" and t.dtype == torch.float32 \
+            and t.numel() >= _PACK_MIN
 
     def _w(self, key: str) -> torch.Tensor:
         return getattr(self, "w_" + key.replace(".", "_"))
@@ -197,31 +206,8 @@ class LeanTransformer(nn.Module):
         w = self._w(key)
         return x @ w if key.rsplit(".", 1)[-1] in _WIDE else F.linear(x, w)
 
-    def pack_for_cpu(self, min_numel: int = _PACK_MIN) -> "LeanTransformer":
-        """On the CPU, hand the large matmul weights to oneDNN in its blocked layout, in place of
-        the dense tensors (see :data:`_PACK_MIN`). Returns the model. Call it after the last
-        ``.to()``: a packed model stays on the CPU in its dtype. A tied output head is packed
-        too; the dense table stays for the embedding lookups (one more copy of the table)."""
-        if self.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-            return self
-        tied = self.tp_size == 1 and self.model_cfg.tie_embeddings
-        for name in list(self._buffers):
-            key = _dotted(name[2:])
-            kind = key.rsplit(".", 1)[-1]
-            t = self._buffers[name]
-            if kind not in ("qkv", "fc1", "fc2", "proj", "head") or t.numel() < min_numel \
-                    or t.dtype != torch.float32 or key in self._packed:
-                continue
-            dense = t.t() if kind in _WIDE else t  # [out, in]
-            if key == "head" and self.tp_size == 1:
-                dense = dense[:self.vocab_size]  # the real vocabulary only
-            self._packed[key] = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), 8)
-            if not (key == "head" and tied):
-                self._buffers[name] = t.new_empty(0)
-        return self
-
     def _embed(self, tokens):
-        if self.tp_size == 1 and self.model_cfg.tie_embeddings:  # columns of the [h, rows] table
+        if not hasattr(self, "w_embedding"):  # tied at TP=1: columns of the [h, rows] table
             b, s = tokens.shape
             return self.w_head.index_select(1, tokens.reshape(-1)).t().reshape(b, s, -1)
         return F.embedding(tokens, self.w_embedding)

@@ -26,9 +26,9 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
     """``(model, config, tokenizer)``: the decode-time model
     (:class:`setdiff_dist.inference.lean.LeanTransformer`) of a checkpoint or export, at
     tensor-parallel size ``tensor`` (the process group must already hold ``tensor`` ranks); each
-    rank reads only the tensors it needs, one at a time. On the CPU, ``pack`` (default: for
-    set-diffusion models, whose steps carry several rows) packs the large weights for oneDNN
-    (:meth:`~setdiff_dist.inference.lean.LeanTransformer.pack_for_cpu`)."""
+    rank reads only the tensors it needs, one at a time. On the CPU in fp32, ``pack`` (default:
+    for set-diffusion models, whose steps carry several rows) hands the large weights to oneDNN
+    (see :data:`setdiff_dist.inference.lean._PACK_MIN`)."""
     from megatron.core import parallel_state as ps
 
     from setdiff_dist.parallel import initialize_model_parallel
@@ -42,14 +42,14 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
     # the lean model takes dense masks: scoring (setdiff-eval ppl) builds them for sdpa
     cfg.model.attention_backend = "sdpa"
     cfg.model.attention_dropout = cfg.model.hidden_dropout = 0.0
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if pack is None:
+        pack = cfg.order.kind != "causal"
+    pack = pack and device.type == "cpu" and dtype == torch.float32
     try:
         model = LeanTransformer.from_state_dict(
             cfg.model, state, ps.get_tensor_model_parallel_rank(), tensor,
-            ps.get_tensor_model_parallel_group())
+            ps.get_tensor_model_parallel_group(), pack=pack)
     except LeanError as exc:
         raise LoadError(f"{path}: {exc}") from None
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = model.to(device=device, dtype=dtype).eval()
-    if pack if pack is not None else cfg.order.kind != "causal":
-        model.pack_for_cpu()
-    return model, cfg, tok
+    return model.to(device=device, dtype=dtype).eval(), cfg, tok
