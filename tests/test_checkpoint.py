@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from helpers import losses, run_train, sonnet_shards, train_command
 
@@ -158,3 +159,26 @@ def test_no_rank_outlives_a_killed_launcher(shards, tmp_path):
     while any(_alive(r) for r in ranks) and time.time() < deadline:
         time.sleep(0.2)
     assert not any(_alive(r) for r in ranks)
+
+
+def test_every_layout_starts_from_the_same_weights(shards, tmp_path):
+    """TP=1, TP=2 and ZeRO-3 over two ranks draw bitwise the same full weights, each rank only
+    its own part: one step at learning rate 0 keeps them, and each run's per-rank files merge to
+    the same tensors."""
+    from setdiff_dist.checkpoint.weights import read_full_state_dict
+
+    layouts = {"tp1": ({"nproc": 1}, ()), "tp2": ({}, ("parallel.tensor=2",)),
+               "zero3": ({}, ("zero.stage=3",))}
+    full = {}
+    for name, (kw, overrides) in layouts.items():
+        run = tmp_path / name
+        res = run_train(run, shards, "optimizer.lr=0", "optimizer.min_lr=0",
+                        "optimizer.warmup_steps=0", "optimizer.weight_decay=0.1",
+                        "train.eval_batches=1", *overrides, steps=1, **kw)
+        assert res.returncode == 0, res.stderr[-3000:]
+        full[name] = read_full_state_dict(str(run / "checkpoints" / latest(run)))[0]
+    ref = full.pop("tp1")
+    for name, state in full.items():
+        assert sorted(state) == sorted(ref), name
+        for k in ref:
+            assert torch.equal(state[k], ref[k]), (name, k)

@@ -76,6 +76,33 @@ def test_bad_checkpoints_are_named(trained, tmp_path):
     assert long_prompt.returncode == 2 and "does not fit the model's context" in long_prompt.stderr
 
 
+def test_truncated_or_incomplete_weight_files_are_named_before_loading(trained, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    step = trained / "checkpoints" / "step_0000030"
+    truncated = tmp_path / "truncated"
+    shutil.copytree(step, truncated)
+    target = truncated / "weights" / "tp01_pp00.safetensors"
+    os.truncate(target, os.path.getsize(target) - 100)
+    lacking = tmp_path / "lacking"
+    shutil.copytree(step, lacking)
+    target = lacking / "weights" / "tp00_pp00.safetensors"
+    tensors = load_file(target)
+    dropped = sorted(tensors)[-1]
+    del tensors[dropped]
+    save_file(tensors, target)
+    for broken, words in ((truncated, ["tp01_pp00.safetensors is truncated"]),
+                          (lacking, ["tp00_pp00.safetensors lacks tensor", dropped])):
+        for res in (generate(broken),
+                    subprocess.run([sys.executable, "-m", "setdiff_dist.cli.convert",
+                                    "--checkpoint", str(broken), "--out", str(tmp_path / "x")],
+                                   capture_output=True, text=True)):
+            assert res.returncode == 2, res.stderr[-2000:]
+            assert all(w in res.stderr for w in words), res.stderr[-2000:]
+            assert "Traceback" not in res.stderr
+        assert not (tmp_path / "x").exists()
+
+
 def test_rouge_by_hand():
     from setdiff_dist.eval.tasks import rouge
 

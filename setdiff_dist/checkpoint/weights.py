@@ -63,6 +63,28 @@ def _tokenizer_of(directory: str, identity: dict) -> Tokenizer:
         raise LoadError(f"{directory}: cannot load its tokenizer ({exc})") from None
 
 
+def tensor_names(file: str) -> list[str]:
+    """The tensors of a safetensors ``file``, from its header, after checking that the file
+    holds every byte the header describes (a truncated copy or an interrupted transfer is
+    caught here, before any weights are read)."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as fh:
+        raw = fh.read(8)
+        length = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if length < 0 or length > size - 8:
+            raise LoadError(f"{file} is truncated or not a safetensors file ({size} bytes)")
+        try:
+            header = json.loads(fh.read(length))
+        except ValueError:
+            raise LoadError(f"{file}: its header is not valid JSON (a damaged file)") from None
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = 8 + length + max((v["data_offsets"][1] for v in tensors.values()), default=0)
+    if size < end:
+        raise LoadError(f"{file} is truncated: {size} bytes, its header describes {end} "
+                        f"(copy the checkpoint again, or resume from an earlier one)")
+    return list(tensors)
+
+
 class TensorSource(Mapping):
     """The full tensors of a checkpoint or export by global name, read *one at a time* (each
     from the per-rank files that hold its slices, merged), so that loading never holds the
@@ -97,9 +119,8 @@ class TensorSource(Mapping):
 
 def open_weights(path: str):
     """``(TensorSource, config, tokenizer, source directory)`` of a checkpoint (any training
-    layout) or an export; tensors are read when asked for."""
-    from safetensors import safe_open
-
+    layout) or an export; tensors are read when asked for. Every file is checked first:
+    present, complete (not truncated) and holding the tensors its list names."""
     kind, directory = resolve(path)
     cfg = _config_of(directory)
     rows = cfg.model.vocab_size + 1
@@ -110,8 +131,9 @@ def open_weights(path: str):
             raise LoadError(f"{directory}/export.json: format {meta.get('format')!r}, expected "
                             f"{EXPORT_FORMAT!r}")
         file = os.path.join(directory, "model.safetensors")
-        with safe_open(file, framework="pt") as fh:
-            names = list(fh.keys())
+        if not os.path.isfile(file):
+            raise LoadError(f"{file} is missing: the export is incomplete")
+        names = tensor_names(file)
         source = TensorSource({n: [(file, None)] for n in names}, rows)
         return source, cfg, _tokenizer_of(directory, meta["tokenizer"]), directory
     with open(os.path.join(directory, "manifest.json")) as fh:
@@ -121,14 +143,33 @@ def open_weights(path: str):
     for pp in range(layout["pipeline"]):
         for tp in range(layout["tensor"]):
             base = os.path.join(directory, "weights", f"tp{tp:02d}_pp{pp:02d}")
-            if not os.path.isfile(base + ".safetensors"):
-                raise LoadError(f"{base}.safetensors is missing: the checkpoint is incomplete")
-            with open(base + ".json") as fh:
-                meta = json.load(fh)["tensors"]
-            with safe_open(base + ".safetensors", framework="pt") as fh:
-                names = list(fh.keys())
+            for ext in (".safetensors", ".json"):
+                if not os.path.isfile(base + ext):
+                    raise LoadError(f"{base}{ext} is missing: the checkpoint is incomplete")
+            try:
+                with open(base + ".json") as fh:
+                    meta = json.load(fh)["tensors"]
+            except (ValueError, KeyError):
+                raise LoadError(f"{base}.json is damaged (not the tensor list of a weights "
+                                "file)") from None
+            names = tensor_names(base + ".safetensors")
+            missing = sorted(set(meta) - set(names))
+            if missing:
+                raise LoadError(f"{base}.safetensors lacks tensor {missing[0]}"
+                                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                                + f" that {os.path.basename(base)}.json lists: the file is "
+                                "damaged or from another save")
             for name in names:  # (a tied embedding is in the first and the last stage)
+                if name not in meta:
+                    raise LoadError(f"{base}.safetensors holds tensor {name} that "
+                                    f"{os.path.basename(base)}.json does not list")
                 files.setdefault(name, {})[tp] = (base + ".safetensors", meta[name])
+    for name, by_tp in files.items():  # a tensor-parallel tensor needs every TP rank's slice
+        if any(m["tensor_parallel"] for _, m in by_tp.values()) and \
+                len(by_tp) != layout["tensor"]:
+            absent = sorted(set(range(layout["tensor"])) - set(by_tp))
+            raise LoadError(f"tensor {name}: the slice of TP rank {absent[0]} is missing "
+                            f"(weights/tp{absent[0]:02d}_pp*.safetensors)")
     files = {name: [by_tp[tp] for tp in sorted(by_tp)] for name, by_tp in files.items()}
     return TensorSource(files, rows), cfg, _tokenizer_of(directory, manifest["tokenizer"]), \
         directory

@@ -9,8 +9,9 @@
   ``[clean ; noisy]``, or a permuted order, carry the right positions);
 - an output projection tied to the embedding or not; no time conditioning.
 
-Weights are initialized from the *global* parameter name and a seed, then sliced for this rank
-(:func:`init_weights_`), so every tensor / pipeline layout starts from identical weights.
+Weights are drawn per rank, in blocks seeded by the *global* parameter name, the block and a seed
+(:func:`init_weights_`), so every tensor / pipeline layout starts from identical weights
+without any rank drawing a full tensor.
 """
 
 from __future__ import annotations
@@ -345,30 +346,62 @@ def shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
                        getattr(param, "partition_stride", 1))
 
 
+INIT_BLOCK = 64  # slices (rows, or columns of row-parallel weights) drawn from one seed
+
+
+def _local_ranges(param: torch.Tensor, dim: int) -> list[tuple[int, int]]:
+    """The global index ranges ``[lo, hi)`` along ``dim`` that this rank's ``param`` holds, in
+    its local order (megatron's strided split: rank r holds part r of each of ``stride``
+    blocks)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return [(0, param.shape[dim])]
+    size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    stride = getattr(param, "partition_stride", 1)
+    chunk = param.shape[dim] // stride
+    return [((j * size + rank) * chunk, (j * size + rank + 1) * chunk) for j in range(stride)]
+
+
 def init_weights_(model: SetDiffusionTransformer, seed: int) -> None:
     """Normal(0, std) matrices (output projections of each residual branch scaled by
-    ``1/sqrt(2 * num_layers)``, as in Megatron-LM), ones for norm weights, zeros for biases; each
-    full tensor drawn from a generator seeded by (seed, global name), then sharded."""
+    ``1/sqrt(2 * num_layers)``, as in Megatron-LM), ones for norm weights, zeros for biases.
+
+    Each rank draws only what it holds, where it holds it, and still every layout starts from
+    the same weights: a matrix is cut along its tensor-parallel dimension (rows; columns of
+    row-parallel weights) into blocks of :data:`INIT_BLOCK` slices, block ``b`` of a tensor is
+    drawn from a generator seeded by (seed, global name, b), and a rank draws the blocks that
+    overlap its slices. The real rows of the vocabulary tables (vocabulary and ``[MASK]``) are
+    drawn independently of the TP padding, which is zero. (A CUDA generator draws other numbers
+    than the CPU's: a model built on a GPU starts from other, equally distributed, weights.)"""
     std = model.config.init_method_std
     scaled = std / math.sqrt(2.0 * model.config.num_layers)
     with torch.no_grad():
         for name, p in model.named_parameters():
             gname = global_name(model, name)
-            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(gname.encode()))
-            shape = full_shape(p)
             if gname.endswith("bias"):
-                full = torch.zeros(shape)
-            elif p.dim() == 1:
-                full = torch.ones(shape)
-            elif gname == "embedding.weight" or gname == "output_layer.weight":
-                # real rows (vocabulary and [MASK]) drawn independently of the padding
-                full = torch.zeros(shape)
-                rows = model.vocab_size + 1
-                full[:rows] = torch.randn(rows, shape[1], generator=g) * std
-            else:
-                s = scaled if gname.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
-                full = torch.randn(shape, generator=g) * s
-            p.copy_(shard(full, p).to(p.dtype))
+                p.zero_()
+                continue
+            if p.dim() == 1:
+                p.fill_(1.0)
+                continue
+            s = scaled if gname.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
+            real = model.vocab_size + 1 if gname in ("embedding.weight",
+                                                     "output_layer.weight") else None
+            dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else 0
+            other = p.shape[1 - dim]
+            key = zlib.crc32(f"{seed}/{gname}".encode())
+            at = 0  # local index of the current range's first slice
+            for lo, hi in _local_ranges(p, dim):
+                for b in range(lo // INIT_BLOCK, (hi - 1) // INIT_BLOCK + 1):
+                    g = torch.Generator(device=p.device).manual_seed(
+                        (key + b * 0x9E3779B9) & 0xFFFFFFFF)
+                    block = torch.randn(INIT_BLOCK, other, generator=g, device=p.device) * s
+                    first = b * INIT_BLOCK
+                    if real is not None and real < first + INIT_BLOCK:
+                        block[max(0, real - first):] = 0.0  # TP padding rows
+                    a, e = max(lo, first), min(hi, first + INIT_BLOCK)
+                    part = block[a - first:e - first]
+                    p.narrow(dim, at + a - lo, e - a).copy_(part if dim == 0 else part.t())
+                at += hi - lo
 
 
 def unshard(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
