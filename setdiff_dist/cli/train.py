@@ -4,11 +4,18 @@
     setdiff-train --nproc-per-node 4 --config ... parallel.tensor=2              # launches 4
     torchrun --nproc-per-node 4 -m setdiff_dist.cli.train --config ...           # or torchrun
     srun ... python -m setdiff_dist.cli.train --config ...                        # or Slurm
+    setdiff-train --dry-run --world-size 64 --config ... [--device-memory 80]    # plan only
 
 Everything goes into ``run_dir``: ``config.yaml`` (the resolved config), ``metrics.jsonl``,
 ``tensorboard/``, ``checkpoints/step_*/`` and ``checkpoints/latest``. ``resume=auto`` (the
 default) continues from ``latest``. SIGTERM or SIGUSR1 (to every rank, as Slurm sends it, or to
 this launcher) checkpoints at the next step boundary and exits with code 75, for a requeue.
+
+``--dry-run`` checks the config for ``--world-size`` ranks without a GPU or a process group
+(megatron's layout of each pipeline stage, built on the meta device under a fake process group)
+and prints per stage the parameters of each rank and its peak memory by kind; with
+``--device-memory`` it flags the stages that would not fit (exit code 2 if any). See
+:mod:`setdiff_dist.train.plan`.
 
 Exit codes: 0 done (or stopped at ``train.exit_at_step``), 75 preempted after a checkpoint,
 2 bad config, data or checkpoint, 1 a failed run. Rank 0 also writes the outcome to
@@ -38,8 +45,30 @@ def _parse(argv):
     ap.add_argument("--config", required=True, help="YAML config (see setdiff-config --keys)")
     ap.add_argument("--nproc-per-node", type=int, default=None,
                     help="launch this many local processes (not needed under torchrun / srun)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the layout and per-rank memory for --world-size ranks; train "
+                         "nothing")
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="with --dry-run: the number of ranks (GPUs) to plan for "
+                         "(default: parallel.tensor x parallel.pipeline)")
+    ap.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                    help="with --dry-run: memory per device, to flag stages that do not fit")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     return ap.parse_args(argv)
+
+
+def dry_run(cfg, world_size: int, device_memory) -> int:
+    from setdiff_dist.train.plan import PlanError, plan
+
+    try:
+        p = plan(cfg, world_size)
+    except PlanError as exc:
+        print(f"setdiff-train --dry-run: the layout cannot run on {world_size} ranks:\n{exc}",
+              file=sys.stderr)
+        return 2
+    print(p.table(device_memory))
+    fits = device_memory is None or all(s.total <= device_memory * 2 ** 30 for s in p.stages)
+    return 0 if fits else 2
 
 
 def _set_parent_death_signal():
@@ -157,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
+        return 2
+    if args.dry_run:
+        return dry_run(cfg, args.world_size or cfg.parallel.tensor * cfg.parallel.pipeline,
+                       args.device_memory)
+    if args.world_size or args.device_memory:
+        print("setdiff-train: error: --world-size and --device-memory go with --dry-run",
+              file=sys.stderr)
         return 2
     if args.nproc_per_node and "RANK" not in os.environ:
         rest = [a for i, a in enumerate(argv) if a != "--nproc-per-node" and

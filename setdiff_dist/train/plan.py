@@ -1,0 +1,260 @@
+"""A dry run of a training layout: megatron's own model layout on the meta device, under a fake
+process group of the full world size, and what each rank will hold in memory.
+
+Nothing is allocated and no GPU is needed: for each pipeline stage the model of one of its
+ranks is built on the ``meta`` device (every tensor- and data-parallel rank of a stage holds
+the same shapes), which gives the exact parameters megatron places on it. The memory per rank
+follows from how our DeepSpeed engine keeps them (:func:`setdiff_dist.train.engine.
+deepspeed_config`):
+
+- weights in the compute dtype (bf16 or fp32), partitioned over DP under ZeRO-3;
+- gradients: the per-parameter gradient in the compute dtype, plus the fp32 accumulation
+  buffer of bf16 training; partitioned over DP from ZeRO-2 on; plus DeepSpeed's contiguous
+  gradient-reduction bucket of ``zero.reduce_bucket_size`` fp32 elements (two with
+  ``overlap_comm``), which it allocates whole;
+- optimizer: AdamW's two fp32 moments and the fp32 master weights that DeepSpeed's ZeRO
+  optimizers keep (in fp32 training too), partitioned over DP from ZeRO-1 on; none of these on
+  the device when ``zero.offload_optimizer=cpu``;
+- activations of one micro-batch of ``data.micro_batch_size`` sequences at the model's sequence
+  length (``2L`` for set diffusion, ``L`` for a causal LM): per layer, the tensors the layer
+  saves for its backward (norm inputs and outputs, the rotated queries, keys and values and the
+  fused qkv output, the attention output, the MLP's hidden activations), the shared attention
+  mask, and on the last stage the fp32 logits the cross-entropy keeps; under 1F1B, stage ``s``
+  of ``PP`` holds ``min(PP - s, micro-batches)`` micro-batches at once; recompute keeps layer
+  inputs instead; the optimizer step's transients (the flattened fp32 gradient partition and
+  AdamW's temporaries) take the activations' place at the step.
+
+The figures are estimates of the peak (a real step adds the allocator's slack and transient
+buffers); ``benchmarks/plan_vs_measured.py`` compares them with a real one-step run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+GiB = 2 ** 30
+
+
+class PlanError(ValueError):
+    """A layout that cannot run; the message lists every problem."""
+
+
+@dataclasses.dataclass
+class StagePlan:
+    stage: int
+    ranks: str            # the global ranks of the stage, as a range
+    layers: int
+    params: int           # parameters on each rank of the stage
+    model_params: int     # the stage's share of the model (TP shards summed, tied copy out)
+    weights: float        # bytes per rank
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+@dataclasses.dataclass
+class Plan:
+    world_size: int
+    tensor: int
+    pipeline: int
+    data: int
+    micro_batches: int     # per rank per optimizer step
+    model_params: int      # the whole model (tied embedding counted once)
+    stages: list
+
+    def table(self, device_memory: Optional[float] = None) -> str:
+        head = (f"layout: world {self.world_size} = TP {self.tensor} x PP {self.pipeline} x DP "
+                f"{self.data}; {self.micro_batches} micro-batch(es) per rank per step\n"
+                f"model: {self.model_params / 1e6:,.1f}M parameters; per stage "
+                + " + ".join(f"{s.model_params / 1e6:,.1f}M" for s in self.stages)
+                + f" = {sum(s.model_params for s in self.stages) / 1e6:,.1f}M\n")
+        rows = [f"{'stage':>5} {'ranks':>11} {'layers':>6} {'params/rank':>12} {'weights':>8} "
+                f"{'grads':>8} {'optim':>8} {'activ':>8} {'total':>8}"]
+        over = []
+        for s in self.stages:
+            flag = ""
+            if device_memory is not None and s.total > device_memory * GiB:
+                flag = "  OUT OF MEMORY"
+                over.append(s.stage)
+            rows.append(f"{s.stage:>5} {s.ranks:>11} {s.layers:>6} {s.params / 1e6:>11.1f}M "
+                        + " ".join(f"{v / GiB:7.2f}G" for v in (s.weights, s.gradients,
+                                                                s.optimizer, s.activations,
+                                                                s.total)) + flag)
+        tail = ""
+        if device_memory is not None:
+            tail = (f"\nstages over the {device_memory:g} GiB per device: "
+                    f"{', '.join(map(str, over))}" if over else
+                    f"\nevery stage fits in {device_memory:g} GiB per device")
+        return head + "\n".join(rows) + tail
+
+
+def _layout_problems(cfg, world_size: int) -> list[str]:
+    from setdiff_dist.config import validate
+
+    p = list(validate(cfg))
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    if world_size % (tp * pp):
+        p.append(f"world size {world_size} is not divisible by parallel.tensor={tp} x "
+                 f"parallel.pipeline={pp}")
+        return p
+    dp = world_size // (tp * pp)
+    d = cfg.data
+    if d.global_batch_size % (d.micro_batch_size * dp):
+        p.append(f"data.global_batch_size={d.global_batch_size} must be a multiple of "
+                 f"data.micro_batch_size={d.micro_batch_size} x data-parallel size {dp}")
+    return p
+
+
+def _stage_model(cfg, world_size: int, stage: int):
+    """The meta-device model of the first rank of pipeline stage ``stage``, under a fake
+    process group (megatron's rank order tp-cp-ep-dp-pp: the stage's ranks are contiguous)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from setdiff_dist.model.transformer import SetDiffusionTransformer, transformer_config
+    from setdiff_dist.parallel import cpu_compat
+
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    if dist.is_initialized():
+        raise PlanError("a dry run builds its own (fake) process group: run it in a process "
+                        "that has none (setdiff-train --dry-run, not under torchrun)")
+    cpu_compat.apply()
+    dist.init_process_group("fake", store=FakeStore(), rank=stage * (world_size // pp),
+                            world_size=world_size)
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                     pipeline_model_parallel_size=pp,
+                                     create_gloo_process_groups=False)
+        config = transformer_config(cfg.model, tensor=tp, pipeline=pp,
+                                    sequence_parallel=cfg.parallel.sequence_parallel)
+        with torch.device("meta"):
+            model = SetDiffusionTransformer(cfg.model, config,
+                                            pre_process=ps.is_pipeline_first_stage(),
+                                            post_process=ps.is_pipeline_last_stage())
+        params, model_params = 0, 0
+        for name, p in model.named_parameters():
+            params += p.numel()
+            if name.startswith("output_layer") and model.tie and pp > 1:
+                continue  # the last stage's copy of the tied embedding
+            model_params += p.numel() * (tp if getattr(p, "tensor_model_parallel", False)
+                                         else 1)
+        # megatron pads the vocabulary rows to a multiple of 128 x TP: count the real ones
+        pad = model.padded_vocab - (cfg.model.vocab_size + 1)
+        h = cfg.model.hidden_size
+        if model.pre_process:
+            model_params -= pad * h
+        if model.post_process and not model.tie:
+            model_params -= pad * h
+        return params, model_params, len(model.decoder.layers)
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
+    """The tensors one micro-batch leaves saved for the backward on a rank of a stage with
+    ``layers`` layers (see the module docstring)."""
+    m, par, d = cfg.model, cfg.parallel, cfg.data
+    tp = par.tensor
+    b = 2 if cfg.train.precision in ("bf16", "fp8") else 4
+    seq = d.seq_len if cfg.order.kind == "causal" else 2 * d.seq_len
+    tokens = d.micro_batch_size * seq
+    h = m.hidden_size
+    heads = m.num_attention_heads
+    groups = m.num_query_groups or heads
+    dh = m.head_dim or h // heads
+    ffn = m.ffn_hidden_size or 4 * h
+    q, kv = heads * dh, groups * dh
+    sp = tp if par.sequence_parallel else 1   # norms and residuals split over TP with SP
+    per_layer = (
+        4 * h / sp                       # norm 1 and 2: their inputs and outputs
+        + (q + 2 * kv) / tp              # the fused qkv output (v is a view of it)
+        + (q + kv) / tp                  # rotated queries and keys
+        + 2 * q / tp                     # attention output, and the projection's input
+        + (3 if m.activation == "swiglu" else 2) * ffn / tp)  # fc1 out (+ silu), fc2 input
+    if m.hidden_dropout > 0:
+        per_layer += 2 * h / sp / b      # two boolean dropout masks
+    if cfg.train.recompute == "selective":
+        per_layer -= q / tp              # the core attention's output is recomputed
+    saved = tokens * per_layer * b * layers
+    if cfg.train.recompute == "full":    # layer inputs, plus one chunk's layers live
+        chunk = min(cfg.train.recompute_num_layers, layers)
+        saved = tokens * h / sp * b * layers + tokens * per_layer * b * chunk
+    mask = 0 if m.attention_backend in ("flex", "permuted_causal") or cfg.order.kind == "causal" \
+        else d.micro_batch_size * seq * seq    # the dense boolean mask, shared by the layers
+    if first:
+        saved += tokens * h * b                # the embedding output
+    if last:
+        out = d.micro_batch_size * d.seq_len   # the logits are computed on L tokens
+        vocab = (m.vocab_size + 1) / tp
+        saved += tokens * h / sp * b + out * h * b   # final norm input, output layer input
+        saved += out * vocab * 4               # the fp32 softmax the cross-entropy keeps
+        saved += out * vocab * (b + 4)         # peak: the logits and their fp32 gradient
+    return saved + mask
+
+
+def rank_memory(cfg, params: int, dp: int, in_flight: int, activations: float) -> dict:
+    """Bytes a rank holding ``params`` parameters needs at its peak in steady state (see the
+    module docstring), by kind: ``weights``, ``gradients`` (with DeepSpeed's reduction
+    buckets), ``optimizer`` (fp32 master weights and moments) and ``activations``, which here
+    is the larger of the backward's saved tensors and the optimizer step's transients (the
+    flattened fp32 gradient partition and AdamW's temporaries: the activations are gone by
+    then)."""
+    z = cfg.zero
+    bf16 = cfg.train.precision in ("bf16", "fp8")
+    b = 2 if bf16 else 4
+    weights = b * params / (dp if z.stage == 3 else 1)
+    if z.stage == 0:
+        grads, optim, step = 4.0 * params, 8.0 * params, 4.0 * params
+    else:
+        optim = 12.0 * params / dp       # fp32 master weights and two moments, sharded
+        step = 8.0 * params / dp         # the flat fp32 gradient partition, AdamW temporaries
+        if z.stage == 1 and bf16:        # BF16_Optimizer: bf16 grads, fp32 accumulation
+            grads = 6.0 * params
+        elif z.stage == 1:
+            grads = 4.0 * params
+        else:                            # reduced into fp32 partitions during the backward
+            grads = 4.0 * params / dp
+        if not (z.stage == 1 and bf16):  # the contiguous gradient-reduction bucket(s)
+            grads += 4.0 * z.reduce_bucket_size * (2 if z.overlap_comm else 1)
+        if z.stage == 3:                 # parameter prefetch and the gathered working set
+            grads += b * 5e7
+    if z.offload_optimizer == "cpu":
+        optim, step = 0.0, 0.0
+    return {"weights": weights, "gradients": grads, "optimizer": optim,
+            "activations": max(in_flight * activations, step)}
+
+
+def plan(cfg, world_size: int) -> Plan:
+    """The :class:`Plan` of ``cfg`` on ``world_size`` ranks; :class:`PlanError` lists the
+    problems of a layout that cannot run."""
+    problems = _layout_problems(cfg, world_size)
+    if problems:
+        raise PlanError("\n".join(f"  - {p}" for p in problems))
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    dp = world_size // (tp * pp)
+    micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp)
+    stages = []
+    for s in range(pp):
+        params, model_params, layers = _stage_model(cfg, world_size, s)
+        mem = rank_memory(cfg, params, dp, min(pp - s, micro),
+                          activation_bytes(cfg, layers, s == 0, s == pp - 1))
+        per_stage = world_size // pp
+        stages.append(StagePlan(s, f"{s * per_stage}-{(s + 1) * per_stage - 1}", layers, params,
+                                model_params, **mem))
+    return Plan(world_size, tp, pp, dp, micro, _whole_model(cfg), stages)
+
+
+def _whole_model(cfg):
+    """The model's own parameter count (one rank, one stage), to check the stages against."""
+    whole = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, tensor=1, pipeline=1, sequence_parallel=False, virtual_pipeline=None))
+    return _stage_model(whole, 1, 0)[1]

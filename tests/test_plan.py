@@ -1,0 +1,68 @@
+"""``setdiff-train --dry-run``: megatron's layout of a large world on the meta device under a
+fake process group, checked without a GPU (the memory figures against a real run are in
+benchmarks/plan_vs_measured.py)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import child_env
+
+
+def test_a_64_rank_8b_layout_is_planned_in_seconds_and_its_stages_sum_to_the_model():
+    from setdiff_dist.config import load_config
+    from setdiff_dist.train.plan import plan
+
+    cfg = load_config("configs/models/8b.yaml", [
+        "parallel.tensor=8", "parallel.pipeline=4", "train.precision=bf16", "data.seq_len=2048",
+        "data.micro_batch_size=1", "data.global_batch_size=64"])
+    start = time.perf_counter()
+    p = plan(cfg, 64)
+    assert time.perf_counter() - start < 60
+    assert (p.tensor, p.pipeline, p.data, p.micro_batches) == (8, 4, 2, 32)
+    assert [s.layers for s in p.stages] == [8, 8, 8, 8]
+    assert sum(s.model_params for s in p.stages) == p.model_params
+    assert 8.0e9 < p.model_params < 8.1e9  # Llama-3-8B's 8.03B
+    # the first stage holds the embedding, the last the output layer: both bigger than the middle
+    first, middle, _, last = p.stages
+    assert first.params > middle.params and last.params > middle.params
+    # a TP rank holds an eighth of its stage (the norms are replicated: a little more)
+    assert middle.params * 8 == pytest.approx(middle.model_params, rel=1e-3)
+    # ZeRO-1 shards the optimizer state over the 2 data-parallel ranks; 1F1B keeps more
+    # micro-batches in flight on the first stage than on the last
+    assert middle.optimizer == pytest.approx(12 * middle.params / 2)
+    assert first.activations > last.activations
+
+
+def test_a_dp_change_moves_optimizer_memory_and_zero3_shards_the_weights():
+    from setdiff_dist.config import load_config
+    from setdiff_dist.train.plan import plan
+
+    cfg = load_config("configs/models/1.3b.yaml", ["zero.stage=3", "data.global_batch_size=8",
+                                                    "data.micro_batch_size=1"])
+    one, eight = plan(cfg, 1).stages[0], plan(cfg, 8).stages[0]
+    assert eight.weights == pytest.approx(one.weights / 8)
+    assert eight.optimizer == pytest.approx(one.optimizer / 8)
+
+
+def _dry_run(*args):
+    return subprocess.run([sys.executable, "-m", "setdiff_dist.cli.train", "--dry-run", *args],
+                          capture_output=True, text=True, env=child_env(None), timeout=300)
+
+
+def test_the_dry_run_flags_what_does_not_fit_and_layouts_that_cannot_run():
+    res = _dry_run("--world-size", "4", "--device-memory", "0.5", "--config",
+                   "configs/models/110m.yaml", "parallel.tensor=2", "data.global_batch_size=16")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "OUT OF MEMORY" in res.stdout and "stages over the 0.5 GiB per device: 0" in res.stdout
+    assert "TP 2 x PP 1 x DP 2" in res.stdout
+    res = _dry_run("--world-size", "6", "--config", "configs/models/110m.yaml",
+                   "parallel.tensor=4", "data.global_batch_size=48")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "world size 6 is not divisible by parallel.tensor=4" in res.stderr
+    assert "parallel.tensor=4 must divide model.num_attention_heads=12" not in res.stderr
+    res = _dry_run("--world-size", "8", "--config", "configs/models/110m.yaml",
+                   "parallel.tensor=5")
+    assert res.returncode == 2 and "parallel.tensor=5 must divide" in res.stderr
