@@ -56,6 +56,10 @@ def test_same_greedy_output_at_any_tp_and_after_export(trained, tmp_path):
     again = generate(export)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["tokens"] == out["tokens"]
+    # loaded straight into bf16 (the GPU default), tensor by tensor: it decodes
+    half = generate(export, "--dtype", "bfloat16")
+    assert half.returncode == 0, half.stderr[-3000:]
+    assert len(json.loads(half.stdout.strip().splitlines()[-1])["tokens"][0]) == 12
     # plain-text mode: the text on stdout, the statistics on stderr
     plain = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
                             str(export), "--prompt", "Love", "--max-new-tokens", "5",

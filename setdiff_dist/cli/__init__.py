@@ -16,3 +16,18 @@ def with_clean_shutdown(main):
 
     return entry
 
+
+def add_dtype_argument(ap) -> None:
+    """``--dtype``, for the commands that load a model for inference."""
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="the weights' and activations' dtype: auto = bfloat16 on a GPU, "
+                         "float32 on the CPU")
+
+
+def inference_dtype(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, name)
+

@@ -17,7 +17,7 @@ import json
 import math
 import sys
 
-from setdiff_dist.cli import with_clean_shutdown
+from setdiff_dist.cli import add_dtype_argument, inference_dtype, with_clean_shutdown
 
 
 def main(argv=None) -> int:
@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompt", action="append", default=None, help="throughput prompts")
     ap.add_argument("--tensor-parallel", type=int, default=1)
+    add_dtype_argument(ap)
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
 
@@ -46,7 +47,8 @@ def main(argv=None) -> int:
     from setdiff_dist.inference.weights import build_inference_model
 
     try:
-        model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel)
+        model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
+                                                dtype=inference_dtype(args.dtype))
         mode = "causal" if cfg.order.kind == "causal" else "set"
         decoder = SetDecoder(model, tok, context=cfg.data.seq_len, mode=mode)
         sampling = Sampling(greedy=args.greedy)

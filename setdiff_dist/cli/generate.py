@@ -17,7 +17,7 @@ import json
 import math
 import sys
 
-from setdiff_dist.cli import with_clean_shutdown
+from setdiff_dist.cli import add_dtype_argument, inference_dtype, with_clean_shutdown
 
 
 def main(argv=None) -> int:
@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--infill-right", default=None)
     ap.add_argument("--infill-length", type=int, default=None, help="tokens to fill")
     ap.add_argument("--tensor-parallel", type=int, default=1)
+    add_dtype_argument(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
@@ -52,7 +53,8 @@ def main(argv=None) -> int:
     from setdiff_dist.inference.weights import build_inference_model
 
     try:
-        model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel)
+        model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
+                                                dtype=inference_dtype(args.dtype))
     except LoadError as exc:
         print(f"setdiff-generate: error: {exc}", file=sys.stderr)
         return 2

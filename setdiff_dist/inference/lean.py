@@ -92,13 +92,16 @@ class LeanTransformer(nn.Module):
     # -- weights ---------------------------------------------------------------------------------
     @classmethod
     def from_state_dict(cls, model_cfg, state: dict, tp_rank: int = 0, tp_size: int = 1,
-                        tp_group=None, pack: bool = False) -> "LeanTransformer":
+                        tp_group=None, pack: bool = False, device=None,
+                        dtype: Optional[torch.dtype] = None) -> "LeanTransformer":
         """This rank's slices of the full tensors ``state`` (global names, vocabulary tensors with
         their ``vocab_size + 1`` real rows). ``pack``: on the CPU, hand the large fp32 matmul
         weights to oneDNN (see :data:`_PACK_MIN`); the model must then stay on the CPU in
-        fp32 (a tied head keeps a dense copy of the table for the embedding lookups)."""
+        fp32 (a tied head keeps a dense copy of the table for the embedding lookups). With
+        ``device`` / ``dtype`` each tensor is moved and cast as it is read, so the host never
+        holds more than one full tensor in the checkpoint's dtype."""
         model = cls(model_cfg, tp_rank, tp_size, tp_group)
-        model._load(state, pack and torch.backends.mkldnn.is_available())
+        model._load(state, pack and torch.backends.mkldnn.is_available(), device, dtype)
         return model
 
     def _get(self, state, name, shape):
@@ -117,7 +120,7 @@ class LeanTransformer(nn.Module):
             return t
         return split_shard(t, self.tp_rank, self.tp_size, dim, stride)
 
-    def _load(self, state, pack: bool = False):
+    def _load(self, state, pack: bool = False, device=None, dtype=None):
         m, h, d = self.model_cfg, self.model_cfg.hidden_size, self.head_dim
         heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
         ffn = m.ffn_hidden_size or 4 * h
@@ -126,7 +129,7 @@ class LeanTransformer(nn.Module):
 
         def get(name, shape):
             used.add(name)
-            return self._get(state, name, shape)
+            return self._get(state, name, shape).to(device=device, dtype=dtype)
 
         w = {"embedding": get("embedding.weight", [rows, h])}
         head = w["embedding"] if m.tie_embeddings else get("output_layer.weight", [rows, h])

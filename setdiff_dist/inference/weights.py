@@ -49,7 +49,7 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
     try:
         model = LeanTransformer.from_state_dict(
             cfg.model, state, ps.get_tensor_model_parallel_rank(), tensor,
-            ps.get_tensor_model_parallel_group(), pack=pack)
+            ps.get_tensor_model_parallel_group(), pack=pack, device=device, dtype=dtype)
     except LeanError as exc:
         raise LoadError(f"{path}: {exc}") from None
     return model.to(device=device, dtype=dtype).eval(), cfg, tok
