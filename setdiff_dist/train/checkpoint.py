@@ -19,7 +19,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 from typing import Optional
 
 import torch
@@ -30,6 +33,73 @@ from setdiff_dist.checkpoint.files import (FORMAT, LATEST, CheckpointError, chec
                                            prune, resolve_latest, step_directory, tag_of,
                                            write_atomic)
 
+
+
+UNIVERSAL = "universal"  # a step's DeepSpeed universal checkpoint, for another DP size
+
+
+def universal_info(model) -> dict:
+    """What DeepSpeed's universal-checkpoint converter needs to merge each parameter's tensor-
+    parallel slices (megatron's attributes, as patterns of DeepSpeed's parameter names)."""
+    from deepspeed.checkpoint import constants as C
+
+    replicated, row, halves, vocab = [], [], [], []
+    for name, p in model.named_parameters():
+        pattern = re.escape(name) + "$"
+        if not getattr(p, "tensor_model_parallel", False):
+            replicated.append(pattern)
+        elif p.partition_dim == 1:
+            row.append(pattern)
+        elif getattr(p, "partition_stride", 1) == 2:
+            halves.append(pattern)  # SwiGLU's [gate ; up]
+        if name.endswith(("embedding.weight", "word_embeddings.weight", "output_layer.weight")):
+            vocab.append(pattern)
+    return {C.UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.2,
+            C.TP_REPLICATED_PARAMETER_PATTERNS: replicated,
+            C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: row,
+            C.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: halves,
+            C.VOCABULARY_PARAMETER_PATTERNS: vocab,
+            C.ORIGINAL_VOCAB_SIZE: model.vocab_size + 1, C.PADDED_VOCAB_SIZE: model.padded_vocab}
+
+
+def needs_universal(path: str) -> bool:
+    """Whether resuming ``path`` in this run's layout changes the data- or tensor-parallel size
+    (without pipeline parallelism): the optimizer state must then be re-partitioned through
+    DeepSpeed's universal checkpoint. :func:`check_compatible` refuses the changes it cannot
+    make."""
+    try:
+        with open(os.path.join(path, "manifest.json")) as fh:
+            saved = json.load(fh)["layout"]
+    except (OSError, ValueError, KeyError):
+        return False  # (check_compatible says what is wrong with it)
+    here = layout()
+    return (saved["data"] != here["data"] or saved["tensor"] != here["tensor"]) and \
+        saved["pipeline"] == here["pipeline"] == 1
+
+
+def make_universal(path: str) -> str:
+    """``path/universal``: DeepSpeed's universal form of the checkpoint (each parameter's fp32
+    weights and optimizer moments whole), converted once by rank 0, through a temporary
+    directory so that an interrupted conversion is redone, never half-used."""
+    out = os.path.join(path, UNIVERSAL)
+    if dist.get_rank() == 0 and not os.path.isdir(out):
+        tmp = out + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        res = subprocess.run([sys.executable, "-m", "setdiff_dist.train.universal",
+                              "--input_folder", path, "--output_folder", tmp,
+                              "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                             capture_output=True, text=True)
+        if res.returncode:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tail = "\n".join(res.stderr.strip().splitlines()[-5:])
+            raise CheckpointError(f"cannot convert {path} for another data-parallel size "
+                                  f"(DeepSpeed's ds_to_universal failed):\n{tail}")
+        os.replace(tmp, out)
+        stray = os.path.join(path, "latest_universal")  # the converter's pointer: not ours
+        if os.path.isfile(stray):
+            os.remove(stray)
+    dist.barrier()
+    return out
 
 
 def layout() -> dict:
@@ -106,6 +176,9 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
             os.remove(pointer)  # never leave latest pointing at a directory being rewritten
         shutil.rmtree(path)
     dist.barrier()
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    client_state = dict(client_state, **{UNIVERSAL_CHECKPOINT_INFO: universal_info(engine.module)})
     engine.save_checkpoint(root, tag=tag, client_state=client_state,
                            save_latest=False)
     save_weights(engine, os.path.join(path, "weights"), cfg.zero.stage)
@@ -166,11 +239,25 @@ def check_compatible(path: str, cfg, tokenizer_identity: dict) -> dict:
         if model.get(key) != saved.get(key):
             diffs.append(f"model.{key}: checkpoint {saved.get(key)!r}, this run "
                          f"{model.get(key)!r}")
-    here = layout()
-    for key, name in (("tensor", "parallel.tensor"), ("pipeline", "parallel.pipeline"),
-                      ("data", "data-parallel size")):
-        if m["layout"][key] != here[key]:
-            diffs.append(f"{name}: checkpoint {m['layout'][key]}, this run {here[key]}")
+    here, saved = layout(), m["layout"]
+    if saved["pipeline"] != here["pipeline"]:
+        diffs.append(f"parallel.pipeline: checkpoint {saved['pipeline']}, this run "
+                     f"{here['pipeline']} (stages name their layers locally: a checkpoint "
+                     "resumes at its own pipeline size)")
+    elif here["pipeline"] > 1:
+        for key, name in (("tensor", "parallel.tensor"), ("data", "data-parallel size")):
+            if saved[key] != here[key]:
+                diffs.append(f"{name}: checkpoint {saved[key]}, this run {here[key]} (with "
+                             "pipeline parallelism a checkpoint resumes in its own layout)")
+    elif m["zero_stage"] == cfg.zero.stage == 0 and (saved["tensor"], saved["data"]) != \
+            (here["tensor"], here["data"]):
+        diffs.append(f"parallel.tensor x data-parallel size: checkpoint {saved['tensor']} x "
+                     f"{saved['data']}, this run {here['tensor']} x {here['data']} (zero.stage=0 "
+                     "has no ZeRO state to re-partition; ZeRO 1-3 checkpoints can change it)")
+    elif cfg.zero.stage == 3 and saved["tensor"] != here["tensor"]:
+        diffs.append(f"parallel.tensor: checkpoint {saved['tensor']}, this run {here['tensor']} "
+                     "(DeepSpeed re-slices ZeRO-3 state for another data-parallel size only; "
+                     "ZeRO-1/2 checkpoints can change the tensor-parallel size too)")
     if m["zero_stage"] != cfg.zero.stage:
         diffs.append(f"zero.stage: checkpoint {m['zero_stage']}, this run {cfg.zero.stage}")
     if m["seq_len"] != cfg.data.seq_len:
@@ -181,18 +268,32 @@ def check_compatible(path: str, cfg, tokenizer_identity: dict) -> dict:
     if diffs:
         raise CheckpointError(f"cannot resume from {path}; it differs from this run:\n  - "
                               + "\n  - ".join(diffs)
-                              + "\n(training resumes in the layout it was saved in; to change "
-                                "the model or layout, start a new run_dir)")
+                              + "\n(to change the model, start a new run_dir)")
     return m
 
 
-def load(engine, path: str) -> dict:
-    """Load model, optimizer, LR schedule and this rank's RNG; returns the client state."""
-    root, tag = os.path.split(os.path.normpath(path))
+def load(engine, path: str, universal: bool = False) -> dict:
+    """Load model, optimizer, LR schedule and this rank's RNG; returns the client state. With
+    ``universal`` (an engine configured to load universal checkpoints) the optimizer state
+    comes from ``path/universal``, re-partitioned for this data-parallel size."""
+    root, tag = (path, UNIVERSAL) if universal else os.path.split(os.path.normpath(path))
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch AdamW
+    decay = [g["weight_decay"] for g in inner.param_groups]
     loaded, client = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True,
                                             load_lr_scheduler_states=True)
     if loaded is None:
         raise CheckpointError(f"DeepSpeed could not load {path}")
+    if universal:
+        # DeepSpeed's universal load gives every parameter group the hyperparameters of the
+        # first (the no-decay group would decay), and under ZeRO-3 every sub-group one shared
+        # AdamW step tensor, which each sub-group's step then increments (the bias correction
+        # would count steps several times over): undo both
+        for group, wd in zip(inner.param_groups, decay):
+            group["weight_decay"] = wd
+        for flat in getattr(engine.optimizer, "fp32_partitioned_groups_flat", []):
+            state = inner.state.get(flat, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
     rng = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if os.path.isfile(rng):
         _set_rng_state(torch.load(rng, weights_only=True))

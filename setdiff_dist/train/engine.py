@@ -64,8 +64,9 @@ def micro_batches_per_step(cfg, dp_size: int) -> int:
     return per_rank // cfg.data.micro_batch_size
 
 
-def deepspeed_config(cfg, dp_size: int) -> dict:
-    """The DeepSpeed JSON config of a run."""
+def deepspeed_config(cfg, dp_size: int, load_universal: bool = False) -> dict:
+    """The DeepSpeed JSON config of a run (``load_universal``: to resume a checkpoint saved at
+    another data-parallel size, from its universal form)."""
     gas = micro_batches_per_step(cfg, dp_size)
     pipelined = cfg.parallel.pipeline > 1
     o, z = cfg.optimizer, cfg.zero
@@ -93,6 +94,7 @@ def deepspeed_config(cfg, dp_size: int) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
+        **({"checkpoint": {"load_universal": True}} if load_universal else {}),
     }
 
 
@@ -192,7 +194,7 @@ def skip_deepspeed_shm_build() -> bool:
     return True
 
 
-def build_engine(cfg, model):
+def build_engine(cfg, model, load_universal: bool = False):
     """``deepspeed.initialize`` over ``model`` with megatron's groups."""
     skip_deepspeed_shm_build()
     import deepspeed
@@ -201,7 +203,7 @@ def build_engine(cfg, model):
     schedule = lr_multiplier(cfg.optimizer, cfg.train.steps)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
-        config=deepspeed_config(cfg, dp), mpu=MegatronMPU(),
+        config=deepspeed_config(cfg, dp, load_universal), mpu=MegatronMPU(),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     # DeepSpeed names checkpoint files by the mpu's model-parallel rank, which is the TP rank
     # (see MegatronMPU): pipeline stages would overwrite each other's files. Number them by the

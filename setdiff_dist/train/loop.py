@@ -60,7 +60,10 @@ class Trainer:
                                     recompute=cfg.train.recompute,
                                     recompute_num_layers=cfg.train.recompute_num_layers)
         self.model = self._initial_model(config).to(self.device)
-        self.engine = build_engine(cfg, self.model)
+        # a checkpoint of another data-parallel size resumes through its universal form
+        path = checkpoint.resolve(cfg)
+        self.universal = path is not None and checkpoint.needs_universal(path)
+        self.engine = build_engine(cfg, self.model, load_universal=self.universal)
         self.main_grad = main_grad(self.engine)  # where each parameter's gradient accumulates
         self.objective = Objective(cfg, seed=cfg.train.seed)
         self.eval_objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1)
@@ -112,7 +115,9 @@ class Trainer:
         if path is None:
             return None
         checkpoint.check_compatible(path, self.cfg, self.tokenizer_identity)
-        state = checkpoint.load(self.engine, path)["setdiff"]
+        if self.universal:
+            checkpoint.make_universal(path)
+        state = checkpoint.load(self.engine, path, universal=self.universal)["setdiff"]
         self.step, self.samples_seen = state["step"], state["samples_seen"]
         self.skipped_steps = state["nonfinite_skipped_steps"]
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
