@@ -204,3 +204,33 @@ def test_resume_in_another_layout_continues_the_same_curve(straight, shards, tmp
     assert sorted(got) == sorted(straight)
     for step, loss in straight.items():  # (layouts differ by fp32 rounding only)
         assert got[step] == pytest.approx(loss, abs=1e-5), step
+
+
+def _partitioned_build(rank, out):
+    from megatron.core import parallel_state as ps
+
+    from setdiff_dist.config import load_config
+    from setdiff_dist.model.transformer import build_model, transformer_config
+    from setdiff_dist.parallel import initialize_model_parallel
+    from setdiff_dist.train.engine import partitioned_construction
+
+    initialize_model_parallel(seed=0)
+    cfg = load_config("configs/tiny-cpu.yaml", ["zero.stage=3", "model.vocab_size=257"])
+    construct, gathered = partitioned_construction(cfg)
+    model = build_model(cfg.model, transformer_config(cfg.model), 0, construct, gathered)
+    held = sum(p.ds_tensor.numel() for p in model.parameters())
+    whole = sum(p.ds_numel for p in model.parameters())
+    empty = all(p.data.numel() == 0 for p in model.parameters())
+    assert ps.get_data_parallel_world_size() == 2
+    if rank == 0:
+        torch.save({"held": held, "whole": whole, "empty": empty}, out / "zero3.pt")
+
+
+def test_zero3_partitions_each_parameter_as_it_is_built(tmp_path):
+    """Under ZeRO-3 each of 2 data-parallel ranks holds half of every parameter from the moment
+    it is created: the model is never whole on a rank."""
+    from mp_harness import spawn
+
+    spawn(_partitioned_build, 2, tmp_path)
+    r = torch.load(tmp_path / "zero3.pt")
+    assert r["empty"] and r["held"] <= r["whole"] / 2 + 64 * 100

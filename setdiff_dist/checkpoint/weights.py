@@ -63,6 +63,55 @@ def _tokenizer_of(directory: str, identity: dict) -> Tokenizer:
         raise LoadError(f"{directory}: cannot load its tokenizer ({exc})") from None
 
 
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16",
+                       "float64": "F64", "int64": "I64", "int32": "I32", "bool": "BOOL"}
+
+
+class StreamingSafetensors:
+    """A safetensors file written one tensor at a time: the header (names, dtypes, shapes and
+    offsets, all known in advance) first, then each tensor's bytes as it comes, so that a
+    writer never holds more than one tensor. Written to ``path.tmp`` and renamed on
+    :meth:`close`, so a crash leaves no file that looks complete."""
+
+    def __init__(self, path: str, specs: list):
+        """``specs``: ``[(name, torch dtype, shape), ...]`` in the order :meth:`write` gets them."""
+        header, offset = {}, 0
+        self._expected = []
+        for name, dtype, shape in specs:
+            nbytes = torch.empty(0, dtype=dtype).element_size()
+            for d in shape:
+                nbytes *= int(d)
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[str(dtype).replace("torch.", "")],
+                            "shape": [int(d) for d in shape],
+                            "data_offsets": [offset, offset + nbytes]}
+            self._expected.append((name, dtype, tuple(int(d) for d in shape)))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # (the format aligns the data to 8 bytes)
+        self.path, self._tmp = path, path + ".tmp"
+        self._fh = open(self._tmp, "wb")
+        self._fh.write(len(raw).to_bytes(8, "little") + raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want = self._expected[self._next]
+        got = (name, tensor.dtype, tuple(tensor.shape))
+        if got != want:
+            raise ValueError(f"streaming safetensors {self.path}: expected {want}, got {got}")
+        data = tensor.detach().to("cpu").contiguous()
+        self._fh.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._expected):
+            raise ValueError(f"streaming safetensors {self.path}: {self._next} of "
+                             f"{len(self._expected)} tensors written")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        os.replace(self._tmp, self.path)
+
+
 def tensor_names(file: str) -> list[str]:
     """The tensors of a safetensors ``file``, from its header, after checking that the file
     holds every byte the header describes (a truncated copy or an interrupted transfer is

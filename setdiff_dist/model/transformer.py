@@ -16,6 +16,7 @@ without any rank drawing a full tensor.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import zlib
@@ -228,12 +229,19 @@ class SetDiffusionTransformer(MegatronModule):
         return logits.masked_fill(ids >= self.vocab_size, torch.finfo(logits.dtype).min)
 
 
-def build_model(model_cfg, config: TransformerConfig, seed: int) -> SetDiffusionTransformer:
-    """This rank's pipeline stage, initialized from (seed, global parameter names)."""
-    model = SetDiffusionTransformer(model_cfg, config,
-                                    pre_process=ps.is_pipeline_first_stage(),
-                                    post_process=ps.is_pipeline_last_stage())
-    init_weights_(model, seed)
+def build_model(model_cfg, config: TransformerConfig, seed: int, construct=None,
+                gathered=None) -> SetDiffusionTransformer:
+    """This rank's pipeline stage, initialized from (seed, global parameter names).
+
+    ``construct`` is a context the modules are built in and ``gathered(param)`` one in which a
+    parameter is whole (the trainer passes DeepSpeed's ``zero.Init`` and
+    ``GatheredParameters`` under ZeRO-3, so that each parameter is partitioned over the
+    data-parallel ranks as it is created and initialized one at a time)."""
+    with construct if construct is not None else contextlib.nullcontext():
+        model = SetDiffusionTransformer(model_cfg, config,
+                                        pre_process=ps.is_pipeline_first_stage(),
+                                        post_process=ps.is_pipeline_last_stage())
+    init_weights_(model, seed, gathered)
     return model
 
 
@@ -361,7 +369,7 @@ def _local_ranges(param: torch.Tensor, dim: int) -> list[tuple[int, int]]:
     return [((j * size + rank) * chunk, (j * size + rank + 1) * chunk) for j in range(stride)]
 
 
-def init_weights_(model: SetDiffusionTransformer, seed: int) -> None:
+def init_weights_(model: SetDiffusionTransformer, seed: int, gathered=None) -> None:
     """Normal(0, std) matrices (output projections of each residual branch scaled by
     ``1/sqrt(2 * num_layers)``, as in Megatron-LM), ones for norm weights, zeros for biases.
 
@@ -371,37 +379,43 @@ def init_weights_(model: SetDiffusionTransformer, seed: int) -> None:
     drawn from a generator seeded by (seed, global name, b), and a rank draws the blocks that
     overlap its slices. The real rows of the vocabulary tables (vocabulary and ``[MASK]``) are
     drawn independently of the TP padding, which is zero. (A CUDA generator draws other numbers
-    than the CPU's: a model built on a GPU starts from other, equally distributed, weights.)"""
-    std = model.config.init_method_std
-    scaled = std / math.sqrt(2.0 * model.config.num_layers)
+    than the CPU's: a model built on a GPU starts from other, equally distributed, weights.)
+    ``gathered(param)``: a context in which a partitioned parameter is whole (see
+    :func:`build_model`)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            gname = global_name(model, name)
-            if gname.endswith("bias"):
-                p.zero_()
-                continue
-            if p.dim() == 1:
-                p.fill_(1.0)
-                continue
-            s = scaled if gname.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
-            real = model.vocab_size + 1 if gname in ("embedding.weight",
-                                                     "output_layer.weight") else None
-            dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else 0
-            other = p.shape[1 - dim]
-            key = zlib.crc32(f"{seed}/{gname}".encode())
-            at = 0  # local index of the current range's first slice
-            for lo, hi in _local_ranges(p, dim):
-                for b in range(lo // INIT_BLOCK, (hi - 1) // INIT_BLOCK + 1):
-                    g = torch.Generator(device=p.device).manual_seed(
-                        (key + b * 0x9E3779B9) & 0xFFFFFFFF)
-                    block = torch.randn(INIT_BLOCK, other, generator=g, device=p.device) * s
-                    first = b * INIT_BLOCK
-                    if real is not None and real < first + INIT_BLOCK:
-                        block[max(0, real - first):] = 0.0  # TP padding rows
-                    a, e = max(lo, first), min(hi, first + INIT_BLOCK)
-                    part = block[a - first:e - first]
-                    p.narrow(dim, at + a - lo, e - a).copy_(part if dim == 0 else part.t())
-                at += hi - lo
+            with gathered(p) if gathered is not None else contextlib.nullcontext():
+                _init_parameter(model, global_name(model, name), p, seed)
+
+
+def _init_parameter(model: SetDiffusionTransformer, gname: str, p: torch.Tensor,
+                    seed: int) -> None:
+    """Draw this rank's part of the parameter ``gname`` into ``p`` (see :func:`init_weights_`)."""
+    if gname.endswith("bias"):
+        p.zero_()
+        return
+    if p.dim() == 1:
+        p.fill_(1.0)
+        return
+    std = model.config.init_method_std
+    if gname.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        std = std / math.sqrt(2.0 * model.config.num_layers)
+    real = model.vocab_size + 1 if gname in ("embedding.weight", "output_layer.weight") else None
+    dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else 0
+    other = p.shape[1 - dim]
+    key = zlib.crc32(f"{seed}/{gname}".encode())
+    at = 0  # local index of the current range's first slice
+    for lo, hi in _local_ranges(p, dim):
+        for b in range(lo // INIT_BLOCK, (hi - 1) // INIT_BLOCK + 1):
+            g = torch.Generator(device=p.device).manual_seed((key + b * 0x9E3779B9) & 0xFFFFFFFF)
+            block = torch.randn(INIT_BLOCK, other, generator=g, device=p.device) * std
+            first = b * INIT_BLOCK
+            if real is not None and real < first + INIT_BLOCK:
+                block[max(0, real - first):] = 0.0  # TP padding rows
+            a, e = max(lo, first), min(hi, first + INIT_BLOCK)
+            part = block[a - first:e - first]
+            p.narrow(dim, at + a - lo, e - a).copy_(part if dim == 0 else part.t())
+        at += hi - lo
 
 
 def unshard(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -128,39 +128,46 @@ def _set_rng_state(state: dict) -> None:
 
 def save_weights(engine, directory: str, zero_stage: int) -> None:
     """This model-parallel rank's weights (global names, TP-local shards) as safetensors, with
-    each tensor's sharding in a JSON sidecar. Collective over the data-parallel group."""
+    each tensor's sharding in a JSON sidecar, written by the first data-parallel rank one tensor
+    at a time (under ZeRO-3 each parameter is gathered alone: no rank ever holds the whole
+    model, and the writer one tensor). Collective over the data-parallel group."""
     import contextlib
 
-    from safetensors.torch import save_file
-
+    from setdiff_dist.checkpoint.weights import StreamingSafetensors
     from setdiff_dist.model.transformer import global_name
 
     model = engine.module
-    params = dict(model.named_parameters())
-    gather = contextlib.nullcontext()
-    if zero_stage == 3:
-        import deepspeed
-
-        gather = deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None)
-    with gather:
-        if ps.get_data_parallel_rank() != 0:
-            return
-        tensors, meta = {}, {}
-        for name, p in params.items():
-            gname = global_name(model, name)
-            if gname in tensors:  # the tied output weight on the last stage: a copy
-                continue
-            tensors[gname] = p.detach().to("cpu").contiguous().clone()
-            meta[gname] = {"tensor_parallel": bool(getattr(p, "tensor_model_parallel", False)),
-                           "dim": int(getattr(p, "partition_dim", -1)),
-                           "stride": int(getattr(p, "partition_stride", 1))}
+    entries, meta = [], {}
+    for name, p in model.named_parameters():
+        gname = global_name(model, name)
+        if gname in meta:  # the tied output weight on the last stage: a copy
+            continue
+        entries.append((gname, p))
+        meta[gname] = {"tensor_parallel": bool(getattr(p, "tensor_model_parallel", False)),
+                       "dim": int(getattr(p, "partition_dim", -1)),
+                       "stride": int(getattr(p, "partition_stride", 1))}
     name = (f"tp{ps.get_tensor_model_parallel_rank():02d}_"
             f"pp{ps.get_pipeline_model_parallel_rank():02d}")
-    os.makedirs(directory, exist_ok=True)
-    save_file(tensors, os.path.join(directory, name + ".safetensors"))
-    with open(os.path.join(directory, name + ".json"), "w") as fh:
-        json.dump({"tensor_parallel_size": ps.get_tensor_model_parallel_world_size(),
-                   "tensors": meta}, fh, indent=1, sort_keys=True)
+    writer = None
+    if ps.get_data_parallel_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        writer = StreamingSafetensors(
+            os.path.join(directory, name + ".safetensors"),
+            [(g, p.dtype, tuple(getattr(p, "ds_shape", p.shape))) for g, p in entries])
+    for gname, p in entries:
+        gather = contextlib.nullcontext()
+        if zero_stage == 3:
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters([p], modifier_rank=None)
+        with gather:  # (every data-parallel rank takes part in each gather)
+            if writer is not None:
+                writer.write(gname, p.detach())
+    if writer is not None:
+        writer.close()
+        with open(os.path.join(directory, name + ".json"), "w") as fh:
+            json.dump({"tensor_parallel_size": ps.get_tensor_model_parallel_world_size(),
+                       "tensors": meta}, fh, indent=1, sort_keys=True)
 
 
 def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,

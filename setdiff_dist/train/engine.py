@@ -214,6 +214,26 @@ def build_engine(cfg, model, load_universal: bool = False):
     return engine
 
 
+def partitioned_construction(cfg):
+    """``(construct, gathered)`` for :func:`setdiff_dist.model.transformer.build_model` under
+    ZeRO-3: DeepSpeed's ``zero.Init`` partitions each parameter over the data-parallel ranks
+    as megatron creates it (in fp32, which the fp32 master weights are made from), and
+    ``GatheredParameters`` makes one parameter whole at a time for its initialization, so no
+    rank ever holds the whole model. ``(None, None)`` below ZeRO-3."""
+    if cfg.zero.stage != 3:
+        return None, None
+    skip_deepspeed_shm_build()
+    import deepspeed
+
+    construct = deepspeed.zero.Init(data_parallel_group=ps.get_data_parallel_group(),
+                                    dtype=torch.float32)
+
+    def gathered(param):
+        return deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+
+    return construct, gathered
+
+
 def check_precision(cfg) -> None:
     """Refuse, at start, a precision this machine cannot run (never fall back silently)."""
     from .loop import TrainingError

@@ -31,7 +31,7 @@ from setdiff_dist.parallel import initialize_model_parallel
 
 from . import checkpoint
 from .engine import (build_engine, check_precision, compute_dtype, drop_gradients, main_grad,
-                     micro_batches_per_step)
+                     micro_batches_per_step, partitioned_construction)
 from .metrics import MetricsLogger
 from .objective import Objective
 
@@ -98,7 +98,9 @@ class Trainer:
         self.initialized_from = None
         hf = self.cfg.checkpoint.init_from_hf
         if not hf or checkpoint.resolve(self.cfg) is not None:
-            return build_model(self.cfg.model, config, seed=self.cfg.train.seed)
+            construct, gathered = partitioned_construction(self.cfg)
+            return build_model(self.cfg.model, config, seed=self.cfg.train.seed,
+                               construct=construct, gathered=gathered)
         from setdiff_dist.model.hf import HFCheckpointError, build_model_from_hf
 
         try:
