@@ -152,6 +152,63 @@ class TensorSource(Mapping):
     def __contains__(self, name):
         return name in self._files
 
+    def shape(self, name: str) -> list[int]:
+        """The full tensor's shape (vocabulary tensors: their real rows), from the headers."""
+        from safetensors import safe_open
+
+        parts = self._files[name]
+        file, meta = parts[0]
+        with safe_open(file, framework="pt") as fh:
+            shape = list(fh.get_slice(name).get_shape())
+        if meta and meta["tensor_parallel"] and len(parts) > 1:
+            shape[meta["dim"]] *= len(parts)
+        if name in VOCAB_ROWS:
+            shape[0] = min(shape[0], self._rows)
+        return shape
+
+    def shard(self, name: str, rank: int, size: int, dim: int, stride: int = 1) -> torch.Tensor:
+        """Rank ``rank`` of ``size``'s slice of the full tensor along ``dim``, as megatron splits
+        it (:func:`~setdiff_dist.checkpoint.sharding.split_shard`), read from only the rows or
+        columns of the files that hold it, whatever TP size they were saved at. Vocabulary
+        tensors: slices of the real rows (the caller pads)."""
+        from safetensors import safe_open
+
+        full = self.shape(name)
+        chunk = full[dim] // (size * stride)
+        want = [((j * size + rank) * chunk, (j * size + rank + 1) * chunk) for j in range(stride)]
+        parts = self._files[name]
+        saved_tp = parts[0][1] is not None and parts[0][1]["tensor_parallel"] and len(parts) > 1
+        # where each global index along dim lives: (file, local offset) per saved range
+        held = []  # (global lo, global hi, file, local lo)
+        if saved_tp:
+            n = len(parts)
+            with safe_open(parts[0][0], framework="pt") as fh:
+                local = fh.get_slice(name).get_shape()[dim]
+            c = local // stride
+            for r, (file, _) in enumerate(parts):
+                for j in range(stride):
+                    lo = (j * n + r) * c
+                    held.append((lo, lo + c, file, j * c))
+        else:
+            held.append((0, full[dim] if name not in VOCAB_ROWS or dim else 10 ** 18,
+                         parts[0][0], 0))
+        pieces = []
+        for a, b in want:
+            b = min(b, full[dim])  # (vocabulary rows past the real ones: padding)
+            for lo, hi, file, at in held:
+                x, y = max(a, lo), min(b, hi)
+                if x >= y:
+                    continue
+                with safe_open(file, framework="pt") as fh:
+                    sl = fh.get_slice(name)
+                    index = (slice(None),) * dim + (slice(at + x - lo, at + y - lo),)
+                    pieces.append(sl[index])
+        if not pieces:
+            shape = list(full)
+            shape[dim] = 0
+            return torch.empty(shape)
+        return torch.cat(pieces, dim=dim)
+
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 

@@ -120,6 +120,18 @@ class LeanTransformer(nn.Module):
             return t
         return split_shard(t, self.tp_rank, self.tp_size, dim, stride)
 
+    def _read_shard(self, state, name, shape, dim: int, stride: int = 1):
+        """This rank's slice of tensor ``name`` (full shape ``shape``): read as a slice from
+        the files when ``state`` can (a checkpoint reader), else cut from the full tensor."""
+        if self.tp_size == 1 or not hasattr(state, "shard"):
+            return self._shard(self._get(state, name, shape), dim, stride)
+        if name not in state:
+            raise LeanError(f"tensor {name} is missing from the checkpoint")
+        if list(state.shape(name)) != list(shape):
+            raise LeanError(f"tensor {name}: shape {tuple(state.shape(name))}, the architecture "
+                            f"needs {tuple(shape)}")
+        return state.shard(name, self.tp_rank, self.tp_size, dim, stride)
+
     def _load(self, state, pack: bool = False, device=None, dtype=None):
         m, h, d = self.model_cfg, self.model_cfg.hidden_size, self.head_dim
         heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
@@ -130,6 +142,11 @@ class LeanTransformer(nn.Module):
         def get(name, shape):
             used.add(name)
             return self._get(state, name, shape).to(device=device, dtype=dtype)
+
+        def get_shard(name, shape, dim, stride=1):  # only this rank's rows or columns are read
+            used.add(name)
+            return self._read_shard(state, name, shape, dim, stride).to(device=device,
+                                                                        dtype=dtype)
 
         w = {"embedding": get("embedding.weight", [rows, h])}
         head = w["embedding"] if m.tie_embeddings else get("output_layer.weight", [rows, h])
@@ -150,18 +167,19 @@ class LeanTransformer(nn.Module):
             for norm, key in (("input_layernorm", "norm1"), ("pre_mlp_layernorm", "norm2")):
                 for part in norms:
                     w[f"{i}.{key}.{part}"] = get(f"{p}{norm}.{part}", [h])
-            qkv = get(f"{p}self_attention.linear_qkv.weight", [(heads + 2 * groups) * d, h])
-            w[f"{i}.qkv"] = self._shard(qkv, 0)  # whole query groups per rank
+            w[f"{i}.qkv"] = get_shard(f"{p}self_attention.linear_qkv.weight",
+                                      [(heads + 2 * groups) * d, h], 0)  # whole query groups
             if m.qk_norm:
                 for which in ("q", "k"):
                     for part in norms:
                         w[f"{i}.{which}norm.{part}"] = get(
                             f"{p}self_attention.{which}_layernorm.{part}", [d])
-            w[f"{i}.proj"] = self._shard(get(f"{p}self_attention.linear_proj.weight",
-                                             [h, heads * d]), 1)
-            fc1 = get(f"{p}mlp.linear_fc1.weight", [(2 if self.gated else 1) * ffn, h])
-            w[f"{i}.fc1"] = self._shard(fc1, 0, 2 if self.gated else 1)  # [gate ; up] halves
-            w[f"{i}.fc2"] = self._shard(get(f"{p}mlp.linear_fc2.weight", [h, ffn]), 1)
+            w[f"{i}.proj"] = get_shard(f"{p}self_attention.linear_proj.weight",
+                                       [h, heads * d], 1)
+            w[f"{i}.fc1"] = get_shard(f"{p}mlp.linear_fc1.weight",
+                                      [(2 if self.gated else 1) * ffn, h], 0,
+                                      2 if self.gated else 1)  # [gate ; up] halves
+            w[f"{i}.fc2"] = get_shard(f"{p}mlp.linear_fc2.weight", [h, ffn], 1)
         for part in norms:
             w[f"final.{part}"] = get(f"decoder.final_layernorm.{part}", [h])
         extra = sorted(set(state.keys()) - used)
