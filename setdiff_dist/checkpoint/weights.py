@@ -1,6 +1,7 @@
 """Weights on disk, readable without a model, a process group or unpickling: the per-rank
-``weights/tpTT_ppPP.safetensors`` of a checkpoint (any training layout) and the one-file export
-of ``setdiff-convert``. :func:`open_weights` reads full tensors by global name one at a time."""
+``weights/tpTT_ppPP[_partRR].safetensors`` of a checkpoint (any training layout) and the
+one-file export of ``setdiff-convert``. :func:`open_weights` reads full tensors by global name
+one at a time; :meth:`TensorSource.shard` reads one rank's slice."""
 
 from __future__ import annotations
 
@@ -249,27 +250,33 @@ def open_weights(path: str):
     for pp in range(layout["pipeline"]):
         for tp in range(layout["tensor"]):
             base = os.path.join(directory, "weights", f"tp{tp:02d}_pp{pp:02d}")
-            for ext in (".safetensors", ".json"):
-                if not os.path.isfile(base + ext):
-                    raise LoadError(f"{base}{ext} is missing: the checkpoint is incomplete")
+            if not os.path.isfile(base + ".json"):
+                raise LoadError(f"{base}.json is missing: the checkpoint is incomplete")
             try:
                 with open(base + ".json") as fh:
-                    meta = json.load(fh)["tensors"]
-            except (ValueError, KeyError):
+                    top = json.load(fh)
+                meta, parts = top["tensors"], int(top.get("parts", 1))
+            except (ValueError, KeyError, TypeError):
                 raise LoadError(f"{base}.json is damaged (not the tensor list of a weights "
                                 "file)") from None
-            names = tensor_names(base + ".safetensors")
-            missing = sorted(set(meta) - set(names))
-            if missing:
-                raise LoadError(f"{base}.safetensors lacks tensor {missing[0]}"
-                                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                                + f" that {os.path.basename(base)}.json lists: the file is "
-                                "damaged or from another save")
-            for name in names:  # (a tied embedding is in the first and the last stage)
-                if name not in meta:
-                    raise LoadError(f"{base}.safetensors holds tensor {name} that "
-                                    f"{os.path.basename(base)}.json does not list")
-                files.setdefault(name, {})[tp] = (base + ".safetensors", meta[name])
+            for part in range(parts):  # one file per data-parallel rank that wrote a part
+                file = base + (f"_part{part:02d}" if part else "") + ".safetensors"
+                if not os.path.isfile(file):
+                    raise LoadError(f"{file} is missing: the checkpoint is incomplete")
+                names = tensor_names(file)
+                listed = {n for n, m in meta.items() if m.get("part", 0) == part}
+                missing = sorted(listed - set(names))
+                if missing:
+                    raise LoadError(f"{file} lacks tensor {missing[0]}"
+                                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1
+                                       else "")
+                                    + f" that {os.path.basename(base)}.json lists: the file "
+                                    "is damaged or from another save")
+                for name in names:  # (a tied embedding is in the first and the last stage)
+                    if name not in listed:
+                        raise LoadError(f"{file} holds tensor {name} that "
+                                        f"{os.path.basename(base)}.json does not list")
+                    files.setdefault(name, {})[tp] = (file, meta[name])
     for name, by_tp in files.items():  # a tensor-parallel tensor needs every TP rank's slice
         if any(m["tensor_parallel"] for _, m in by_tp.values()) and \
                 len(by_tp) != layout["tensor"]:

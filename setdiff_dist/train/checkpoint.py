@@ -5,9 +5,11 @@ done, and resume that checks the checkpoint against the run before loading it.
 - DeepSpeed's files: model states per model-parallel rank, optimizer states per data-parallel
   rank, LR scheduler, our client state (step, samples seen, data-loader position); files are
   numbered by the rank in the tensor x pipeline grid (see ``build_engine``);
-- ``weights/tpTT_ppPP.safetensors`` (+ ``.json``): each model-parallel rank's weights under their
-  global names with their sharding, gathered over ZeRO-3 partitions: what inference and
-  ``setdiff-convert`` read, in any layout, without unpickling anything;
+- ``weights/tpTT_ppPP.safetensors`` (+ ``.json``, and ``tpTT_ppPP_partRR.safetensors`` for
+  data-parallel rank ``RR``'s share): each model-parallel rank's weights under their global
+  names with their sharding, gathered one parameter at a time over ZeRO-3 partitions and
+  written by every data-parallel rank: what inference and ``setdiff-convert`` read, in any
+  layout, without unpickling anything;
 - ``rng_rank{r}.pt`` per rank (torch and megatron RNG states), the tokenizer file,
   ``config.yaml`` and ``manifest.json`` (layout, model, tokenizer). The manifest is written after
 a barrier that every rank reaches only once its files are on disk, and ``latest`` is then
@@ -128,9 +130,11 @@ def _set_rng_state(state: dict) -> None:
 
 def save_weights(engine, directory: str, zero_stage: int) -> None:
     """This model-parallel rank's weights (global names, TP-local shards) as safetensors, with
-    each tensor's sharding in a JSON sidecar, written by the first data-parallel rank one tensor
-    at a time (under ZeRO-3 each parameter is gathered alone: no rank ever holds the whole
-    model, and the writer one tensor). Collective over the data-parallel group."""
+    each tensor's sharding in a JSON sidecar. Every data-parallel rank writes a part: tensor
+    ``i`` goes to part ``i % DP`` (``tpTT_ppPP.safetensors`` for part 0,
+    ``tpTT_ppPP_partRR.safetensors`` for the others), one tensor at a time; under ZeRO-3 each
+    parameter is gathered alone, so no rank ever holds the whole model and a writer one tensor.
+    Collective over the data-parallel group."""
     import contextlib
 
     from setdiff_dist.checkpoint.weights import StreamingSafetensors
@@ -148,26 +152,29 @@ def save_weights(engine, directory: str, zero_stage: int) -> None:
                        "stride": int(getattr(p, "partition_stride", 1))}
     name = (f"tp{ps.get_tensor_model_parallel_rank():02d}_"
             f"pp{ps.get_pipeline_model_parallel_rank():02d}")
-    writer = None
-    if ps.get_data_parallel_rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-        writer = StreamingSafetensors(
-            os.path.join(directory, name + ".safetensors"),
-            [(g, p.dtype, tuple(getattr(p, "ds_shape", p.shape))) for g, p in entries])
-    for gname, p in entries:
+    parts, part = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    for i, (gname, _) in enumerate(entries):
+        meta[gname]["part"] = i % parts
+    os.makedirs(directory, exist_ok=True)
+    file = name + (f"_part{part:02d}" if part else "") + ".safetensors"
+    writer = StreamingSafetensors(
+        os.path.join(directory, file),
+        [(g, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+         for i, (g, p) in enumerate(entries) if i % parts == part])
+    for i, (gname, p) in enumerate(entries):
         gather = contextlib.nullcontext()
         if zero_stage == 3:
             import deepspeed
 
             gather = deepspeed.zero.GatheredParameters([p], modifier_rank=None)
         with gather:  # (every data-parallel rank takes part in each gather)
-            if writer is not None:
+            if i % parts == part:
                 writer.write(gname, p.detach())
-    if writer is not None:
-        writer.close()
+    writer.close()
+    if part == 0:
         with open(os.path.join(directory, name + ".json"), "w") as fh:
             json.dump({"tensor_parallel_size": ps.get_tensor_model_parallel_world_size(),
-                       "tensors": meta}, fh, indent=1, sort_keys=True)
+                       "parts": parts, "tensors": meta}, fh, indent=1, sort_keys=True)
 
 
 def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
