@@ -234,3 +234,30 @@ def test_zero3_partitions_each_parameter_as_it_is_built(tmp_path):
     spawn(_partitioned_build, 2, tmp_path)
     r = torch.load(tmp_path / "zero3.pt")
     assert r["empty"] and r["held"] <= r["whole"] / 2 + 64 * 100
+
+
+class _Payload:
+    """What an attacker plants: unpickling it runs a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_payload_in_a_checkpoint_is_not_run_on_resume(shards, tmp_path):
+    assert train(tmp_path, shards, 4, "zero.stage=2", "train.exit_at_step=2").returncode == 0
+    step = tmp_path / "checkpoints" / latest(tmp_path)
+    marker = tmp_path / "pwned"
+    for file in ("mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        state = torch.load(step / file, weights_only=False)
+        state["extra"] = _Payload(marker)
+        torch.save(state, step / file)
+        res = train(tmp_path, shards, 4, "zero.stage=2")
+        assert res.returncode == 2, res.stderr[-3000:]
+        assert "would run code when loaded (posix.system)" in res.stderr and file in res.stderr
+        assert "Traceback" not in res.stderr
+        assert not marker.exists()
+        state.pop("extra")
+        torch.save(state, step / file)  # (the next file is tried on a clean checkpoint)

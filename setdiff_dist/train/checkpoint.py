@@ -18,6 +18,7 @@ replaced atomically, so a crash at any point leaves ``latest`` at a complete che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -38,6 +39,65 @@ from setdiff_dist.checkpoint.files import (FORMAT, LATEST, CheckpointError, chec
 
 
 UNIVERSAL = "universal"  # a step's DeepSpeed universal checkpoint, for another DP size
+
+
+def _deepspeed_globals() -> list:
+    """The classes DeepSpeed pickles into its checkpoint files, beside tensors and containers
+    (found with ``torch.serialization.get_unsafe_globals_in_checkpoint`` on ZeRO 0-3, fp32 and
+    bf16 checkpoints): plain records, safe to rebuild."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def check_no_code(path: str) -> None:
+    """Refuse a checkpoint any of whose pickled files (``*.pt``, the universal form's too)
+    names a class or function beyond tensors, containers and :func:`_deepspeed_globals`: read
+    from the pickle's opcodes, nothing executed, the same verdict on every rank."""
+    import glob
+
+    allowed = {f"{c.__module__}.{c.__name__}" for c in _deepspeed_globals()}
+    for file in sorted(glob.glob(os.path.join(path, "**", "*.pt"), recursive=True)):
+        try:
+            found = set(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+        except Exception as exc:
+            raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc}); it is "
+                                  "damaged: resume from an earlier checkpoint") from None
+        unsafe = sorted(found - allowed)
+        if unsafe:
+            raise CheckpointError(f"{file} would run code when loaded ({', '.join(unsafe[:3])}"
+                                  f"{' ...' if len(unsafe) > 3 else ''}): refused, nothing from "
+                                  "it was run; resume from a checkpoint you trust")
+
+
+@contextlib.contextmanager
+def no_unpickling():
+    """Within this context every ``torch.load`` (DeepSpeed's included) reads with
+    ``weights_only=True``, allowing only :func:`_deepspeed_globals`: a checkpoint file cannot
+    run code. A file that needs anything else fails with a :class:`CheckpointError`."""
+    import pickle
+
+    original = torch.load
+    allowed = _deepspeed_globals()
+
+    def load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return original(f, *args, **kwargs)
+        except pickle.UnpicklingError as exc:
+            found = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
+            raise CheckpointError(f"{f} would run code when loaded ({(found or ['?'])[0]}): "
+                                  "refused, nothing from it was run; resume from a checkpoint "
+                                  "you trust") from None
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
 
 
 def universal_info(model) -> dict:
@@ -293,8 +353,9 @@ def load(engine, path: str, universal: bool = False) -> dict:
     root, tag = (path, UNIVERSAL) if universal else os.path.split(os.path.normpath(path))
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch AdamW
     decay = [g["weight_decay"] for g in inner.param_groups]
-    loaded, client = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True,
-                                            load_lr_scheduler_states=True)
+    with no_unpickling():
+        loaded, client = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
     if loaded is None:
         raise CheckpointError(f"DeepSpeed could not load {path}")
     if universal:

@@ -117,6 +117,7 @@ class Trainer:
         if path is None:
             return None
         checkpoint.check_compatible(path, self.cfg, self.tokenizer_identity)
+        checkpoint.check_no_code(path)  # (DeepSpeed's files are pickles)
         if self.universal:
             checkpoint.make_universal(path)
         state = checkpoint.load(self.engine, path, universal=self.universal)["setdiff"]

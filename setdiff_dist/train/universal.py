@@ -27,10 +27,17 @@ def _without_extra_state(load):
 def main(argv=None) -> int:
     from deepspeed.checkpoint import ds_to_universal
 
-    torch.load = _without_extra_state(torch.load)  # (this process only does the conversion)
+    from .checkpoint import CheckpointError, no_unpickling
+
     sys.argv = ["ds_to_universal"] + list(sys.argv[1:] if argv is None else argv)
     args = ds_to_universal.parse_arguments()
-    ds_to_universal.main(args)
+    with no_unpickling():  # nothing in the checkpoint runs code here either
+        torch.load = _without_extra_state(torch.load)  # (this process only converts)
+        try:
+            ds_to_universal.main(args)
+        except CheckpointError as exc:
+            print(exc, file=sys.stderr)
+            return 2
     return 0
 
 
