@@ -53,7 +53,10 @@ class HFFiles:
                 weight_map = json.load(fh).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise HFCheckpointError(f"{index} has no weight_map")
+            from setdiff_dist.paths import inside
+
             for name, file in sorted(weight_map.items()):
+                inside(self.directory, file, f"the index's shard for {name}", HFCheckpointError)
                 if not os.path.isfile(os.path.join(self.directory, file)):
                     raise HFCheckpointError(
                         f"shard {file} is missing from {self.directory}: "

@@ -54,6 +54,10 @@ def _config_of(directory: str):
 
 
 def _tokenizer_of(directory: str, identity: dict) -> Tokenizer:
+    if identity.get("file"):
+        from setdiff_dist.paths import inside
+
+        inside(directory, identity["file"], "the manifest's tokenizer file", LoadError)
     if identity.get("file") and not os.path.isfile(os.path.join(directory, identity["file"])):
         raise LoadError(f"{directory} has no tokenizer: {identity['file']} (tokenizer "
                         f"{identity['spec']!r}) is missing; copy it from the shard directory the "

@@ -157,7 +157,9 @@ class ShardSet:
         return int(self.manifest["splits"][self.split]["tokens"])
 
     def _path(self, name: str) -> str:
-        return os.path.join(self.directory, name)
+        from setdiff_dist.paths import inside
+
+        return inside(self.directory, name, "the manifest's shard file", ShardError)
 
     def _check_size(self, s: dict) -> None:
         path = self._path(s["file"])

@@ -261,9 +261,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
 def load_shipped_tokenizer(directory: str, identity: dict) -> Tokenizer:
     """The tokenizer a manifest names: a shipped file in ``directory``, or a built-in spec."""
     if identity.get("file"):
-        tok = load_tokenizer(os.path.join(directory, identity["file"]) if identity["file"].endswith(
-            ".json") else f"sentencepiece:{os.path.join(directory, identity['file'])}",
-            eos_token=identity.get("eos_token"))
+        from setdiff_dist.paths import inside
+
+        path = inside(directory, identity["file"], "the manifest's tokenizer file",
+                      TokenizerError)
+        tok = load_tokenizer(path if path.endswith(".json") else f"sentencepiece:{path}",
+                             eos_token=identity.get("eos_token"))
     else:
         tok = load_tokenizer(identity["spec"])
     if tok.sha256 != identity["sha256"]:

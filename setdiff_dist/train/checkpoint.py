@@ -267,8 +267,11 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
         with open(os.path.join(path, "config.yaml"), "w") as fh:
             fh.write(cfg.to_yaml())
         if tokenizer_identity.get("file") and tokenizer_dir:
-            shutil.copyfile(os.path.join(tokenizer_dir, tokenizer_identity["file"]),
-                            os.path.join(path, tokenizer_identity["file"]))
+            from setdiff_dist.paths import inside
+
+            name = tokenizer_identity["file"]
+            shutil.copyfile(inside(tokenizer_dir, name, "the tokenizer file", CheckpointError),
+                            inside(path, name, "the tokenizer file", CheckpointError))
         write_atomic(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=2))
         write_atomic(os.path.join(root, LATEST), tag + "\n")
         prune(root, cfg.checkpoint.keep_last, keep=tag)
