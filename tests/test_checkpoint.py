@@ -261,3 +261,49 @@ def test_a_pickle_payload_in_a_checkpoint_is_not_run_on_resume(shards, tmp_path)
         assert not marker.exists()
         state.pop("extra")
         torch.save(state, step / file)  # (the next file is tried on a clean checkpoint)
+
+
+def _tree_hash(directory):
+    import hashlib
+
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(directory)):
+        for f in sorted(files):
+            path = os.path.join(root, f)
+            h.update(path.encode())
+            with open(path, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def test_a_run_directory_belongs_to_one_trainer(shards, tmp_path):
+    from setdiff_dist.checkpoint.files import RunLock
+
+    lock = RunLock(str(tmp_path))  # another trainer holds it
+    try:
+        res = train(tmp_path, shards, 2, "zero.stage=2")
+    finally:
+        lock.release()
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"is in use by pid {os.getpid()}" in res.stderr
+    assert sorted(os.listdir(tmp_path)) == [".setdiff.lock"]  # nothing else was written
+
+
+def test_a_resume_that_would_change_or_lose_the_run_is_refused(shards, tmp_path):
+    assert train(tmp_path, shards, 4, "zero.stage=2", "train.exit_at_step=2").returncode == 0
+    before = _tree_hash(tmp_path / "checkpoints")
+    for overrides, words in (
+            (("resume=never",), "resume=never would train over the 1 checkpoint(s)"),
+            (("order.kind=block",), "order.kind: checkpoint 'staggered', this run 'block'"),
+            (("train.seed=7",), "train.seed: checkpoint"),
+            (("train.steps=1", "optimizer.warmup_steps=0"), "is at step 2, past train.steps=1")):
+        res = train(tmp_path, shards, 4, "zero.stage=2", *overrides)
+        assert res.returncode == 2, (overrides, res.stderr[-2000:])
+        assert words in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert _tree_hash(tmp_path / "checkpoints") == before, overrides
+    # a lost `latest` is recovered from the newest complete checkpoint, not a silent restart
+    os.remove(tmp_path / "checkpoints" / "latest")
+    res = train(tmp_path, shards, 4, "zero.stage=2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resuming from the newest complete checkpoint" in res.stdout + res.stderr
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4] and latest(tmp_path) == "step_0000004"

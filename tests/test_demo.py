@@ -21,12 +21,12 @@ def test_demo_trains_reports_the_bound_and_checks_the_ar_identity(tmp_path, shar
     assert rc == 0
     out = capsys.readouterr().out
     assert "PPL <=" in out and "AR identity" in out
-    assert (tmp_path / "orders.png").stat().st_size > 10_000
-    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert (tmp_path / "demo" / "orders.png").stat().st_size > 10_000
+    records = [json.loads(l) for l in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [10, 20, 30]
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_seen"} <= set(records[0])
     assert records[-1]["samples_seen"] == 240
-    result = json.loads((tmp_path / "demo_result.json").read_text())
+    result = json.loads((tmp_path / "demo" / "demo_result.json").read_text())
     assert result["ar_identity_max_gap"] < 1e-4
     # training made progress from the uniform bound (log 300 = 5.7 nats per token)
     assert records[-1]["loss"] < 5.0 and result["valid_ppl_bound"] < 250

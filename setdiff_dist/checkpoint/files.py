@@ -59,10 +59,65 @@ def step_directory(path: str) -> str:
     return pointed(path) or pointed(os.path.join(path, "checkpoints")) or path
 
 
+class RunDirBusy(CheckpointError):
+    """Another process trains in this run directory."""
+
+
+class RunLock:
+    """``run_dir/.setdiff.lock``, held (``flock``) by the trainer's rank 0 for its whole life,
+    with its pid, host and start time inside: a second trainer on the same run directory is
+    refused, naming the owner. The kernel releases the lock when its process dies, so a crash
+    or a preemption leaves nothing stale behind."""
+
+    NAME = ".setdiff.lock"
+
+    def __init__(self, run_dir: str):
+        import fcntl
+        import socket
+        import time
+
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, self.NAME)
+        self._fh = open(self.path, "a+")
+        try:
+            fcntl.flock(self._fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._fh.seek(0)
+            owner = self._fh.read().strip() or "another process"
+            self._fh.close()
+            raise RunDirBusy(f"{run_dir} is in use by {owner}: wait for that run to end, stop "
+                             "it, or give this one another run_dir") from None
+        self._fh.seek(0)
+        self._fh.truncate()
+        self._fh.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self._fh.flush()
+
+    def release(self) -> None:
+        if self._fh and not self._fh.closed:
+            self._fh.close()  # (closing the file releases the lock)
+
+
+def complete_checkpoints(run_dir: str) -> list[str]:
+    """The step directories of ``run_dir`` with a manifest (written last), oldest first."""
+    root = checkpoint_root(run_dir)
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, d) for d in sorted(os.listdir(root))
+            if d.startswith("step_") and os.path.isfile(os.path.join(root, d, "manifest.json"))]
+
+
 def resolve_latest(run_dir: str) -> Optional[str]:
-    """The checkpoint ``latest`` points at in ``run_dir``, or None when there is none yet."""
+    """The checkpoint ``latest`` points at in ``run_dir``, or None when there is none yet. A
+    lost pointer is recovered from the newest complete checkpoint (never a silent restart)."""
     path = pointed(checkpoint_root(run_dir))
     if path is None:
+        complete = complete_checkpoints(run_dir)
+        if complete:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"note: {checkpoint_root(run_dir)}/{LATEST} is missing; resuming from the "
+                      f"newest complete checkpoint, {complete[-1]}", flush=True)
+            return complete[-1]
         return None
     if not os.path.isfile(os.path.join(path, "manifest.json")):
         pointer = os.path.join(checkpoint_root(run_dir), LATEST)

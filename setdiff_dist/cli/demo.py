@@ -2,6 +2,7 @@
 
 1. Samples the orders of every schedule for the config's sequence length, prints their
    statistics and draws ``orders.png`` (reveal ranks and the set-causal mask of each).
+   Everything goes to ``<run_dir>/demo/``: a training run's own files are never touched.
 2. Trains the pure-torch reference transformer with the config's order schedule on the shards
    of ``data.train_shards`` (setdiff-prep's output; scripts/main.sh prepares them from the offline
    corpus), the NELBO on the ``[clean ; noisy]`` forward, with progress, ETA and
@@ -209,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    # its own directory: the demo never writes into a training run's files
+    cfg.run_dir = os.path.join(cfg.run_dir, "demo")
     describe_orders(cfg, os.path.join(cfg.run_dir, "orders.png"))
     result = train(cfg, cfg.train.steps)
     if result["ar_identity_max_gap"] > 1e-4:

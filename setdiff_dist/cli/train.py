@@ -53,6 +53,8 @@ def _parse(argv):
                          "(default: parallel.tensor x parallel.pipeline)")
     ap.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                     help="with --dry-run: memory per device, to flag stages that do not fit")
+    ap.add_argument("--force", action="store_true",
+                    help="with resume=never: train over the checkpoints already in run_dir")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     return ap.parse_args(argv)
 
@@ -115,7 +117,28 @@ def _write_exit_status(run_dir: str, outcome: str, code: int, step, checkpoint) 
     os.replace(path + ".tmp", path)
 
 
-def run(cfg) -> int:
+_RUN_LOCK = None  # rank 0's hold on the run directory, for the life of the process
+
+
+def _claim_run_dir(cfg, force: bool):
+    """Rank 0: lock the run directory; the reason to refuse this run, or None."""
+    global _RUN_LOCK
+    from setdiff_dist.checkpoint.files import RunDirBusy, RunLock, complete_checkpoints
+
+    try:
+        _RUN_LOCK = RunLock(cfg.run_dir)
+    except RunDirBusy as exc:
+        return str(exc)
+    existing = complete_checkpoints(cfg.run_dir)
+    if cfg.resume == "never" and existing and not force:
+        _RUN_LOCK.release()
+        return (f"resume=never would train over the {len(existing)} checkpoint(s) in "
+                f"{cfg.run_dir}/checkpoints (newest {os.path.basename(existing[-1])}): give a "
+                "new run_dir, resume (resume=auto), or add --force to overwrite them")
+    return None
+
+
+def run(cfg, force: bool = False) -> int:
     # A preemption signal can come while this rank still imports and builds (tens of seconds on
     # a big model): remember it from the first moment and hand it to the trainer, which stops
     # at its first step boundary, rather than dying of SIGUSR1's default action.
@@ -142,6 +165,12 @@ def run(cfg) -> int:
 
     init_distributed(cfg.parallel.backend)  # idempotent; rank 0 is known before any error
     rank0 = dist.get_rank() == 0
+    verdict = [_claim_run_dir(cfg, force) if rank0 else None]
+    dist.broadcast_object_list(verdict, src=0)  # every rank stops, or none
+    if verdict[0] is not None:
+        if rank0:
+            print(f"setdiff-train: error: {verdict[0]}", file=sys.stderr)
+        return 2
     if rank0 and os.path.exists(os.path.join(cfg.run_dir, EXIT_STATUS_FILE)):
         os.remove(os.path.join(cfg.run_dir, EXIT_STATUS_FILE))  # a previous attempt's
     outcome, code = "failed", 1
@@ -202,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     from setdiff_dist.parallel import LaunchError, destroy_model_parallel
 
     try:
-        code = run(cfg)
+        code = run(cfg, force=args.force)
     except LaunchError as exc:
         print(f"setdiff-train: error: {exc}", file=sys.stderr)
         return 2

@@ -45,11 +45,11 @@ from setdiff_dist.model.transformer import padded_vocab_size, rotary_inv_freq
 # transposed one about once (1.0 ms, 1.1 ms); narrow weights (proj, fc2) are faster as they are.
 _WIDE = ("qkv", "fc1", "head")
 # With ``pack=True`` (on the CPU, in fp32), matmul weights of at least this many elements go to
-# oneDNN's blocked layout, straight from the checkpoint's tensors (no second copy). MKL's GEMM on the dense layout costs about twice as much for the 4-8
-# rows of a set-decoding step (W queries and a commit) or of a batch as for one row; oneDNN's
-# packed kernel stays near the one-row cost (measured in a decoding loop, 110m shape: a W=4 set
-# step 39 -> 27 ms) but costs ~10% more for a single row, and adds ~15 us per call, which
-# small weights do not repay.
+# oneDNN's blocked layout, straight from the checkpoint's tensors (no second copy). MKL's GEMM
+# on the dense layout costs about twice as much for the 4-8 rows of a set-decoding step (W
+# queries and a commit) or of a batch as for one row; oneDNN's packed kernel stays near the
+# one-row cost (measured in a decoding loop, 110m shape: a W=4 set step 39 -> 27 ms) but costs
+# ~10% more for a single row, and adds ~15 us per call, which small weights do not repay.
 _PACK_MIN = 1 << 20
 _MATMULS = ("qkv", "proj", "fc1", "fc2", "head")
 

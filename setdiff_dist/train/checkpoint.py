@@ -263,6 +263,7 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
         manifest = {"format": FORMAT, "step": step, "layout": layout(),
                     "zero_stage": cfg.zero.stage, "model": cfg.to_dict()["model"],
                     "order": cfg.to_dict()["order"], "seq_len": cfg.data.seq_len,
+                    "seed": cfg.train.seed,
                     "tokenizer": tokenizer_identity}
         with open(os.path.join(path, "config.yaml"), "w") as fh:
             fh.write(cfg.to_yaml())
@@ -337,6 +338,14 @@ def check_compatible(path: str, cfg, tokenizer_identity: dict) -> dict:
                      "ZeRO-1/2 checkpoints can change the tensor-parallel size too)")
     if m["zero_stage"] != cfg.zero.stage:
         diffs.append(f"zero.stage: checkpoint {m['zero_stage']}, this run {cfg.zero.stage}")
+    # the order schedule and the seed define what the run learns: another one is another run
+    order = cfg.to_dict()["order"]
+    for key in sorted(set(order) | set(m.get("order", {}))):
+        if key != "eval_seed" and key in m.get("order", {}) and m["order"][key] != order.get(key):
+            diffs.append(f"order.{key}: checkpoint {m['order'][key]!r}, this run "
+                         f"{order.get(key)!r}")
+    if "seed" in m and m["seed"] != cfg.train.seed:
+        diffs.append(f"train.seed: checkpoint {m['seed']}, this run {cfg.train.seed}")
     if m["seq_len"] != cfg.data.seq_len:
         diffs.append(f"data.seq_len: checkpoint {m['seq_len']}, this run {cfg.data.seq_len}")
     if m["tokenizer"]["sha256"] != tokenizer_identity["sha256"]:

@@ -122,6 +122,10 @@ class Trainer:
             checkpoint.make_universal(path)
         state = checkpoint.load(self.engine, path, universal=self.universal)["setdiff"]
         self.step, self.samples_seen = state["step"], state["samples_seen"]
+        if self.step > self.cfg.train.steps:
+            raise TrainingError(f"{path} is at step {self.step}, past train.steps="
+                                f"{self.cfg.train.steps}: raise train.steps to train on, or "
+                                "give a new run_dir (resume=never) to start over")
         self.skipped_steps = state["nonfinite_skipped_steps"]
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.loader(0).load_state_dict(state["loader"])  # same data stream, or a clear error
