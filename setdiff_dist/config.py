@@ -314,13 +314,18 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise TypeError(f"expected a number, got {value!r}")
+        f = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            f = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value.replace("_", ""))
+                f = float(value.replace("_", ""))
             except ValueError:
                 pass
+        if f is not None and not math.isfinite(f):
+            raise TypeError(f"expected a finite number, got {value!r}")
+        if f is not None:
+            return f
         raise TypeError(f"expected a number, got {value!r}")
     raise TypeError(f"unsupported field type {tp}")
 

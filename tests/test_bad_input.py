@@ -52,3 +52,28 @@ def test_an_hf_index_naming_a_file_outside_is_refused(tmp_path):
         {"weight_map": {"model.norm.weight": "../../secret.safetensors"}}))
     with pytest.raises(HFCheckpointError, match="points outside"):
         HFFiles(str(tmp_path))
+
+
+@pytest.mark.parametrize("override", ["optimizer.lr=nan", "model.init_std=inf",
+                                      "order.t_max=-inf"])
+def test_non_finite_numbers_are_refused_by_the_config(override):
+    from setdiff_dist.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="expected a finite number"):
+        load_config("configs/tiny-cpu.yaml", [override])
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--temperature", "nan"], "temperature=nan: it must be a finite number 0 or more"),
+    (["--threshold", "-0.5"], "threshold=-0.5: a confidence in [0, 1]"),
+    (["--repetition-penalty", "0"], "repetition_penalty=0.0"),
+])
+def test_bad_generation_flags_are_refused_before_any_model_is_loaded(tmp_path, flags, words):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
+                          str(tmp_path / "no-such-run"), "--prompt", "x", *flags],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr
+    assert "no such directory" not in res.stderr  # (the flags are checked first)

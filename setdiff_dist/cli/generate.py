@@ -48,20 +48,22 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
 
-    from setdiff_dist.inference.decoder import DecodeError, Sampling, SetDecoder, StopCriteria
+    from setdiff_dist.inference.decoder import (DecodeError, Sampling, SetDecoder, StopCriteria,
+                                                check_threshold)
     from setdiff_dist.checkpoint.weights import LoadError
     from setdiff_dist.inference.weights import build_inference_model
 
-    try:
+    try:  # the flags first: a bad one costs no model load
+        sampling = Sampling(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p,
+                            repetition_penalty=args.repetition_penalty, seed=args.seed)
+        check_threshold(args.threshold)
         model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
                                                 dtype=inference_dtype(args.dtype))
-    except LoadError as exc:
+    except (LoadError, DecodeError) as exc:
         print(f"setdiff-generate: error: {exc}", file=sys.stderr)
         return 2
     mode = "causal" if cfg.order.kind == "causal" else "set"
     decoder = SetDecoder(model, tok, context=cfg.data.seq_len, mode=mode)
-    sampling = Sampling(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p,
-                        repetition_penalty=args.repetition_penalty, seed=args.seed)
     try:
         if args.infill_left is not None or args.infill_right is not None:
             if args.infill_length is None:

@@ -44,6 +44,12 @@ class DecodeError(ValueError):
     """Bad decoding input; the message says what and how to fix it."""
 
 
+def check_threshold(threshold: float) -> None:
+    if math.isnan(threshold) or threshold < 0:
+        raise DecodeError(f"threshold={threshold!r}: a confidence in [0, 1] (or inf: one token "
+                          "per step)")
+
+
 @dataclass
 class Sampling:
     greedy: bool = False
@@ -51,6 +57,15 @@ class Sampling:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int = 0
+
+    def __post_init__(self):
+        checks = (("temperature", self.temperature, lambda v: v >= 0, "0 or more"),
+                  ("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+                  ("repetition_penalty", self.repetition_penalty, lambda v: v > 0,
+                   "above 0 (1 = none)"))
+        for name, value, ok, want in checks:
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
+                raise DecodeError(f"{name}={value!r}: it must be a finite number {want}")
 
 
 @dataclass
@@ -183,6 +198,7 @@ class SetDecoder:
              right=None):
         if window < 1:
             raise DecodeError(f"window must be at least 1, got {window}")
+        check_threshold(threshold)
         B = len(samples)
         self._last_logits = {}
         cache = KVCache(self.model.config.num_layers, B, self.device)
