@@ -1,4 +1,6 @@
-"""Bad input from files: a manifest cannot point a reader or a writer outside its directory."""
+"""Bad input gets a clear error (exit code 2, no traceback) and loses nothing: manifests cannot
+point a reader or a writer outside their directory, non-finite numbers and out-of-range flags
+are refused before any work, and results are valid JSON written only where they can be."""
 
 import json
 
@@ -77,3 +79,23 @@ def test_bad_generation_flags_are_refused_before_any_model_is_loaded(tmp_path, f
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr
     assert "no such directory" not in res.stderr  # (the flags are checked first)
+
+
+def test_eval_checks_its_output_directory_before_evaluating(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.eval", "--checkpoint",
+                          str(tmp_path / "no-such-run"), "--task", "ppl", "--out",
+                          str(tmp_path / "missing" / "r.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "is not a writable directory; create it first" in res.stderr
+
+
+def test_non_finite_results_are_written_as_valid_json():
+    from setdiff_dist.cli.eval import _finite
+
+    text = json.dumps(_finite({"a": [1.0, float("inf")], "b": {"c": float("nan")}}),
+                      allow_nan=False)
+    assert json.loads(text) == {"a": [1.0, "inf"], "b": {"c": "nan"}}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 from setdiff_dist.cli import add_dtype_argument, inference_dtype, with_clean_shutdown
@@ -46,6 +47,12 @@ def main(argv=None) -> int:
     from setdiff_dist.checkpoint.weights import LoadError
     from setdiff_dist.inference.weights import build_inference_model
 
+    if args.out:  # where the result goes is checked before the evaluation, not after it
+        parent = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            print(f"setdiff-eval: error: --out {args.out}: {parent} is not a writable "
+                  "directory; create it first", file=sys.stderr)
+            return 2
     try:
         model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
                                                 dtype=inference_dtype(args.dtype))
@@ -79,12 +86,24 @@ def main(argv=None) -> int:
     if dist.get_rank() != 0:
         return 0
     result = {"task": args.task, "checkpoint": args.checkpoint, **result}
-    text = json.dumps(result, indent=2)
+    text = json.dumps(_finite(result), indent=2, allow_nan=False)  # (JSON has no Infinity)
     if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+        from setdiff_dist.checkpoint.files import write_atomic
+
+        write_atomic(args.out, text + "\n")
     print(text)
     return 0
+
+
+def _finite(value):
+    """``value`` with every non-finite float as a string ("inf", "nan"): valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 entry = with_clean_shutdown(main)
