@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from helpers import losses, run_train, sonnet_shards, train_command
+from helpers import child_env, losses, run_train, sonnet_shards, train_command
 
 EXIT_PREEMPTED = 75
 
@@ -307,3 +307,27 @@ def test_a_resume_that_would_change_or_lose_the_run_is_refused(shards, tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "resuming from the newest complete checkpoint" in res.stdout + res.stderr
     assert sorted(losses(tmp_path)) == [1, 2, 3, 4] and latest(tmp_path) == "step_0000004"
+
+
+def test_a_rank_killed_during_start_up_ends_the_job_within_seconds(shards, tmp_path):
+    """The launcher notices a dead rank, names it, and stops the others (they would otherwise
+    wait in a collective for the process group's 30-minute timeout)."""
+    proc = subprocess.Popen(command(tmp_path, shards, 4, "zero.stage=2"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env(None))
+    children = []
+    deadline = time.monotonic() + 60
+    while len(children) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fh:
+                children = [int(p) for p in fh.read().split()]
+        except OSError:
+            pass
+    assert len(children) == 2, "the launcher did not start two ranks"
+    time.sleep(2.0)  # in start-up: imports, the process group
+    os.kill(children[1], signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - killed < 30
+    assert proc.returncode != 0
+    assert "rank 1 died (signal 9); stopping the other ranks" in err

@@ -83,9 +83,12 @@ def _set_parent_death_signal():
         pass
 
 
-def launch(nproc: int, argv: list[str]) -> int:
+def launch(nproc: int, argv: list[str], grace_s: float = 10.0) -> int:
     """Start ``nproc`` ranks of this command on this machine, forward SIGTERM / SIGUSR1 / SIGINT
-    to them, and return the first non-zero exit code (or 0)."""
+    to them, and return the first non-zero exit code (or 0). A rank that dies with a failure
+    (a crash, a kill) ends the job: the launcher names it, gives the others ``grace_s`` seconds
+    to stop on SIGTERM, then kills them, instead of leaving them waiting in a collective for
+    the process group's timeout."""
     from setdiff_dist.parallel import free_port
 
     port = str(free_port())
@@ -103,7 +106,31 @@ def launch(nproc: int, argv: list[str]) -> int:
 
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, forward)
+    import time
+
+    failed = None
+    while None in [c.poll() for c in children]:  # (a list: every child polled, each time)
+        dead = [(r, c.returncode) for r, c in enumerate(children)
+                if c.returncode is not None and c.returncode not in (0, EXIT_PREEMPTED)]
+        if dead and failed is None:
+            failed = dead[0]
+            if failed[1] != 2:  # (2: a refusal every rank reaches; it has said why)
+                how = f"signal {-failed[1]}" if failed[1] < 0 else f"exit code {failed[1]}"
+                print(f"setdiff-train: rank {failed[0]} died ({how}); stopping the other ranks",
+                      file=sys.stderr, flush=True)
+            for c in children:
+                if c.poll() is None:
+                    c.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and None in [c.poll() for c in children]:
+                time.sleep(0.1)
+            for c in children:
+                if c.poll() is None:
+                    c.kill()
+        time.sleep(0.2)
     codes = [c.wait() for c in children]
+    if failed is not None:
+        return failed[1] if failed[1] > 0 else 1
     return next((c for c in codes if c != 0), 0)
 
 
