@@ -217,7 +217,8 @@ def build_engine(cfg, model, load_universal: bool = False):
 def partitioned_construction(cfg):
     """``(construct, gathered)`` for :func:`setdiff_dist.model.transformer.build_model` under
     ZeRO-3: DeepSpeed's ``zero.Init`` partitions each parameter over the data-parallel ranks
-    as megatron creates it (in fp32, which the fp32 master weights are made from), and
+    as megatron creates it, in the compute dtype (as DeepSpeed casts the module without it:
+    bf16 training makes its fp32 master weights from the bf16 ones either way), and
     ``GatheredParameters`` makes one parameter whole at a time for its initialization, so no
     rank ever holds the whole model. ``(None, None)`` below ZeRO-3."""
     if cfg.zero.stage != 3:
@@ -226,7 +227,7 @@ def partitioned_construction(cfg):
     import deepspeed
 
     construct = deepspeed.zero.Init(data_parallel_group=ps.get_data_parallel_group(),
-                                    dtype=torch.float32)
+                                    dtype=compute_dtype(cfg.train.precision))
 
     def gathered(param):
         return deepspeed.zero.GatheredParameters([param], modifier_rank=0)
