@@ -184,6 +184,11 @@ class CheckpointConfig:
                            "no checkpoint to resume (resume takes precedence); the model.* keys "
                            "must describe its architecture (setdiff-convert --from-hf DIR "
                            "--print-config prints them)")
+    init_from: str = _f("", "a setdiff checkpoint (run, checkpoints or step_* directory) or "
+                        "setdiff-convert export whose weights start the run, in any layout, when "
+                        "there is no checkpoint to resume (resume takes precedence); the "
+                        "optimizer, LR schedule and data position start fresh; the model.* keys "
+                        "must match its architecture")
 
 
 @dataclass
@@ -548,6 +553,8 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"zero.stage={cfg.zero.stage} with parallel.pipeline={par.pipeline}: DeepSpeed "
                  "does not partition gradients or parameters across pipeline stages; use "
                  "zero.stage 0 or 1 with pipeline parallelism")
+    if cfg.checkpoint.init_from and cfg.checkpoint.init_from_hf:
+        p.append("checkpoint.init_from and checkpoint.init_from_hf are both set: start from one")
     if cfg.zero.offload_params != "none" and cfg.zero.stage != 3:
         p.append("zero.offload_params needs zero.stage=3")
     if cfg.train.precision in ("bf16", "fp8") and cfg.zero.stage == 0:

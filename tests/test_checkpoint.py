@@ -331,3 +331,27 @@ def test_a_rank_killed_during_start_up_ends_the_job_within_seconds(shards, tmp_p
     assert time.monotonic() - killed < 30
     assert proc.returncode != 0
     assert "rank 1 died (signal 9); stopping the other ranks" in err
+
+
+def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(shards, tmp_path):
+    """checkpoint.init_from: the weights of a TP=1 checkpoint start a PP=2 run (what a pipeline
+    change that cannot resume is told to do); a step at learning rate 0 keeps them, bitwise."""
+    from setdiff_dist.checkpoint.weights import read_full_state_dict
+
+    source = tmp_path / "source"
+    assert train(source, shards, 4, "zero.stage=1", "train.exit_at_step=2").returncode == 0
+    res = train(source, shards, 4, "zero.stage=1", "parallel.pipeline=2")
+    assert res.returncode == 2
+    assert f"checkpoint.init_from={source}/checkpoints/step_0000002 parallel.pipeline=2" \
+        in res.stderr.replace("\n", " ")
+    fresh = tmp_path / "fresh"
+    res = train(fresh, shards, 1, "zero.stage=1", "parallel.pipeline=2",
+                f"checkpoint.init_from={source}", "optimizer.lr=0", "optimizer.min_lr=0",
+                "optimizer.warmup_steps=0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "initialized from the weights of" in res.stdout
+    a = read_full_state_dict(str(source / "checkpoints" / "step_0000002"))[0]
+    b = read_full_state_dict(str(fresh / "checkpoints" / latest(fresh)))[0]
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

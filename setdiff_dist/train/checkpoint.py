@@ -301,6 +301,52 @@ def resolve(cfg) -> Optional[str]:
     return path
 
 
+ARCHITECTURE_FREE = ("attention_backend", "attention_dropout", "hidden_dropout", "layer_spec")
+
+
+def init_from_weights(model, cfg, path: str, gathered=None) -> None:
+    """Set ``model`` (this rank's stage and TP shard, any layout) to the weights of the setdiff
+    checkpoint or export at ``path``: each rank reads only its rows or columns of each tensor
+    (vocabulary tables: the real rows, padded to this layout's table). The architecture must be
+    the checkpoint's; every parameter must be found with its shape."""
+    from setdiff_dist.checkpoint.sharding import split_shard
+    from setdiff_dist.checkpoint.weights import VOCAB_ROWS, LoadError, open_weights
+    from setdiff_dist.model.transformer import full_shape, global_name
+
+    state, saved, _, _ = open_weights(path)
+    here, there = cfg.to_dict()["model"], saved.to_dict()["model"]
+    diffs = [f"model.{k}: checkpoint {there.get(k)!r}, this run {here.get(k)!r}"
+             for k in sorted(set(here) | set(there))
+             if k not in ARCHITECTURE_FREE and here.get(k) != there.get(k)]
+    if diffs:
+        raise CheckpointError(f"checkpoint.init_from={path}: another architecture:\n  - "
+                              + "\n  - ".join(diffs))
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = global_name(model, name)
+            with gathered(p) if gathered is not None else contextlib.nullcontext():
+                if g not in state:
+                    raise LoadError(f"checkpoint.init_from={path}: tensor {g} is missing")
+                want = full_shape(p)
+                split = getattr(p, "tensor_model_parallel", False) and tp > 1
+                dim, stride = getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1)
+                if g in VOCAB_ROWS:  # the real rows, padded to this layout's table
+                    full = state[g]
+                    if list(full.shape[1:]) != want[1:] or full.shape[0] > want[0]:
+                        raise LoadError(f"checkpoint.init_from={path}: tensor {g} has shape "
+                                        f"{tuple(full.shape)}, this model {tuple(want)}")
+                    full = torch.cat([full, full.new_zeros(want[0] - full.shape[0],
+                                                           *full.shape[1:])])
+                    local = split_shard(full, rank, tp, dim, stride) if split else full
+                else:
+                    if state.shape(g) != want:
+                        raise LoadError(f"checkpoint.init_from={path}: tensor {g} has shape "
+                                        f"{tuple(state.shape(g))}, this model {tuple(want)}")
+                    local = state.shard(g, rank, tp, dim, stride) if split else state[g]
+                p.copy_(local.to(p.dtype))
+
+
 def check_compatible(path: str, cfg, tokenizer_identity: dict) -> dict:
     """The manifest of ``path``, or a CheckpointError listing every difference with this run."""
     with open(os.path.join(path, "manifest.json")) as fh:
@@ -321,7 +367,10 @@ def check_compatible(path: str, cfg, tokenizer_identity: dict) -> dict:
     if saved["pipeline"] != here["pipeline"]:
         diffs.append(f"parallel.pipeline: checkpoint {saved['pipeline']}, this run "
                      f"{here['pipeline']} (stages name their layers locally: a checkpoint "
-                     "resumes at its own pipeline size)")
+                     "resumes at its own pipeline size; to go on from its weights at "
+                     f"pipeline size {here['pipeline']}, with a fresh optimizer: setdiff-train "
+                     f"--config {os.path.join(path, 'config.yaml')} run_dir=NEW_RUN_DIR "
+                     f"checkpoint.init_from={path} parallel.pipeline={here['pipeline']} ...)")
     elif here["pipeline"] > 1:
         for key, name in (("tensor", "parallel.tensor"), ("data", "data-parallel size")):
             if saved[key] != here[key]:

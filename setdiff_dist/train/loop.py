@@ -99,8 +99,20 @@ class Trainer:
         hf = self.cfg.checkpoint.init_from_hf
         if not hf or checkpoint.resolve(self.cfg) is not None:
             construct, gathered = partitioned_construction(self.cfg)
-            return build_model(self.cfg.model, config, seed=self.cfg.train.seed,
-                               construct=construct, gathered=gathered)
+            model = build_model(self.cfg.model, config, seed=self.cfg.train.seed,
+                                construct=construct, gathered=gathered)
+            source = self.cfg.checkpoint.init_from
+            if source and checkpoint.resolve(self.cfg) is None:
+                from setdiff_dist.checkpoint.weights import LoadError
+
+                try:
+                    checkpoint.init_from_weights(model, self.cfg, source, gathered)
+                except LoadError as exc:
+                    raise TrainingError(str(exc)) from None
+                self.initialized_from = source
+                if self.rank == 0:
+                    print(f"initialized from the weights of {source}", flush=True)
+            return model
         from setdiff_dist.model.hf import HFCheckpointError, build_model_from_hf
 
         try:
