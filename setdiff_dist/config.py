@@ -28,9 +28,10 @@ ATTENTION_BACKENDS = ("sdpa", "flex", "te", "permuted_causal")
 
 
 def _f(default: Any = dataclasses.MISSING, help: str = "", *, choices=None, min=None, max=None,
-       default_factory: Any = dataclasses.MISSING):
-    """A dataclass field with its help text and bounds, checked by :func:`load_config`."""
-    md = {"help": help, "choices": choices, "min": min, "max": max}
+       default_factory: Any = dataclasses.MISSING, infinite: bool = False):
+    """A dataclass field with its help text and bounds, checked by :func:`load_config`. Float
+    fields are finite unless ``infinite`` (NaN never passes)."""
+    md = {"help": help, "choices": choices, "min": min, "max": max, "infinite": infinite}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=md)
     return field(default=default, metadata=md)
@@ -195,7 +196,7 @@ class CheckpointConfig:
 class DecodeConfig:
     window: int = _f(16, "candidate window W (masked positions considered per step)", min=1)
     threshold: float = _f(math.inf, "confidence threshold tau; inf = one token per step",
-                          min=0.0)
+                          min=0.0, infinite=True)
     greedy: bool = _f(False, "argmax instead of sampling")
     temperature: float = _f(1.0, "sampling temperature", min=0.0)
     top_p: float = _f(1.0, "nucleus sampling mass", min=0.0, max=1.0)
@@ -327,8 +328,8 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
                 f = float(value.replace("_", ""))
             except ValueError:
                 pass
-        if f is not None and not math.isfinite(f):
-            raise TypeError(f"expected a finite number, got {value!r}")
+        if f is not None and math.isnan(f):
+            raise TypeError(f"expected a number, got {value!r} (not a number)")
         if f is not None:
             return f
         raise TypeError(f"expected a number, got {value!r}")
@@ -340,6 +341,9 @@ def _check_bounds(key: str, value: Any, md: dict, problems: list[str]) -> None:
         return
     items = value if isinstance(value, list) else [value]
     for v in items:
+        if isinstance(v, float) and math.isinf(v) and not md.get("infinite"):
+            problems.append(f"{key}: expected a finite number, got {v}")
+            continue
         if md.get("choices") is not None and v not in md["choices"]:
             msg = f"{key}: {v!r} is not one of {', '.join(map(str, md['choices']))}"
             close = difflib.get_close_matches(str(v), [str(c) for c in md["choices"]], n=1)
