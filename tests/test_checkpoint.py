@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -355,3 +356,37 @@ def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(shards, t
     assert sorted(a) == sorted(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_non_finite_weights_in_a_checkpoint_are_refused_at_resume_and_at_load(shards,
+                                                                                tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    assert train(tmp_path, shards, 4, "zero.stage=2", "train.exit_at_step=2").returncode == 0
+    step = tmp_path / "checkpoints" / latest(tmp_path)
+    state = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)
+    name = next(k for k in state["module"] if k.endswith("linear_fc1.weight"))
+    state["module"][name] = state["module"][name].detach().clone()
+    state["module"][name][0, 0] = float("nan")
+    torch.save(state, step / "mp_rank_00_model_states.pt")
+    # (ZeRO-2 restores the weights from its fp32 partitions: poison those too)
+    for r in (0, 1):
+        file = step / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        opt = torch.load(file, weights_only=False)
+        flats = opt["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+        for i, flat in enumerate(flats):
+            flats[i] = flat.detach().clone()
+            flats[i][0] = float("nan")
+        torch.save(opt, file)
+    res = train(tmp_path, shards, 4, "zero.stage=2")
+    assert res.returncode == 2 and "holds non-finite weights" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    for weights in sorted((step / "weights").glob("tp00_pp00*.safetensors")):  # (DP parts)
+        tensors = load_file(weights)
+        if name in tensors:
+            tensors[name] = tensors[name] * float("nan")
+            save_file(tensors, weights)
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
+                          str(step), "--prompt", "x", "--max-new-tokens", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "non-finite values" in res.stderr, res.stderr[-2000:]

@@ -139,14 +139,22 @@ class LeanTransformer(nn.Module):
         rows = m.vocab_size + 1
         used = set()
 
+        def finite(name, t):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise LeanError(f"tensor {name} has {bad} non-finite values (NaN or inf) of "
+                                f"{t.numel()}: the training diverged before this checkpoint; "
+                                "use an earlier one")
+            return t
+
         def get(name, shape):
             used.add(name)
-            return self._get(state, name, shape).to(device=device, dtype=dtype)
+            return finite(name, self._get(state, name, shape)).to(device=device, dtype=dtype)
 
         def get_shard(name, shape, dim, stride=1):  # only this rank's rows or columns are read
             used.add(name)
-            return self._read_shard(state, name, shape, dim, stride).to(device=device,
-                                                                        dtype=dtype)
+            return finite(name, self._read_shard(state, name, shape, dim, stride)).to(
+                device=device, dtype=dtype)
 
         w = {"embedding": get("embedding.weight", [rows, h])}
         head = w["embedding"] if m.tie_embeddings else get("output_layer.weight", [rows, h])

@@ -419,6 +419,16 @@ def load(engine, path: str, universal: bool = False) -> dict:
                                                 load_lr_scheduler_states=True)
     if loaded is None:
         raise CheckpointError(f"DeepSpeed could not load {path}")
+    # non-finite weights: each rank checks what it holds (its ZeRO-3 partition), all agree
+    bad = [n for n, p in engine.module.named_parameters()
+           if not bool(torch.isfinite(getattr(p, "ds_tensor", p).detach()).all())]
+    flag = torch.tensor([float(len(bad))], device=engine.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise CheckpointError(f"{path} holds non-finite weights "
+                              f"({', '.join(bad[:3]) or 'on another rank'}"
+                              f"{' ...' if len(bad) > 3 else ''}): the run diverged before it; "
+                              "resume from an earlier checkpoint (resume=<step dir>)")
     if universal:
         # DeepSpeed's universal load gives every parameter group the hyperparameters of the
         # first (the no-decay group would decay), and under ZeRO-3 every sub-group one shared
