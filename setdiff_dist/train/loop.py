@@ -52,6 +52,7 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         self.train_set, self.valid_set, self.tokenizer = self._data()
+        self._check_resume()  # before any model is built: a refusal costs seconds, not minutes
         config = transformer_config(cfg.model, par.tensor, par.pipeline,
                                     sequence_parallel=par.sequence_parallel,
                                     fp8_recipe=cfg.train.fp8_recipe
@@ -124,20 +125,26 @@ class Trainer:
             print(f"initialized from the Hugging Face checkpoint {hf}", flush=True)
         return model
 
+    def _check_resume(self) -> None:
+        """Refuse, before building anything, a checkpoint this run cannot go on from."""
+        path = checkpoint.resolve(self.cfg)
+        if path is None:
+            return
+        manifest = checkpoint.check_compatible(path, self.cfg, self.tokenizer_identity)
+        if manifest["step"] > self.cfg.train.steps:
+            raise TrainingError(f"{path} is at step {manifest['step']}, past train.steps="
+                                f"{self.cfg.train.steps}: raise train.steps to train on, or "
+                                "give a new run_dir (resume=never) to start over")
+        checkpoint.check_no_code(path)  # (DeepSpeed's files are pickles)
+
     def _resume(self):
         path = checkpoint.resolve(self.cfg)
         if path is None:
             return None
-        checkpoint.check_compatible(path, self.cfg, self.tokenizer_identity)
-        checkpoint.check_no_code(path)  # (DeepSpeed's files are pickles)
         if self.universal:
             checkpoint.make_universal(path)
         state = checkpoint.load(self.engine, path, universal=self.universal)["setdiff"]
         self.step, self.samples_seen = state["step"], state["samples_seen"]
-        if self.step > self.cfg.train.steps:
-            raise TrainingError(f"{path} is at step {self.step}, past train.steps="
-                                f"{self.cfg.train.steps}: raise train.steps to train on, or "
-                                "give a new run_dir (resume=never) to start over")
         self.skipped_steps = state["nonfinite_skipped_steps"]
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.loader(0).load_state_dict(state["loader"])  # same data stream, or a clear error
