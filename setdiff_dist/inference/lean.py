@@ -140,7 +140,8 @@ class LeanTransformer(nn.Module):
         used = set()
 
         def finite(name, t):
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            # (a sum is non-finite iff an element is: no tensor-sized mask while loading)
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.sum())):
                 bad = int((~torch.isfinite(t)).sum())
                 raise LeanError(f"tensor {name} has {bad} non-finite values (NaN or inf) of "
                                 f"{t.numel()}: the training diverged before this checkpoint; "

@@ -421,7 +421,7 @@ def load(engine, path: str, universal: bool = False) -> dict:
         raise CheckpointError(f"DeepSpeed could not load {path}")
     # non-finite weights: each rank checks what it holds (its ZeRO-3 partition), all agree
     bad = [n for n, p in engine.module.named_parameters()
-           if not bool(torch.isfinite(getattr(p, "ds_tensor", p).detach()).all())]
+           if not bool(torch.isfinite(getattr(p, "ds_tensor", p).detach().sum()))]
     flag = torch.tensor([float(len(bad))], device=engine.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
