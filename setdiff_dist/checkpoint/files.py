@@ -107,22 +107,13 @@ def complete_checkpoints(run_dir: str) -> list[str]:
             if d.startswith("step_") and os.path.isfile(os.path.join(root, d, "manifest.json"))]
 
 
-_NOTED: set = set()  # recovered pointers already reported
-
-
 def resolve_latest(run_dir: str) -> Optional[str]:
     """The checkpoint ``latest`` points at in ``run_dir``, or None when there is none yet. A
     lost pointer is recovered from the newest complete checkpoint (never a silent restart)."""
     path = pointed(checkpoint_root(run_dir))
     if path is None:
         complete = complete_checkpoints(run_dir)
-        if complete:
-            if os.environ.get("RANK", "0") == "0" and complete[-1] not in _NOTED:
-                _NOTED.add(complete[-1])
-                print(f"note: {checkpoint_root(run_dir)}/{LATEST} is missing; resuming from the "
-                      f"newest complete checkpoint, {complete[-1]}", flush=True)
-            return complete[-1]
-        return None
+        return complete[-1] if complete else None
     if not os.path.isfile(os.path.join(path, "manifest.json")):
         pointer = os.path.join(checkpoint_root(run_dir), LATEST)
         raise CheckpointError(f"{pointer} points at {path}, which is not a complete "

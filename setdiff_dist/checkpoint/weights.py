@@ -195,8 +195,7 @@ class TensorSource(Mapping):
                     lo = (j * n + r) * c
                     held.append((lo, lo + c, file, j * c))
         else:
-            held.append((0, full[dim] if name not in VOCAB_ROWS or dim else 10 ** 18,
-                         parts[0][0], 0))
+            held.append((0, full[dim], parts[0][0], 0))
         pieces = []
         for a, b in want:
             b = min(b, full[dim])  # (vocabulary rows past the real ones: padding)

@@ -104,13 +104,21 @@ class LeanTransformer(nn.Module):
         model._load(state, pack and torch.backends.mkldnn.is_available(), device, dtype)
         return model
 
-    def _get(self, state, name, shape):
+    @staticmethod
+    def _require(state, name: str) -> None:
         if name not in state:
             raise LeanError(f"tensor {name} is missing from the checkpoint")
-        t = state[name]
-        if list(t.shape) != list(shape):
-            raise LeanError(f"tensor {name}: shape {tuple(t.shape)}, the architecture needs "
+
+    @staticmethod
+    def _require_shape(name: str, have, shape) -> None:
+        if list(have) != list(shape):
+            raise LeanError(f"tensor {name}: shape {tuple(have)}, the architecture needs "
                             f"{tuple(shape)}")
+
+    def _get(self, state, name, shape):
+        self._require(state, name)
+        t = state[name]
+        self._require_shape(name, t.shape, shape)
         return t
 
     def _shard(self, t, dim: int, stride: int = 1):
@@ -125,11 +133,8 @@ class LeanTransformer(nn.Module):
         the files when ``state`` can (a checkpoint reader), else cut from the full tensor."""
         if self.tp_size == 1 or not hasattr(state, "shard"):
             return self._shard(self._get(state, name, shape), dim, stride)
-        if name not in state:
-            raise LeanError(f"tensor {name} is missing from the checkpoint")
-        if list(state.shape(name)) != list(shape):
-            raise LeanError(f"tensor {name}: shape {tuple(state.shape(name))}, the architecture "
-                            f"needs {tuple(shape)}")
+        self._require(state, name)
+        self._require_shape(name, state.shape(name), shape)
         return state.shard(name, self.tp_rank, self.tp_size, dim, stride)
 
     def _load(self, state, pack: bool = False, device=None, dtype=None):

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import math
 import zlib
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -229,9 +230,10 @@ class SetDiffusionTransformer(MegatronModule):
         return logits.masked_fill(ids >= self.vocab_size, torch.finfo(logits.dtype).min)
 
 
-def build_model(model_cfg, config: TransformerConfig, seed: int, construct=None,
+def build_model(model_cfg, config: TransformerConfig, seed: Optional[int], construct=None,
                 gathered=None) -> SetDiffusionTransformer:
-    """This rank's pipeline stage, initialized from (seed, global parameter names).
+    """This rank's pipeline stage, initialized from (seed, global parameter names); with
+    ``seed=None`` left uninitialized, for a caller that sets every weight itself.
 
     ``construct`` is a context the modules are built in and ``gathered(param)`` one in which a
     parameter is whole (the trainer passes DeepSpeed's ``zero.Init`` and
@@ -241,7 +243,8 @@ def build_model(model_cfg, config: TransformerConfig, seed: int, construct=None,
         model = SetDiffusionTransformer(model_cfg, config,
                                         pre_process=ps.is_pipeline_first_stage(),
                                         post_process=ps.is_pipeline_last_stage())
-    init_weights_(model, seed, gathered)
+    if seed is not None:
+        init_weights_(model, seed, gathered)
     return model
 
 

@@ -36,8 +36,6 @@ from setdiff_dist.checkpoint.files import (FORMAT, LATEST, CheckpointError, chec
                                            prune, resolve_latest, step_directory, tag_of,
                                            write_atomic)
 
-
-
 UNIVERSAL = "universal"  # a step's DeepSpeed universal checkpoint, for another DP size
 
 
@@ -195,8 +193,6 @@ def save_weights(engine, directory: str, zero_stage: int) -> None:
     ``tpTT_ppPP_partRR.safetensors`` for the others), one tensor at a time; under ZeRO-3 each
     parameter is gathered alone, so no rank ever holds the whole model and a writer one tensor.
     Collective over the data-parallel group."""
-    import contextlib
-
     from setdiff_dist.checkpoint.weights import StreamingSafetensors
     from setdiff_dist.model.transformer import global_name
 
@@ -301,7 +297,16 @@ def resolve(cfg) -> Optional[str]:
     return path
 
 
-ARCHITECTURE_FREE = ("attention_backend", "attention_dropout", "hidden_dropout", "layer_spec")
+# model keys a run may change against its checkpoint: kernels and dropout
+RUN_FREE = ("attention_backend", "attention_dropout", "hidden_dropout")
+
+
+def model_differences(here: dict, there: dict, free=RUN_FREE) -> list[str]:
+    """``model.*`` keys that differ between this run (``here``) and a checkpoint (``there``),
+    outside ``free``, as lines of a refusal."""
+    return [f"model.{k}: checkpoint {there.get(k)!r}, this run {here.get(k)!r}"
+            for k in sorted(set(here) | set(there))
+            if k not in free and here.get(k) != there.get(k)]
 
 
 def init_from_weights(model, cfg, path: str, gathered=None) -> None:
@@ -314,10 +319,9 @@ def init_from_weights(model, cfg, path: str, gathered=None) -> None:
     from setdiff_dist.model.transformer import full_shape, global_name
 
     state, saved, _, _ = open_weights(path)
-    here, there = cfg.to_dict()["model"], saved.to_dict()["model"]
-    diffs = [f"model.{k}: checkpoint {there.get(k)!r}, this run {here.get(k)!r}"
-             for k in sorted(set(here) | set(there))
-             if k not in ARCHITECTURE_FREE and here.get(k) != there.get(k)]
+    # (the weights are read by layout-free names: the layer spec may change too)
+    diffs = model_differences(cfg.to_dict()["model"], saved.to_dict()["model"],
+                              RUN_FREE + ("layer_spec",))
     if diffs:
         raise CheckpointError(f"checkpoint.init_from={path}: another architecture:\n  - "
                               + "\n  - ".join(diffs))
@@ -353,16 +357,9 @@ def check_compatible(path: str, cfg, tokenizer_identity: dict) -> dict:
         m = json.load(fh)
     if m.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
-    diffs = []
-    model = cfg.to_dict()["model"]
     # a key added after the checkpoint was written has its default there (e.g. model.head_dim)
-    saved = dict(dataclasses.asdict(type(cfg.model)()), **m["model"])
-    for key in sorted(set(model) | set(saved)):
-        if key in ("attention_backend", "attention_dropout", "hidden_dropout"):
-            continue  # kernels and dropout may change between runs
-        if model.get(key) != saved.get(key):
-            diffs.append(f"model.{key}: checkpoint {saved.get(key)!r}, this run "
-                         f"{model.get(key)!r}")
+    diffs = model_differences(cfg.to_dict()["model"],
+                              dict(dataclasses.asdict(type(cfg.model)()), **m["model"]))
     here, saved = layout(), m["layout"]
     if saved["pipeline"] != here["pipeline"]:
         diffs.append(f"parallel.pipeline: checkpoint {saved['pipeline']}, this run "

@@ -52,6 +52,7 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         self.train_set, self.valid_set, self.tokenizer = self._data()
+        self.resume_path = checkpoint.resolve(cfg)  # None: a fresh run
         self._check_resume()  # before any model is built: a refusal costs seconds, not minutes
         config = transformer_config(cfg.model, par.tensor, par.pipeline,
                                     sequence_parallel=par.sequence_parallel,
@@ -62,8 +63,8 @@ class Trainer:
                                     recompute_num_layers=cfg.train.recompute_num_layers)
         self.model = self._initial_model(config).to(self.device)
         # a checkpoint of another data-parallel size resumes through its universal form
-        path = checkpoint.resolve(cfg)
-        self.universal = path is not None and checkpoint.needs_universal(path)
+        self.universal = self.resume_path is not None and \
+            checkpoint.needs_universal(self.resume_path)
         self.engine = build_engine(cfg, self.model, load_universal=self.universal)
         self.main_grad = main_grad(self.engine)  # where each parameter's gradient accumulates
         self.objective = Objective(cfg, seed=cfg.train.seed)
@@ -98,12 +99,14 @@ class Trainer:
         to resume: a resumed run continues from its own checkpoint, never from the import."""
         self.initialized_from = None
         hf = self.cfg.checkpoint.init_from_hf
-        if not hf or checkpoint.resolve(self.cfg) is not None:
+        if not hf or self.resume_path is not None:
             construct, gathered = partitioned_construction(self.cfg)
-            model = build_model(self.cfg.model, config, seed=self.cfg.train.seed,
+            # (weights that init_from or the resume replaces are not drawn first)
+            source = self.cfg.checkpoint.init_from if self.resume_path is None else ""
+            model = build_model(self.cfg.model, config,
+                                seed=None if source else self.cfg.train.seed,
                                 construct=construct, gathered=gathered)
-            source = self.cfg.checkpoint.init_from
-            if source and checkpoint.resolve(self.cfg) is None:
+            if source:
                 from setdiff_dist.checkpoint.weights import LoadError
 
                 try:
@@ -127,9 +130,15 @@ class Trainer:
 
     def _check_resume(self) -> None:
         """Refuse, before building anything, a checkpoint this run cannot go on from."""
-        path = checkpoint.resolve(self.cfg)
+        path = self.resume_path
         if path is None:
             return
+        from setdiff_dist.checkpoint.files import LATEST, checkpoint_root, pointed
+
+        root = checkpoint_root(self.cfg.run_dir)
+        if self.cfg.resume == "auto" and self.rank == 0 and pointed(root) is None:
+            print(f"note: {root}/{LATEST} is missing; resuming from the newest complete "
+                  f"checkpoint, {path}", flush=True)
         manifest = checkpoint.check_compatible(path, self.cfg, self.tokenizer_identity)
         if manifest["step"] > self.cfg.train.steps:
             raise TrainingError(f"{path} is at step {manifest['step']}, past train.steps="
@@ -138,7 +147,7 @@ class Trainer:
         checkpoint.check_no_code(path)  # (DeepSpeed's files are pickles)
 
     def _resume(self):
-        path = checkpoint.resolve(self.cfg)
+        path = self.resume_path
         if path is None:
             return None
         if self.universal:
