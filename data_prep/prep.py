@@ -32,12 +32,14 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from setdiff_dist.cli import command, count
 from setdiff_dist.data.shards import FORMAT, MANIFEST, ShardWriter, sha256_file
 from setdiff_dist.data.tokenizers import (Tokenizer, TokenizerError, load_tokenizer,
                                           train_bpe)
+from setdiff_dist.errors import SetdiffError
 
 
-class PrepError(ValueError):
+class PrepError(SetdiffError, ValueError):
     """Bad input; the message names the file (and line)."""
 
 
@@ -305,6 +307,7 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
     return manifest
 
 
+@command("setdiff-prep")
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-prep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tokenizer", required=True,
                     help="gpt2, bytes, sentencepiece:PATH, bpe:N, hf:DIR (a Hugging Face model's "
                          "tokenizer.json), or a tokenizer.json directory")
-    ap.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (L)")
+    ap.add_argument("--seq-len", type=count(2), required=True, help="tokens per sequence (L)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--mode", choices=("packed", "padded"), default="packed")
     ap.add_argument("--text-field", default="text", help="JSONL field with the text")
@@ -320,24 +323,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="JSONL field with a prompt (padded mode: marked as context)")
     ap.add_argument("--split-paragraphs", action="store_true",
                     help=".txt: one document per blank-line paragraph")
-    ap.add_argument("--valid-every", type=int, default=100,
+    ap.add_argument("--valid-every", type=count(0), default=100,
                     help="every N-th document goes to the validation split (0 = none)")
-    ap.add_argument("--samples-per-shard", type=int, default=4096)
-    ap.add_argument("--workers", type=int, default=0, help="tokenizer processes (0 = cores)")
+    ap.add_argument("--samples-per-shard", type=count(), default=4096)
+    ap.add_argument("--workers", type=count(0), default=0, help="tokenizer processes (0 = cores)")
     ap.add_argument("--truncate", action="store_true",
                     help="padded mode: cut documents longer than --seq-len instead of failing")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    try:
-        m = prepare(args.input, args.tokenizer, args.seq_len, args.out, mode=args.mode,
-                    text_field=args.text_field, prompt_field=args.prompt_field,
-                    split_paragraphs=args.split_paragraphs, valid_every=args.valid_every,
-                    samples_per_shard=args.samples_per_shard, workers=args.workers,
-                    truncate=args.truncate, overwrite=args.overwrite, progress=not args.quiet)
-    except PrepError as exc:
-        print(f"setdiff-prep: error: {exc}", file=sys.stderr)
-        return 2
+    m = prepare(args.input, args.tokenizer, args.seq_len, args.out, mode=args.mode,
+                text_field=args.text_field, prompt_field=args.prompt_field,
+                split_paragraphs=args.split_paragraphs, valid_every=args.valid_every,
+                samples_per_shard=args.samples_per_shard, workers=args.workers,
+                truncate=args.truncate, overwrite=args.overwrite, progress=not args.quiet)
     counts = ", ".join(f"{k}: {v['samples']} sequences / {v['tokens']} tokens / "
                        f"{len(v['shards'])} shards" for k, v in m["splits"].items())
     print(f"setdiff-prep: {m['documents']} documents -> {args.out} ({counts}); tokenizer "

@@ -27,14 +27,16 @@ import re
 import sys
 from typing import Optional
 
-from .corpus import kjv_verses
+from setdiff_dist.cli import command, count
+
+from .corpus import CorpusError, kjv_verses
 
 
 def gsm(size: int, seed: int) -> list[dict]:
     try:
         import reasoning_gym
     except ImportError:
-        raise RuntimeError("the gsm task needs reasoning-gym (pip install -e '.[tasks]')") from None
+        raise CorpusError("the gsm task needs reasoning-gym (pip install -e '.[tasks]')") from None
     out = []
     for item in reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed):
         answer = str(item["answer"]).strip()
@@ -95,24 +97,21 @@ def infill(size: int, seed: int, chapters: Optional[set] = None,
     return out
 
 
+@command("setdiff-tasks")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-tasks", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("task", choices=("gsm", "infill"))
     ap.add_argument("--out", required=True, help="output .jsonl")
-    ap.add_argument("--size", type=int, default=2000)
+    ap.add_argument("--size", type=count(), default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--unit", choices=("verse", "clause"), default="verse",
                     help="infill: five verses, or five clauses (sentence-sized; fit L = 128)")
     args = ap.parse_args(argv)
-    try:
-        if args.task == "gsm":
-            records = gsm(args.size, args.seed)
-        else:
-            records = infill(args.size, args.seed, unit=args.unit)
-    except RuntimeError as exc:
-        print(f"setdiff-tasks: error: {exc}", file=sys.stderr)
-        return 2
+    if args.task == "gsm":
+        records = gsm(args.size, args.seed)
+    else:
+        records = infill(args.size, args.seed, unit=args.unit)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".tmp", "w", encoding="utf-8") as fh:
         for r in records:

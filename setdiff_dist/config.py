@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
+from setdiff_dist.errors import SetdiffError
 
 ORDER_KINDS = ("causal", "autoregressive", "masked", "block", "staggered")
 SINGLETON_ORDER_KINDS = ("autoregressive", "staggered")
@@ -129,9 +130,10 @@ class OptimizerConfig:
 
 @dataclass
 class DataConfig:
-    train_shards: str = _f("", "training shards: a directory with a manifest, or a brace/glob "
-                           "pattern of .tar files")
-    valid_shards: str = _f("", "validation shards (same forms); empty = no validation")
+    train_shards: str = _f("", "training shards: a directory written by setdiff-prep (its "
+                           "manifest.json lists the shard files and their checksums)")
+    valid_shards: str = _f("", "a shard directory with a 'valid' split; empty = the 'valid' "
+                           "split of train_shards, if it has one")
     tokenizer: str = _f("", "tokenizer spec (gpt2, sentencepiece:PATH, bytes, hf:DIR, or a "
                         "directory); empty = the one in the shard manifest")
     seq_len: int = _f(128, "sequence length L (the set-diffusion forward runs on 2L tokens)",
@@ -180,6 +182,9 @@ class CheckpointConfig:
     save_at_end: bool = _f(True, "checkpoint when training ends (false for benchmarks and smoke "
                            "runs, which need no weights; signals and checkpoint.interval still "
                            "save)")
+    checksums: bool = _f(True, "write each file's SHA-256 into the checkpoint's manifest and "
+                         "check them at resume (the ranks share the hashing, about 1 GB/s "
+                         "each); false: sizes only")
     init_from_hf: str = _f("", "a local Hugging Face Llama / Qwen3 checkpoint directory "
                            "(config.json + safetensors) whose weights start the run when there is "
                            "no checkpoint to resume (resume takes precedence); the model.* keys "
@@ -228,7 +233,7 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-class ConfigError(ValueError):
+class ConfigError(SetdiffError, ValueError):
     """Every problem found in a configuration, one per line, each naming its key."""
 
     def __init__(self, problems: list[str], source: str = "config"):
@@ -354,6 +359,28 @@ def _check_bounds(key: str, value: Any, md: dict, problems: list[str]) -> None:
             problems.append(f"{key}: {v} is above the maximum {md['max']}")
 
 
+def world_problems(cfg: Config, world_size: int) -> list[str]:
+    """What keeps ``cfg`` from running on ``world_size`` ranks (the checks that need the world
+    size, which the config alone does not know); empty when it can."""
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    if world_size < 1:
+        return [f"the world size must be at least 1, got {world_size}"]
+    if world_size % (tp * pp):
+        return [f"world size {world_size} is not divisible by parallel.tensor={tp} x "
+                f"parallel.pipeline={pp}: launch a multiple of {tp * pp} ranks or lower "
+                "parallel.tensor / parallel.pipeline"]
+    dp = world_size // (tp * pp)
+    d = cfg.data
+    unit = d.micro_batch_size * dp
+    if d.global_batch_size % unit:
+        return [f"data.global_batch_size={d.global_batch_size} must be a multiple of "
+                f"data.micro_batch_size={d.micro_batch_size} x data-parallel size {dp} "
+                f"(world {world_size} / (tensor {tp} x pipeline {pp})): set "
+                f"data.global_batch_size={max(1, round(d.global_batch_size / unit)) * unit} "
+                "or lower data.micro_batch_size"]
+    return []
+
+
 # ----------------------------------------------------------------------------- loading
 
 def read_yaml(path: str, _seen: Optional[tuple] = None) -> dict:
@@ -365,11 +392,16 @@ def read_yaml(path: str, _seen: Optional[tuple] = None) -> dict:
         raise ConfigError([f"include cycle: {' -> '.join(_seen + (path,))}"], path)
     if not os.path.isfile(path):
         raise ConfigError([f"config file not found: {path}"], path)
-    with open(path, encoding="utf-8") as fh:
-        try:
+    try:
+        with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError([f"not valid YAML: {exc}"], path) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {exc}"], path) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"not a text file (byte {exc.start} is not UTF-8): give a YAML "
+                           "config such as configs/tiny-cpu.yaml"], path) from None
+    except OSError as exc:
+        raise ConfigError([f"cannot read it: {exc.strerror}"], path) from None
     if not isinstance(data, dict):
         raise ConfigError(["the top level must be a mapping of sections"], path)
     includes = data.pop("include", None) or []

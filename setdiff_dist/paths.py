@@ -4,7 +4,17 @@ else."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+
+
+def sha256_file(path: str) -> str:
+    """The SHA-256 of a file, read in 8 MiB blocks (about 1 GB/s on one core)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(8 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def inside(directory: str, name: str, what: str, error: type = ValueError) -> str:

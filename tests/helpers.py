@@ -23,6 +23,22 @@ def sonnet_shards(directory, tokenizer="bytes", seq_len=32, valid_every=4):
     return out
 
 
+def tree_hash(directory) -> str:
+    """One SHA-256 over every file under ``directory``, names and contents: equal before and
+    after a command that must write nothing."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(directory):
+        dirs.sort()
+        for f in sorted(files):
+            path = os.path.join(root, f)
+            h.update(path.encode())
+            with open(path, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
 def train_command(run_dir, shards, *overrides, nproc=2, steps=4, seq_len=32, vocab=257,
                   global_batch=8, micro_batch=2):
     """``setdiff-train --nproc-per-node N`` on the tiny config; later overrides win."""

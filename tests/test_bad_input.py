@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import sonnet_shards
+from helpers import sonnet_shards, tree_hash
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +99,175 @@ def test_non_finite_results_are_written_as_valid_json():
     text = json.dumps(_finite({"a": [1.0, float("inf")], "b": {"c": float("nan")}}),
                       allow_nan=False)
     assert json.loads(text) == {"a": [1.0, "inf"], "b": {"c": "nan"}}
+
+
+# ----------------------------------------------------------------------------- one line, exit 2
+# Each case: a command as a user would type it, the words its one-line error must hold (what
+# is wrong, where, and the fix), run in this process (the errors come before any process group)
+# with the workspace hashed before and after: a refusal writes nothing and loses nothing.
+
+def _cli(module, argv, capsys):
+    """``main(argv)`` of a command: (exit code, standard error); the signal handlers that
+    setdiff-train installs are given back to pytest."""
+    import importlib
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        code = importlib.import_module(module).main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def workspace(shards, tmp_path_factory):
+    """A shard directory, task files and a config, as a user's working directory holds them."""
+    import shutil
+
+    ws = tmp_path_factory.mktemp("ws")
+    shutil.copytree(shards, ws / "shards")
+    (ws / "binary.yaml").write_bytes(b"\x00\x01\xff\xfe")
+    (ws / "notjson.jsonl").write_text('{"left": "a", "middle": "b", "right": "c"}\nnot json\n')
+    (ws / "gsm.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    (ws / "corpus.txt").write_text("Shall I compare thee to a summer's day?\n")
+    return ws
+
+
+TRAIN = ["--config", "configs/tiny-cpu.yaml", "data.train_shards={ws}/shards", "data.seq_len=32",
+         "model.vocab_size=300", "run_dir={ws}/run", "data.global_batch_size=8",
+         "data.micro_batch_size=2"]
+GENERATE = ["--checkpoint", "{ws}/shards", "--prompt", "x"]
+
+BAD_INPUT = [
+    ("binary config", "setdiff_dist.cli.train", ["--config", "{ws}/binary.yaml"],
+     ["binary.yaml", "not a text file", "give a YAML config"]),
+    ("TP=4 on 2 ranks", "setdiff_dist.cli.train",
+     TRAIN + ["--nproc-per-node", "2", "parallel.tensor=4"],
+     ["world size 2 is not divisible by parallel.tensor=4", "launch a multiple of 4 ranks"]),
+    ("TP=3", "setdiff_dist.cli.train", TRAIN + ["--nproc-per-node", "3", "parallel.tensor=3"],
+     ["parallel.tensor=3 must divide model.num_query_groups=4"]),
+    ("micro x DP > global batch", "setdiff_dist.cli.train",
+     TRAIN + ["--nproc-per-node", "2", "data.micro_batch_size=8"],
+     ["data.global_batch_size=8 must be a multiple of data.micro_batch_size=8 x data-parallel "
+      "size 2", "set data.global_batch_size=16"]),
+    ("--nproc-per-node -1", "setdiff_dist.cli.train", TRAIN + ["--nproc-per-node", "-1"],
+     ["--nproc-per-node: must be 1 or more, got -1"]),
+    ("an unknown key", "setdiff_dist.cli.train", TRAIN + ["optimizer.lrr=1"],
+     ["optimizer.lrr", "did you mean 'optimizer.lr'"]),
+    ("--tokenizer bpe:100", "data_prep.prep",
+     ["--input", "{ws}/corpus.txt", "--tokenizer", "bpe:100", "--seq-len", "32", "--out",
+      "{ws}/prep-out"], ["bpe:100", "needs at least 257 tokens"]),
+    ("--workers -1", "data_prep.prep",
+     ["--input", "{ws}/corpus.txt", "--tokenizer", "bytes", "--seq-len", "32", "--out",
+      "{ws}/prep-out", "--workers", "-1"], ["--workers: must be 0 or more, got -1"]),
+    ("non-UTF-8 prompt bytes", "setdiff_dist.cli.generate",
+     ["--checkpoint", "{ws}/run", "--prompt", "x\udcff"],
+     ["--prompt is not valid UTF-8 text", "re-encode it as UTF-8"]),
+    ("--stop 're:('", "setdiff_dist.cli.generate", GENERATE + ["--stop", "re:("],
+     ["stop pattern 're:(' is not a valid regular expression", "drop the 're:' prefix"]),
+    ("a shard directory as --checkpoint", "setdiff_dist.cli.generate", GENERATE,
+     ["shards is a shard directory (setdiff-prep's output), not a checkpoint",
+      "give a training run directory"]),
+    ("a JSONL line that is not JSON", "setdiff_dist.cli.eval",
+     ["--checkpoint", "{ws}/run", "--task", "infill", "--data", "{ws}/notjson.jsonl"],
+     ["notjson.jsonl, line 2: not JSON", "setdiff-tasks infill --out"]),
+    ("the wrong task file", "setdiff_dist.cli.eval",
+     ["--checkpoint", "{ws}/run", "--task", "infill", "--data", "{ws}/gsm.jsonl"],
+     ["gsm.jsonl, line 1: no 'left', 'middle', 'right' field: not an infill task file"]),
+    ("a missing task file", "setdiff_dist.cli.eval",
+     ["--checkpoint", "{ws}/run", "--task", "gsm", "--data", "{ws}/none.jsonl"],
+     ["--data", "none.jsonl: no such file", "setdiff-tasks gsm --out"]),
+    ("--limit 0", "setdiff_dist.cli.eval",
+     ["--checkpoint", "{ws}/run", "--task", "gsm", "--data", "{ws}/gsm.jsonl", "--limit", "0"],
+     ["--limit: must be 1 or more, got 0"]),
+]
+
+
+@pytest.mark.parametrize("module,argv,words", [c[1:] for c in BAD_INPUT],
+                         ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_is_one_message_and_exit_code_2_and_writes_nothing(workspace, capsys, module,
+                                                                     argv, words):
+    before = tree_hash(workspace)
+    code, err = _cli(module, [a.format(ws=workspace) for a in argv], capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, err
+    assert tree_hash(workspace) == before
+
+
+def test_a_corrupt_shard_met_in_training_is_one_message_from_the_rank_that_read_it(tmp_path):
+    """A shard is hashed when a loader worker first opens it: the error comes from inside a
+    DataLoader worker of one rank, and is printed as the reader raised it, not as the worker's
+    traceback; the job ends with exit code 2."""
+    from data_prep.prep import prepare
+    from helpers import run_train
+    from setdiff_dist.data import sample_text
+
+    src = tmp_path / "sonnets.txt"
+    src.write_text(sample_text())
+    shards = tmp_path / "shards"
+    prepare([str(src)], "bytes", 32, str(shards), split_paragraphs=True, valid_every=0,
+            samples_per_shard=8, workers=1, progress=False)
+    for tar in sorted(shards.glob("train-*.tar")):  # every shard: whichever a rank reads first
+        data = bytearray(tar.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        tar.write_bytes(bytes(data))
+    res = run_train(tmp_path / "run", str(shards), "data.num_workers=1", "train.eval_batches=1",
+                    steps=2)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "is corrupt: its sha256 differs from the manifest's; re-run setdiff-prep" in res.stderr
+    assert "Traceback" not in res.stderr and "DataLoader worker" not in res.stderr
+
+
+def _damage_missing_index(d):
+    next(d.glob("train-*.idx.npy")).unlink()
+
+
+def _damage_truncated_manifest(d):
+    text = (d / "manifest.json").read_text()
+    (d / "manifest.json").write_text(text[:len(text) // 2])
+
+
+def _damage_seq_len(d):  # a manifest that disagrees with its samples
+    m = json.loads((d / "manifest.json").read_text())
+    m["seq_len"] = 16
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def _damage_tokenizer(d):
+    m = json.loads((d / "manifest.json").read_text())
+    (d / m["tokenizer"]["file"]).unlink()
+
+
+@pytest.mark.parametrize("damage,seq_len,words", [
+    (_damage_missing_index, 32, ["shard file", ".idx.npy is missing (listed in",
+                                 "re-run setdiff-prep"]),
+    (_damage_truncated_manifest, 32, ["manifest.json: not valid JSON"]),
+    (_damage_seq_len, 16, ["has shape (32,), expected (16,)"]),
+    (_damage_tokenizer, 32, ["the tokenizer file", "is missing", "manifest names it: 'bpe:300'"]),
+], ids=["missing index", "truncated manifest", "seq_len disagrees with the samples",
+        "deleted tokenizer"])
+def test_a_damaged_shard_directory_is_one_clear_error(shards, tmp_path, damage, seq_len, words):
+    """What the trainer meets, in the order it meets it: the manifest, the shard files, the
+    tokenizer, then each sample as a loader reads it."""
+    import shutil
+
+    from setdiff_dist.data.loader import TokenLoader
+    from setdiff_dist.data.shards import ShardSet
+    from setdiff_dist.data.tokenizers import load_shipped_tokenizer
+    from setdiff_dist.errors import SetdiffError
+
+    d = tmp_path / "shards"
+    shutil.copytree(shards, d)
+    damage(d)
+    with pytest.raises(SetdiffError) as err:
+        s = ShardSet(str(d), "train", seq_len=seq_len)
+        load_shipped_tokenizer(str(d), s.manifest["tokenizer"])
+        next(iter(TokenLoader(s, global_batch=2, micro_batch=2, num_workers=0)))
+    for w in words:
+        assert w in str(err.value), str(err.value)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from helpers import child_env, losses, run_train, sonnet_shards, train_command
+from helpers import child_env, losses, run_train, sonnet_shards, train_command, tree_hash
 
 EXIT_PREEMPTED = 75
 
@@ -105,26 +105,32 @@ def _wait_for_step(proc, step):
     raise AssertionError("the run ended before the signal")
 
 
-@pytest.mark.parametrize("target", ["launcher", "every rank"])
-def test_a_preemption_signal_checkpoints_and_exits_for_requeue(straight, shards, tmp_path,
-                                                               target):
+@pytest.mark.parametrize("target,signum", [("launcher", signal.SIGUSR1),
+                                           ("every rank", signal.SIGTERM),
+                                           ("launcher", signal.SIGINT)],
+                         ids=["SIGUSR1 to the launcher", "SIGTERM to every rank", "Ctrl-C"])
+def test_a_stop_signal_checkpoints_and_exits_with_its_outcome(shards, tmp_path, target, signum):
+    """SIGTERM / SIGUSR1 (preemption) checkpoint and exit 75 for a requeue; SIGINT (Ctrl-C)
+    checkpoints and exits 130, outcome "paused"; resume=auto goes on from either."""
     proc = subprocess.Popen(command(tmp_path, shards, 12, "zero.stage=2",
                                     "train.steps=400", "optimizer.schedule=constant"),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_step(proc, 2)
     if target == "launcher":
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signum)
     else:  # as Slurm does: every process of the job
         for pid in [proc.pid] + _children(proc.pid):
-            os.kill(pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == EXIT_PREEMPTED
+            os.kill(pid, signum)
+    out, err = proc.communicate(timeout=300)
+    code, outcome = (130, "paused") if signum == signal.SIGINT else (EXIT_PREEMPTED, "preempted")
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err
     step = int(latest(tmp_path).split("_")[1])
-    assert 2 <= step < 400 and "(preempted)" in out
+    assert 2 <= step < 400 and f"({outcome})" in out
     # what a Slurm job script reads to decide on a requeue (launchers/slurm/train.sbatch)
     with open(os.path.join(tmp_path, "exit_status.json")) as fh:
         status = json.load(fh)
-    assert status["outcome"] == "preempted" and status["exit_code"] == EXIT_PREEMPTED
+    assert status["outcome"] == outcome and status["exit_code"] == code
     assert status["step"] == step and status["checkpoint"].endswith(latest(tmp_path))
 
 
@@ -247,6 +253,15 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+def _rehash(step, file):
+    """Make the manifest's size and checksum of ``file`` match what is there now."""
+    from setdiff_dist.checkpoint.files import describe_files
+
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["files"].update(describe_files(str(step), [file]))
+    (step / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_a_pickle_payload_in_a_checkpoint_is_not_run_on_resume(shards, tmp_path):
     assert train(tmp_path, shards, 4, "zero.stage=2", "train.exit_at_step=2").returncode == 0
     step = tmp_path / "checkpoints" / latest(tmp_path)
@@ -255,6 +270,7 @@ def test_a_pickle_payload_in_a_checkpoint_is_not_run_on_resume(shards, tmp_path)
         state = torch.load(step / file, weights_only=False)
         state["extra"] = _Payload(marker)
         torch.save(state, step / file)
+        _rehash(step, file)  # (an attacker can rewrite the manifest's checksums too)
         res = train(tmp_path, shards, 4, "zero.stage=2")
         assert res.returncode == 2, res.stderr[-3000:]
         assert "would run code when loaded (posix.system)" in res.stderr and file in res.stderr
@@ -262,19 +278,54 @@ def test_a_pickle_payload_in_a_checkpoint_is_not_run_on_resume(shards, tmp_path)
         assert not marker.exists()
         state.pop("extra")
         torch.save(state, step / file)  # (the next file is tried on a clean checkpoint)
+        _rehash(step, file)
 
 
-def _tree_hash(directory):
-    import hashlib
+def _truncate(path):
+    os.truncate(path, os.path.getsize(path) // 2)
 
-    h = hashlib.sha256()
-    for root, _, files in sorted(os.walk(directory)):
-        for f in sorted(files):
-            path = os.path.join(root, f)
-            h.update(path.encode())
-            with open(path, "rb") as fh:
-                h.update(fh.read())
-    return h.hexdigest()
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_named_with_the_checkpoint_to_go_back_to(shards, tmp_path):
+    """Every file of a checkpoint has its size and SHA-256 in the manifest; a resume checks
+    them first (the ranks share the hashing) and refuses a damaged one, naming the file and
+    the previous complete checkpoint, with nothing loaded and nothing written."""
+    assert train(tmp_path, shards, 4, "zero.stage=2", "checkpoint.interval=1",
+                 "train.exit_at_step=2").returncode == 0
+    root = tmp_path / "checkpoints"
+    step = root / "step_0000002"
+    table = json.loads((step / "manifest.json").read_text())["files"]
+    assert {"config.yaml", "mp_rank_00_model_states.pt", "rng_rank1.pt",
+            "weights/tp00_pp00.safetensors", "weights/tp00_pp00_part01.safetensors",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(table)
+    assert all(v["bytes"] == os.path.getsize(step / k) and len(v["sha256"]) == 64
+               for k, v in table.items())
+    for file, damage, words in (
+            ("mp_rank_00_model_states.pt", _truncate, "(truncated)"),
+            ("zero_pp_rank_1_mp_rank_00_optim_states.pt", _flip,
+             "does not match its SHA-256 checksum"),
+            ("rng_rank1.pt", _truncate, "(truncated)"),
+            ("weights/tp00_pp00_part01.safetensors", _flip, "does not match its SHA-256"),
+            ("manifest.json", _truncate, "is damaged (not JSON")):
+        original = (step / file).read_bytes()
+        damage(step / file)
+        before = tree_hash(root)
+        res = train(tmp_path, shards, 4, "zero.stage=2")
+        assert res.returncode == 2, (file, res.stderr[-2000:])
+        assert file in res.stderr and words in res.stderr, res.stderr[-2000:]
+        assert "Traceback" not in res.stderr
+        if file != "manifest.json":
+            assert f"resume={root / 'step_0000001'}" in res.stderr, res.stderr[-2000:]
+        assert tree_hash(root) == before, file
+        (step / file).write_bytes(original)
+    res = train(tmp_path, shards, 4, "zero.stage=2")  # repaired: it resumes
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
 
 
 def test_a_run_directory_belongs_to_one_trainer(shards, tmp_path):
@@ -292,7 +343,7 @@ def test_a_run_directory_belongs_to_one_trainer(shards, tmp_path):
 
 def test_a_resume_that_would_change_or_lose_the_run_is_refused(shards, tmp_path):
     assert train(tmp_path, shards, 4, "zero.stage=2", "train.exit_at_step=2").returncode == 0
-    before = _tree_hash(tmp_path / "checkpoints")
+    before = tree_hash(tmp_path / "checkpoints")
     for overrides, words in (
             (("resume=never",), "resume=never would train over the 1 checkpoint(s)"),
             (("order.kind=block",), "order.kind: checkpoint 'staggered', this run 'block'"),
@@ -301,7 +352,7 @@ def test_a_resume_that_would_change_or_lose_the_run_is_refused(shards, tmp_path)
         res = train(tmp_path, shards, 4, "zero.stage=2", *overrides)
         assert res.returncode == 2, (overrides, res.stderr[-2000:])
         assert words in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
-        assert _tree_hash(tmp_path / "checkpoints") == before, overrides
+        assert tree_hash(tmp_path / "checkpoints") == before, overrides
     # a lost `latest` is recovered from the newest complete checkpoint, not a silent restart
     os.remove(tmp_path / "checkpoints" / "latest")
     res = train(tmp_path, shards, 4, "zero.stage=2")
@@ -369,6 +420,8 @@ def test_non_finite_weights_in_a_checkpoint_are_refused_at_resume_and_at_load(sh
     state["module"][name] = state["module"][name].detach().clone()
     state["module"][name][0, 0] = float("nan")
     torch.save(state, step / "mp_rank_00_model_states.pt")
+    # (as a diverged run writes them: the manifest's checksums are those of the NaNs)
+    _rehash(step, "mp_rank_00_model_states.pt")
     # (ZeRO-2 restores the weights from its fp32 partitions: poison those too)
     for r in (0, 1):
         file = step / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
@@ -378,6 +431,7 @@ def test_non_finite_weights_in_a_checkpoint_are_refused_at_resume_and_at_load(sh
             flats[i] = flat.detach().clone()
             flats[i][0] = float("nan")
         torch.save(opt, file)
+        _rehash(step, file.name)
     res = train(tmp_path, shards, 4, "zero.stage=2")
     assert res.returncode == 2 and "holds non-finite weights" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
@@ -386,6 +440,7 @@ def test_non_finite_weights_in_a_checkpoint_are_refused_at_resume_and_at_load(sh
         if name in tensors:
             tensors[name] = tensors[name] * float("nan")
             save_file(tensors, weights)
+            _rehash(step, f"weights/{weights.name}")
     res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
                           str(step), "--prompt", "x", "--max-new-tokens", "2"],
                          capture_output=True, text=True, timeout=300)

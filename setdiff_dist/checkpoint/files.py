@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Optional
+from typing import Iterable, Optional
+
+from setdiff_dist.errors import SetdiffError
+from setdiff_dist.paths import sha256_file
 
 FORMAT = "setdiff-ckpt/1"
 LATEST = "latest"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(SetdiffError, ValueError):
     """A checkpoint that cannot be used for this run; the message says what differs."""
 
 
@@ -32,6 +35,27 @@ def write_atomic(path: str, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of the checkpoint directory ``path``, or a CheckpointError that names it."""
+    import json
+
+    file = os.path.join(path, "manifest.json")
+    try:
+        with open(file, encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a complete checkpoint (no manifest.json)") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is damaged (not JSON: {exc}); resume from an earlier "
+                              "checkpoint") from None
+    missing = [k for k in ("format", "step", "layout") if not isinstance(manifest, dict)
+               or k not in manifest]
+    if missing:
+        raise CheckpointError(f"{file} is damaged or not a checkpoint manifest (no "
+                              f"{', '.join(missing)})")
+    return manifest
 
 
 def prune(root: str, keep_last: int, keep: str) -> None:
@@ -119,3 +143,67 @@ def resolve_latest(run_dir: str) -> Optional[str]:
         raise CheckpointError(f"{pointer} points at {path}, which is not a complete "
                               "checkpoint; remove the pointer or set resume=never / a path")
     return path
+
+
+# ----------------------------------------------------------------------------- file checksums
+# The manifest lists every file of a checkpoint with its size and SHA-256 (``"files"``), so
+# that a truncated or damaged file is named at load instead of failing deep inside a reader.
+# The ranks share the hashing: rank r hashes files r, r + world, ... of the sorted list.
+
+def checkpoint_files(directory: str) -> list[str]:
+    """The files of a checkpoint directory, relative and sorted: everything but the manifest
+    itself, temporary files and a derived ``universal/`` form."""
+    out = []
+    for base, dirs, files in os.walk(directory):
+        rel = os.path.relpath(base, directory)
+        if rel == "universal" or rel.startswith("universal" + os.sep):
+            dirs[:] = []
+            continue
+        for f in files:
+            path = os.path.normpath(os.path.join(rel, f))
+            if path != "manifest.json" and ".tmp-" not in f:
+                out.append(path)
+    return sorted(out)
+
+
+def describe_files(directory: str, names: Iterable[str], hashes: bool = True) -> dict:
+    """``{name: {"bytes": n, "sha256": hex}}`` for ``names`` under ``directory``."""
+    out = {}
+    for name in names:
+        path = os.path.join(directory, name)
+        out[name] = {"bytes": os.path.getsize(path)}
+        if hashes:
+            out[name]["sha256"] = sha256_file(path)
+    return out
+
+
+def file_problems(directory: str, table: dict, names: Iterable[str],
+                  hashes: bool = True) -> list[str]:
+    """What is wrong with ``names`` of ``directory`` against the manifest's ``table``: missing,
+    another size, another checksum (``hashes``; sizes alone otherwise)."""
+    problems = []
+    for name in names:
+        want, path = table[name], os.path.join(directory, name)
+        if not os.path.isfile(path):
+            problems.append(f"{name} is missing")
+            continue
+        size = os.path.getsize(path)
+        if size != want["bytes"]:
+            problems.append(f"{name} has {size:,} bytes, the manifest says {want['bytes']:,} "
+                            f"({'truncated' if size < want['bytes'] else 'grown'})")
+        elif hashes and "sha256" in want and sha256_file(path) != want["sha256"]:
+            problems.append(f"{name} does not match its SHA-256 checksum (damaged)")
+    return problems
+
+
+def damaged(path: str, problems: list[str]) -> CheckpointError:
+    """The error for a checkpoint whose files fail their checks: names them and the previous
+    complete checkpoint to go back to."""
+    root, tag = os.path.split(os.path.normpath(path))
+    older = [d for d in sorted(os.listdir(root)) if d.startswith("step_") and d < tag and
+             os.path.isfile(os.path.join(root, d, "manifest.json"))] if os.path.isdir(root) else []
+    hint = (f"resume from the previous complete checkpoint: resume={os.path.join(root, older[-1])}"
+            if older else "there is no earlier complete checkpoint in this run")
+    return CheckpointError(f"checkpoint {path} is damaged:\n  - " + "\n  - ".join(problems[:8])
+                           + (f"\n  - ... {len(problems) - 8} more" if len(problems) > 8 else "")
+                           + f"\n{hint}")

@@ -16,14 +16,15 @@ import torch
 from setdiff_dist.config import config_from_dict
 from setdiff_dist.data.tokenizers import Tokenizer, load_shipped_tokenizer
 
-from .files import step_directory
+from .files import damaged, file_problems, read_manifest, step_directory
 from .sharding import merge_shards
+from setdiff_dist.errors import SetdiffError
 
 EXPORT_FORMAT = "setdiff-export/1"
 VOCAB_ROWS = ("embedding.weight", "output_layer.weight")
 
 
-class LoadError(ValueError):
+class LoadError(SetdiffError, ValueError):
     """A checkpoint or export that cannot be loaded; the message names what is wrong."""
 
 
@@ -34,6 +35,10 @@ def resolve(path: str) -> tuple[str, str]:
         raise LoadError(f"--checkpoint {path}: no such directory")
     if os.path.isfile(os.path.join(path, "export.json")):
         return "export", path
+    if _is_shard_directory(path):
+        raise LoadError(f"--checkpoint {path} is a shard directory (setdiff-prep's output), "
+                        "not a checkpoint: give a training run directory, a checkpoints/step_* "
+                        "directory or a setdiff-convert export")
     path = step_directory(path)
     if not os.path.isfile(os.path.join(path, "manifest.json")):
         raise LoadError(f"{path} is neither a setdiff-convert export nor a complete checkpoint "
@@ -41,6 +46,14 @@ def resolve(path: str) -> tuple[str, str]:
     if not glob.glob(os.path.join(path, "weights", "*.safetensors")):
         raise LoadError(f"{path} has no weights/ directory (a checkpoint from an older version?)")
     return "checkpoint", path
+
+
+def _is_shard_directory(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "manifest.json"), encoding="utf-8") as fh:
+            return "splits" in json.load(fh)
+    except (OSError, ValueError):
+        return False
 
 
 def _config_of(directory: str):
@@ -246,8 +259,12 @@ def open_weights(path: str):
         names = tensor_names(file)
         source = TensorSource({n: [(file, None)] for n in names}, rows)
         return source, cfg, _tokenizer_of(directory, meta["tokenizer"]), directory
-    with open(os.path.join(directory, "manifest.json")) as fh:
-        manifest = json.load(fh)
+    manifest = read_manifest(directory)
+    table = manifest.get("files", {})  # sizes only: a truncated file is named here, cheaply
+    problems = file_problems(directory, table, [n for n in table if n.startswith("weights")],
+                             hashes=False)
+    if problems:
+        raise damaged(directory, problems)
     layout = manifest["layout"]
     files: dict[str, list] = {}
     for pp in range(layout["pipeline"]):
@@ -291,6 +308,17 @@ def open_weights(path: str):
         directory
 
 
+def provenance(path: str) -> dict:
+    """``{"checkpoint": directory, "step": training step or None}`` of a checkpoint or export,
+    for results to say what they measured."""
+    kind, directory = resolve(path)
+    if kind == "checkpoint":
+        return {"checkpoint": os.path.abspath(directory), "step": read_manifest(directory)["step"]}
+    with open(os.path.join(directory, "export.json")) as fh:
+        meta = json.load(fh)
+    return {"checkpoint": os.path.abspath(directory), "step": meta.get("step")}
+
+
 def read_full_state_dict(path: str):
     """``(full tensors by global name, config, tokenizer, source directory)``; vocabulary-shaped
     tensors keep their ``vocab_size + 1`` real rows (the padding depends on the TP size)."""
@@ -317,7 +345,12 @@ def write_export(out: str, state: dict, cfg, tok, source: str, extra_meta: Optio
         with open(os.path.join(tmp, name), "w") as fh:
             json.dump(obj, fh, indent=2)
     identity = dict(tok.identity(), file=tok.save(tmp))
+    try:  # (the step of the training checkpoint exported, when it is one)
+        step = provenance(source)["step"]
+    except (SetdiffError, OSError, ValueError):
+        step = None
     meta = {"format": EXPORT_FORMAT, "source": os.path.abspath(source), "tokenizer": identity,
+            "step": step,
             "parameters": int(sum(v.numel() for v in state.values())), **(extra_meta or {})}
     with open(os.path.join(tmp, "export.json"), "w") as fh:
         json.dump(meta, fh, indent=2)

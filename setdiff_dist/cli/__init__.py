@@ -1,20 +1,62 @@
-"""Command-line entry points."""
+"""Command-line entry points.
+
+Every command is wrapped in :func:`command`: a :class:`~setdiff_dist.errors.SetdiffError`
+(anything the user can fix) becomes one line on standard error and exit code 2, Ctrl-C a line
+and exit code 130; anything else is a bug and keeps its traceback (exit code 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+from setdiff_dist.errors import SetdiffError, report
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
-def with_clean_shutdown(main):
-    """The console-script entry of a command that joins a process group: run ``main``, then
-    take the groups down cleanly (a gloo group left to the interpreter's exit can abort the
-    process in its destructor)."""
+def command(prog: str, process_group: bool = False):
+    """Decorate a ``main(argv) -> int`` into its console-script entry (see the module doc).
+    ``process_group``: the command may join a process group; take it down cleanly at the end
+    (a gloo group left to the interpreter's exit can abort the process in its destructor)."""
 
-    def entry(argv=None) -> int:
+    def wrap(main):
+        @functools.wraps(main)
+        def entry(argv=None) -> int:
+            try:
+                return main(argv)
+            except SetdiffError as exc:
+                report(prog, exc)
+                return exc.exit_code
+            except KeyboardInterrupt:
+                print(f"\n{prog}: interrupted", file=sys.stderr)
+                return EXIT_INTERRUPTED
+            finally:
+                if process_group and "torch.distributed" in sys.modules:
+                    from setdiff_dist.parallel import destroy_model_parallel
+
+                    destroy_model_parallel()
+
+        return entry
+
+    return wrap
+
+
+def count(minimum: int = 1):
+    """An argparse type: an integer of at least ``minimum`` (a count: ranks, tokens, records)."""
+
+    def parse(text: str) -> int:
         try:
-            return main(argv)
-        finally:
-            from setdiff_dist.parallel import destroy_model_parallel
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {value}")
+        return value
 
-            destroy_model_parallel()
-
-    return entry
+    parse.__name__ = "count"  # (argparse names the type in its message)
+    return parse
 
 
 def add_dtype_argument(ap) -> None:

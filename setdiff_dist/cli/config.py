@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from setdiff_dist.config import ConfigError, describe, load_config
+from setdiff_dist.cli import command
+from setdiff_dist.config import describe, load_config
 
 
+@command("setdiff-config")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-config", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -27,11 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.keys:
         print(describe())
         return 0
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
     if args.get:
         value = cfg
         for part in args.get.split("."):

@@ -18,7 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from setdiff_dist.cli import command
 
+
+@command("setdiff-convert")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-convert", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,34 +53,30 @@ def main(argv=None) -> int:
         ap.error("--print-config goes with --from-hf")
     if not args.out and not args.print_config:
         ap.error("--out is required")
-    from setdiff_dist.checkpoint.weights import LoadError
+    if not (args.max_shard_size > 0 and args.max_shard_size < float("inf")):
+        ap.error(f"--max-shard-size must be a positive number of GB, got {args.max_shard_size}")
+    if args.from_hf:
+        from setdiff_dist.model.hf import HFCheckpoint, import_hf, model_yaml
 
-    try:
-        if args.from_hf:
-            from setdiff_dist.model.hf import HFCheckpoint, import_hf, model_yaml
-
-            if args.print_config:
-                print(model_yaml(HFCheckpoint(args.from_hf).model_cfg), end="")
-                return 0
-            meta = import_hf(args.from_hf, args.out, tokenizer=args.tokenizer)
-            print(f"setdiff-convert: {meta['parameters']:,} parameters ({meta['imported_from']}) "
-                  f"from {meta['source']} -> {args.out}", file=sys.stderr)
+        if args.print_config:
+            print(model_yaml(HFCheckpoint(args.from_hf).model_cfg), end="")
             return 0
-        if args.to_hf:
-            from setdiff_dist.model.hf import export_hf
+        meta = import_hf(args.from_hf, args.out, tokenizer=args.tokenizer)
+        print(f"setdiff-convert: {meta['parameters']:,} parameters ({meta['imported_from']}) "
+              f"from {meta['source']} -> {args.out}", file=sys.stderr)
+        return 0
+    if args.to_hf:
+        from setdiff_dist.model.hf import export_hf
 
-            meta = export_hf(args.checkpoint, args.out, dtype=args.dtype,
-                             template_dir=args.hf_config,
-                             max_shard_bytes=int(args.max_shard_size * 2**30))
-            print(f"setdiff-convert: {meta['parameters']:,} parameters from {meta['source']} -> "
-                  f"{args.out} ({meta['architecture']}, {meta['dtype']})", file=sys.stderr)
-            return 0
-        from setdiff_dist.inference.weights import export
+        meta = export_hf(args.checkpoint, args.out, dtype=args.dtype,
+                         template_dir=args.hf_config,
+                         max_shard_bytes=int(args.max_shard_size * 2**30))
+        print(f"setdiff-convert: {meta['parameters']:,} parameters from {meta['source']} -> "
+              f"{args.out} ({meta['architecture']}, {meta['dtype']})", file=sys.stderr)
+        return 0
+    from setdiff_dist.inference.weights import export
 
-        meta = export(args.checkpoint, args.out)
-    except LoadError as exc:
-        print(f"setdiff-convert: error: {exc}", file=sys.stderr)
-        return 2
+    meta = export(args.checkpoint, args.out)
     print(f"setdiff-convert: {meta['parameters']:,} parameters from {meta['source']} -> "
           f"{args.out}", file=sys.stderr)
     return 0

@@ -25,10 +25,11 @@ import time
 
 import torch
 
+from setdiff_dist.cli import command
 from setdiff_dist.config import ConfigError, load_config
 from setdiff_dist.data.loader import TokenLoader
-from setdiff_dist.data.shards import ShardError, ShardSet
-from setdiff_dist.data.tokenizers import TokenizerError, load_shipped_tokenizer
+from setdiff_dist.data.shards import ShardSet
+from setdiff_dist.data.tokenizers import load_shipped_tokenizer
 from setdiff_dist.diffusion import (make_schedule, nelbo, perplexity_bound,
                                     sample_orders, schedule_from_config, set_causal_mask,
                                     token_nll, two_copy_inputs)
@@ -131,17 +132,15 @@ def ar_identity_gap(model, x) -> float:
 def train(cfg, steps: int) -> dict:
     L, m = cfg.data.seq_len, cfg.model
     if cfg.order.kind == "causal":
-        raise SystemExit("setdiff-demo trains set-diffusion orders; order.kind=causal is the "
-                         "baseline of setdiff-train")
-    try:
-        train_set = ShardSet(cfg.data.train_shards, "train", seq_len=L)
-        valid_set = ShardSet(cfg.data.valid_shards or cfg.data.train_shards, "valid", seq_len=L)
-        tok = load_shipped_tokenizer(cfg.data.train_shards, train_set.manifest["tokenizer"])
-    except (ShardError, TokenizerError) as exc:
-        raise SystemExit(f"setdiff-demo: {exc}") from None
+        raise ConfigError(["order.kind=causal: setdiff-demo trains set-diffusion orders; the "
+                           "causal baseline is setdiff-train's"])
+    train_set = ShardSet(cfg.data.train_shards, "train", seq_len=L)
+    valid_set = ShardSet(cfg.data.valid_shards or cfg.data.train_shards, "valid", seq_len=L)
+    tok = load_shipped_tokenizer(cfg.data.train_shards, train_set.manifest["tokenizer"])
     if tok.vocab_size > m.vocab_size:
-        raise SystemExit(f"setdiff-demo: the shards' tokenizer has {tok.vocab_size} tokens but "
-                         f"model.vocab_size={m.vocab_size}; set model.vocab_size={tok.vocab_size}")
+        raise ConfigError([f"the shards' tokenizer has {tok.vocab_size} tokens but "
+                           f"model.vocab_size={m.vocab_size}; set "
+                           f"model.vocab_size={tok.vocab_size}"])
     schedule = schedule_from_config(cfg.order, L)
     torch.manual_seed(cfg.train.seed)
     model = ReferenceTransformer(m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads,
@@ -199,17 +198,14 @@ def train(cfg, steps: int) -> dict:
     return result
 
 
+@command("setdiff-demo")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny-cpu.yaml")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
     # its own directory: the demo never writes into a training run's files
     cfg.run_dir = os.path.join(cfg.run_dir, "demo")
     describe_orders(cfg, os.path.join(cfg.run_dir, "orders.png"))

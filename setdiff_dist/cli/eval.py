@@ -18,9 +18,10 @@ import math
 import os
 import sys
 
-from setdiff_dist.cli import add_dtype_argument, inference_dtype, with_clean_shutdown
+from setdiff_dist.cli import add_dtype_argument, command, count, inference_dtype
 
 
+@command("setdiff-eval", process_group=True)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -28,64 +29,64 @@ def main(argv=None) -> int:
     ap.add_argument("--task", required=True, choices=("ppl", "infill", "gsm", "throughput"))
     ap.add_argument("--shards", help="ppl: a shard directory with a valid split")
     ap.add_argument("--data", help="infill / gsm: a .jsonl from setdiff-tasks")
-    ap.add_argument("--limit", type=int, default=100, help="records to evaluate")
-    ap.add_argument("--batches", type=int, default=16, help="ppl: validation batches")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--window", type=int, default=8)
+    ap.add_argument("--limit", type=count(), default=100, help="records to evaluate")
+    ap.add_argument("--batches", type=count(), default=16, help="ppl: validation batches")
+    ap.add_argument("--batch-size", type=count(), default=8)
+    ap.add_argument("--window", type=count(), default=8)
     ap.add_argument("--threshold", type=float, default=math.inf)
     ap.add_argument("--greedy", action="store_true", default=True)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=count(), default=128)
     ap.add_argument("--prompt", action="append", default=None, help="throughput prompts")
-    ap.add_argument("--tensor-parallel", type=int, default=1)
+    ap.add_argument("--tensor-parallel", type=count(), default=1)
     add_dtype_argument(ap)
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
 
-    from setdiff_dist.data.shards import ShardError
     from setdiff_dist.eval import tasks
-    from setdiff_dist.inference.decoder import DecodeError, Sampling, SetDecoder
-    from setdiff_dist.checkpoint.weights import LoadError
+    from setdiff_dist.inference.decoder import Sampling, SetDecoder, check_text, check_threshold
     from setdiff_dist.inference.weights import build_inference_model
 
+    # everything that can be checked before a model load is
+    check_threshold(args.threshold)
+    for text in args.prompt or []:
+        check_text("--prompt", text)
+    if args.task in ("infill", "gsm"):
+        if not args.data:
+            raise tasks.EvalError(f"--task {args.task} needs --data FILE.jsonl "
+                                  f"(setdiff-tasks {args.task} --out FILE.jsonl)")
+        tasks.check_task_file(args.data, args.task, args.limit)
     if args.out:  # where the result goes is checked before the evaluation, not after it
         parent = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            print(f"setdiff-eval: error: --out {args.out}: {parent} is not a writable "
-                  "directory; create it first", file=sys.stderr)
-            return 2
-    try:
-        model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
-                                                dtype=inference_dtype(args.dtype))
-        mode = "causal" if cfg.order.kind == "causal" else "set"
-        decoder = SetDecoder(model, tok, context=cfg.data.seq_len, mode=mode)
-        sampling = Sampling(greedy=args.greedy)
-        if args.task == "ppl":
-            shards = args.shards or cfg.data.valid_shards or cfg.data.train_shards
-            result = tasks.perplexity(model, cfg, shards, args.batches, args.batch_size)
-        elif args.task in ("infill", "gsm"):
-            if not args.data:
-                raise DecodeError(f"--task {args.task} needs --data FILE.jsonl "
-                                  f"(setdiff-tasks {args.task} --out FILE.jsonl)")
-            if args.task == "infill":
-                result = tasks.infilling(decoder, tok, args.data, args.limit, args.window,
-                                         args.threshold, sampling)
-            else:
-                result = tasks.gsm(decoder, tok, args.data, args.limit, args.max_new_tokens,
-                                   args.window, args.threshold, sampling)
-        else:
-            prompts = args.prompt or ["Shall I compare thee", "In the beginning", "O Romeo"]
-            settings = [(1, math.inf), (args.window, math.inf), (args.window, 0.9),
-                        (args.window, 0.5)] if mode == "set" else [(1, math.inf)]
-            result = tasks.throughput(decoder, tok, prompts, args.max_new_tokens, settings,
-                                      sampling)
-    except (LoadError, DecodeError, ShardError, FileNotFoundError) as exc:
-        print(f"setdiff-eval: error: {exc}", file=sys.stderr)
-        return 2
+            raise tasks.EvalError(f"--out {args.out}: {parent} is not a writable directory; "
+                                  "create it first")
+    model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
+                                            dtype=inference_dtype(args.dtype))
+    mode = "causal" if cfg.order.kind == "causal" else "set"
+    decoder = SetDecoder(model, tok, context=cfg.data.seq_len, mode=mode)
+    sampling = Sampling(greedy=args.greedy)
+    if args.task == "ppl":
+        shards = args.shards or cfg.data.valid_shards or cfg.data.train_shards
+        result = tasks.perplexity(model, cfg, shards, args.batches, args.batch_size)
+    elif args.task == "infill":
+        result = tasks.infilling(decoder, tok, args.data, args.limit, args.window,
+                                 args.threshold, sampling)
+    elif args.task == "gsm":
+        result = tasks.gsm(decoder, tok, args.data, args.limit, args.max_new_tokens,
+                           args.window, args.threshold, sampling)
+    else:
+        prompts = args.prompt or ["Shall I compare thee", "In the beginning", "O Romeo"]
+        settings = [(1, math.inf), (args.window, math.inf), (args.window, 0.9),
+                    (args.window, 0.5)] if mode == "set" else [(1, math.inf)]
+        result = tasks.throughput(decoder, tok, prompts, args.max_new_tokens, settings,
+                                  sampling)
     import torch.distributed as dist
 
     if dist.get_rank() != 0:
         return 0
-    result = {"task": args.task, "checkpoint": args.checkpoint, **result}
+    from setdiff_dist.checkpoint.weights import provenance
+
+    result = {"task": args.task, **provenance(args.checkpoint), **result}
     text = json.dumps(_finite(result), indent=2, allow_nan=False)  # (JSON has no Infinity)
     if args.out:
         from setdiff_dist.checkpoint.files import write_atomic
@@ -106,8 +107,6 @@ def _finite(value):
     return value
 
 
-entry = with_clean_shutdown(main)
-
 
 if __name__ == "__main__":
-    sys.exit(entry())
+    sys.exit(main())

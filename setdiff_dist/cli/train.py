@@ -17,8 +17,11 @@ and prints per stage the parameters of each rank and its peak memory by kind; wi
 ``--device-memory`` it flags the stages that would not fit (exit code 2 if any). See
 :mod:`setdiff_dist.train.plan`.
 
+Ctrl-C (SIGINT) is a clean stop too: the ranks agree on the next step boundary, save a checkpoint
+and exit with code 130 (outcome ``"paused"``); a second Ctrl-C aborts at once, without one.
+
 Exit codes: 0 done (or stopped at ``train.exit_at_step``), 75 preempted after a checkpoint,
-2 bad config, data or checkpoint, 1 a failed run. Rank 0 also writes the outcome to
+130 paused by Ctrl-C after a checkpoint, 2 bad config, data or checkpoint, 1 a failed run. Rank 0 also writes the outcome to
 ``run_dir/exit_status.json`` (``{"outcome", "exit_code", "step", "checkpoint"}``), since under
 torchrun or srun the exit code a job script sees is the launcher's, not the trainer's: the Slurm
 launchers requeue on ``"preempted"`` and stop on ``"completed"``.
@@ -33,22 +36,73 @@ import signal
 import subprocess
 import sys
 
-from setdiff_dist.config import ConfigError, load_config
+from setdiff_dist.cli import EXIT_INTERRUPTED, command, count
+from setdiff_dist.config import ConfigError, load_config, world_problems
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on a signal; requeue and resume=auto
 EXIT_STATUS_FILE = "exit_status.json"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class _Signals:
+    """The stop signals this process got, from the first line of ``main``: a signal that comes
+    while the ranks still import and build (tens of seconds on a big model), or before the
+    launcher has started its ranks, is kept and handed on, never lost to a default action."""
+
+    def __init__(self):
+        self.got: list[int] = []
+        self.handler = None  # where they go once there is somewhere (the trainer, the ranks)
+        self.original: dict = {}
+        self.first_int = None
+
+    def install(self, which=STOP_SIGNALS):
+        for s in which:
+            self.original.setdefault(s, signal.getsignal(s))
+            signal.signal(s, self._on)
+
+    def restore(self, which) -> None:
+        """Give ``which`` back the handling this process started with."""
+        for s in which:
+            if s in self.original:
+                signal.signal(s, self.original[s])
+
+    def _on(self, signum, frame):
+        import time
+
+        if signum == signal.SIGINT and self.first_int is not None:
+            if time.monotonic() - self.first_int < 1.0:
+                return  # the same Ctrl-C, delivered twice (by the terminal and by torchrun)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        if signum == signal.SIGINT:
+            self.first_int = time.monotonic()
+        if signum == signal.SIGINT and os.environ.get("RANK", "0") == "0" and \
+                "SETDIFF_LAUNCHED" not in os.environ:  # (once: by the launcher, or rank 0)
+            print("\nsetdiff-train: Ctrl-C: stopping at the next step boundary with a "
+                  "checkpoint; Ctrl-C again to abort without one", file=sys.stderr, flush=True)
+        self.got.append(signum)
+        if self.handler is not None:
+            self.handler(signum)
+
+    def hand_to(self, handler) -> None:
+        self.handler = handler
+        for s in self.got:
+            handler(s)
+
+
+SIGNALS = _Signals()
 
 
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="setdiff-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML config (see setdiff-config --keys)")
-    ap.add_argument("--nproc-per-node", type=int, default=None,
+    ap.add_argument("--nproc-per-node", type=count(), default=None,
                     help="launch this many local processes (not needed under torchrun / srun)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the layout and per-rank memory for --world-size ranks; train "
                          "nothing")
-    ap.add_argument("--world-size", type=int, default=None,
+    ap.add_argument("--world-size", type=count(), default=None,
                     help="with --dry-run: the number of ranks (GPUs) to plan for "
                          "(default: parallel.tensor x parallel.pipeline)")
     ap.add_argument("--device-memory", type=float, default=None, metavar="GIB",
@@ -56,7 +110,7 @@ def _parse(argv):
     ap.add_argument("--force", action="store_true",
                     help="with resume=never: train over the checkpoints already in run_dir")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)
 
 
 def dry_run(cfg, world_size: int, device_memory) -> int:
@@ -65,16 +119,17 @@ def dry_run(cfg, world_size: int, device_memory) -> int:
     try:
         p = plan(cfg, world_size)
     except PlanError as exc:
-        print(f"setdiff-train --dry-run: the layout cannot run on {world_size} ranks:\n{exc}",
-              file=sys.stderr)
-        return 2
+        raise PlanError(f"the layout cannot run on {world_size} ranks:\n{exc}") from None
     print(p.table(device_memory))
     fits = device_memory is None or all(s.total <= device_memory * 2 ** 30 for s in p.stages)
     return 0 if fits else 2
 
 
-def _set_parent_death_signal():
-    """Runs in each child before exec: die with the launcher, even if it is SIGKILLed."""
+def _child_setup():
+    """Runs in each child before exec: a process group of its own (a terminal's Ctrl-C reaches
+    the launcher alone, which forwards it once), and death with the launcher, even if it is
+    SIGKILLed."""
+    os.setpgid(0, 0)
     try:
         import ctypes
 
@@ -91,27 +146,30 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0) -> int:
     the process group's timeout."""
     from setdiff_dist.parallel import free_port
 
+    if SIGNALS.got:  # stopped before any rank started: start none
+        return 128 + SIGNALS.got[0]
     port = str(free_port())
     children = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   SETDIFF_LAUNCHED="1")
         children.append(subprocess.Popen([sys.executable, "-m", "setdiff_dist.cli.train"] + argv,
-                                         env=env, preexec_fn=_set_parent_death_signal))
+                                         env=env, preexec_fn=_child_setup))
 
-    def forward(signum, _frame):
+    def forward(signum):
         for c in children:
             if c.poll() is None:
                 c.send_signal(signum)
 
-    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(s, forward)
+    SIGNALS.hand_to(forward)
     import time
 
     failed = None
     while None in [c.poll() for c in children]:  # (a list: every child polled, each time)
         dead = [(r, c.returncode) for r, c in enumerate(children)
-                if c.returncode is not None and c.returncode not in (0, EXIT_PREEMPTED)]
+                if c.returncode is not None and
+                c.returncode not in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED)]
         if dead and failed is None:
             failed = dead[0]
             if failed[1] != 2:  # (2: a refusal every rank reaches; it has said why)
@@ -166,61 +224,49 @@ def _claim_run_dir(cfg, force: bool):
 
 
 def run(cfg, force: bool = False) -> int:
-    # A preemption signal can come while this rank still imports and builds (tens of seconds on
-    # a big model): remember it from the first moment and hand it to the trainer, which stops
-    # at its first step boundary, rather than dying of SIGUSR1's default action.
-    early, trainer = [], None
-
-    def remember(signum, _frame):
-        early.append(signum)
-        if trainer is not None:
-            trainer._signalled = True
-
-    if cfg.checkpoint.save_on_signal:
-        for s in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(s, remember)
-    else:  # the Slurm launchers start the ranks with both ignored: make SIGTERM end them again
+    if not cfg.checkpoint.save_on_signal:
+        # the Slurm launchers start the ranks with SIGTERM / SIGUSR1 ignored: let SIGTERM end
+        # them again (SIGINT still stops cleanly)
+        SIGNALS.restore((signal.SIGUSR1,))
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     import torch.distributed as dist
 
-    from setdiff_dist.data.shards import ShardError
-    from setdiff_dist.data.tokenizers import TokenizerError
+    from setdiff_dist.errors import SetdiffError
     from setdiff_dist.parallel import init_distributed
     from setdiff_dist.train.checkpoint import CheckpointError, resolve_latest
-    from setdiff_dist.train.loop import Trainer, TrainingError
+    from setdiff_dist.train.loop import Trainer
 
     init_distributed(cfg.parallel.backend)  # idempotent; rank 0 is known before any error
+    problems = world_problems(cfg, dist.get_world_size())
+    if problems:
+        raise ConfigError(problems, "the launch")
     rank0 = dist.get_rank() == 0
     verdict = [_claim_run_dir(cfg, force) if rank0 else None]
     dist.broadcast_object_list(verdict, src=0)  # every rank stops, or none
     if verdict[0] is not None:
-        if rank0:
-            print(f"setdiff-train: error: {verdict[0]}", file=sys.stderr)
-        return 2
+        raise CheckpointError(verdict[0])
     if rank0 and os.path.exists(os.path.join(cfg.run_dir, EXIT_STATUS_FILE)):
         os.remove(os.path.join(cfg.run_dir, EXIT_STATUS_FILE))  # a previous attempt's
-    outcome, code = "failed", 1
+    outcome, code, trainer = "failed", 1, None
     try:
-        try:
-            trainer = Trainer(cfg)
-        except (ShardError, TokenizerError, TrainingError, CheckpointError) as exc:
-            print(f"setdiff-train: error: {exc}", file=sys.stderr)
-            outcome, code = "invalid", 2
-            return code
-        if early:
-            trainer._signalled = True
+        trainer = Trainer(cfg)
+        SIGNALS.hand_to(trainer.request_stop)
         if rank0:
             os.makedirs(cfg.run_dir, exist_ok=True)
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as fh:
                 fh.write(cfg.to_yaml())
-        try:
-            outcome = trainer.fit()
-        except TrainingError as exc:
-            print(f"setdiff-train: error: {exc}", file=sys.stderr)
-            return code
-        code = EXIT_PREEMPTED if outcome == "preempted" else 0
+        outcome = trainer.fit()
+        code = {"preempted": EXIT_PREEMPTED, "paused": EXIT_INTERRUPTED if
+                trainer.stop_requested == "paused" else 0}.get(outcome, 0)
         return code
+    except SetdiffError as exc:
+        code = exc.exit_code
+        outcome = "invalid" if trainer is None and code == 2 else "failed"
+        raise
+    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint
+        outcome, code = "interrupted", EXIT_INTERRUPTED
+        raise
     finally:
         if rank0:
             try:
@@ -229,42 +275,38 @@ def run(cfg, force: bool = False) -> int:
                 latest = None
             _write_exit_status(cfg.run_dir, outcome, code, trainer.step if trainer else None,
                                latest)
-        if code in (0, EXIT_PREEMPTED):
+        if outcome in ("completed", "paused", "preempted"):
             # no rank exits before rank 0 has recorded the outcome: under `srun
             # --kill-on-bad-exit` the first rank to exit 75 would take rank 0 down with it
             dist.barrier()
 
 
+@command("setdiff-train")
 def main(argv: list[str] | None = None) -> int:
+    SIGNALS.install()  # first: a signal during the imports and the build is kept, not fatal
     argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
     if args.dry_run:
+        SIGNALS.restore(STOP_SIGNALS)  # (nothing to checkpoint: Ctrl-C just stops it)
         return dry_run(cfg, args.world_size or cfg.parallel.tensor * cfg.parallel.pipeline,
                        args.device_memory)
     if args.world_size or args.device_memory:
-        print("setdiff-train: error: --world-size and --device-memory go with --dry-run",
-              file=sys.stderr)
-        return 2
+        raise ConfigError(["--world-size and --device-memory go with --dry-run"], "the flags")
     if args.nproc_per_node and "RANK" not in os.environ:
+        problems = world_problems(cfg, args.nproc_per_node)
+        if problems:  # (said once, here, rather than by every rank it would start)
+            raise ConfigError(problems, f"the launch of {args.nproc_per_node} ranks")
         rest = [a for i, a in enumerate(argv) if a != "--nproc-per-node" and
                 (i == 0 or argv[i - 1] != "--nproc-per-node") and not a.startswith(
                     "--nproc-per-node=")]
         return launch(args.nproc_per_node, rest)
-    from setdiff_dist.parallel import LaunchError, destroy_model_parallel
+    from setdiff_dist.parallel import destroy_model_parallel
 
     try:
-        code = run(cfg, force=args.force)
-    except LaunchError as exc:
-        print(f"setdiff-train: error: {exc}", file=sys.stderr)
-        return 2
-
-    destroy_model_parallel()
-    return code
+        return run(cfg, force=args.force)
+    finally:
+        destroy_model_parallel()
 
 
 if __name__ == "__main__":

@@ -83,6 +83,19 @@ class _RankBatches:
             step += 1
 
 
+def _from_worker(exc: ShardError) -> ShardError:
+    """A shard error as its reader raised it: a loader worker's comes back wrapped in the
+    worker's traceback text, which is no message for a user."""
+    text = str(exc)
+    mark = "Original Traceback (most recent call last):"
+    if mark in text:
+        name = f"{type(exc).__module__}.{type(exc).__qualname__}: "
+        tail = text[text.index(mark):]
+        text = tail[tail.index(name) + len(name):].strip() if name in tail else \
+            tail.strip().splitlines()[-1]
+    return ShardError(text, every_rank=False)  # (one rank's data: that rank reports it)
+
+
 class TokenLoader:
     """Per-rank micro-batches for each optimizer step, resumable at any step.
 
@@ -122,6 +135,9 @@ class TokenLoader:
             persistent_workers=False, prefetch_factor=4 if self.num_workers else None)
         it = iter(loader)
         while True:
-            micro = [next(it) for _ in range(self.accumulation)]
+            try:
+                micro = [next(it) for _ in range(self.accumulation)]
+            except ShardError as exc:
+                raise _from_worker(exc) from None
             self.step += 1
             yield micro

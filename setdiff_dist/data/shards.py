@@ -18,7 +18,6 @@ needs numpy only, so that setdiff-prep's tokenizer workers start without torch.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import io
 import json
 import os
@@ -27,20 +26,15 @@ from typing import Optional
 
 import numpy as np
 
+from setdiff_dist.errors import SetdiffError
+from setdiff_dist.paths import sha256_file
+
 MANIFEST = "manifest.json"
 FORMAT = "setdiff-shards/1"
 
 
-class ShardError(ValueError):
+class ShardError(SetdiffError, ValueError):
     """A problem with shard files or their manifest; the message names the file."""
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- writing
@@ -163,8 +157,10 @@ class ShardSet:
 
     def _check_size(self, s: dict) -> None:
         path = self._path(s["file"])
-        if not os.path.isfile(path):
-            raise ShardError(f"shard {path} is missing (listed in the manifest)")
+        for p in (path, self._path(s["index"])):
+            if not os.path.isfile(p):
+                raise ShardError(f"shard file {p} is missing (listed in {self.directory}/"
+                                 f"{MANIFEST}); restore it or re-run setdiff-prep")
         size = os.path.getsize(path)
         if size != s["bytes"]:
             raise ShardError(f"shard {path} is truncated or changed: {size} bytes, the manifest "

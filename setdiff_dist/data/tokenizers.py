@@ -23,10 +23,12 @@ import os
 import shutil
 from typing import Iterable, Optional
 
+from setdiff_dist.errors import SetdiffError
+
 EOT = "<|endoftext|>"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(SetdiffError, ValueError):
     pass
 
 
@@ -265,6 +267,10 @@ def load_shipped_tokenizer(directory: str, identity: dict) -> Tokenizer:
 
         path = inside(directory, identity["file"], "the manifest's tokenizer file",
                       TokenizerError)
+        if not os.path.isfile(path):
+            raise TokenizerError(f"the tokenizer file {path} is missing ({directory}'s "
+                                 f"manifest names it: {identity.get('spec')!r}); restore it, "
+                                 "or re-run the command that wrote the directory")
         tok = load_tokenizer(path if path.endswith(".json") else f"sentencepiece:{path}",
                              eos_token=identity.get("eos_token"))
     else:

@@ -22,9 +22,14 @@ import torch
 
 from setdiff_dist.data.loader import TokenLoader
 from setdiff_dist.data.shards import ShardSet
+from setdiff_dist.errors import SetdiffError
 from setdiff_dist.inference.decoder import (DecodeError, Sampling, SetDecoder, StopCriteria,
                                             model_device)
 from setdiff_dist.train.objective import Objective
+
+
+class EvalError(SetdiffError, ValueError):
+    """A task file that cannot be evaluated, or an evaluation that evaluated nothing."""
 
 
 def perplexity(model, cfg, shards_dir: str, batches: int = 16, batch_size: int = 8) -> dict:
@@ -40,7 +45,10 @@ def perplexity(model, cfg, shards_dir: str, batches: int = 16, batch_size: int =
             out, terms = objective.step(model, batch.to(device))
             s, t = terms(out)
             total, tokens = total + float(s), tokens + float(t)
-    per_token = total / max(tokens, 1.0)
+    if not tokens:
+        raise EvalError(f"{shards_dir}: the validation split gave no batch of {batch_size} "
+                        "sequences; lower --batch-size or prepare more validation data")
+    per_token = total / tokens
     return {"nelbo_per_token": per_token, "ppl_bound": math.exp(min(per_token, 50.0)),
             "tokens": tokens, "sequences": n * batch_size, "order": cfg.order.kind,
             "exact": cfg.order.kind in ("causal", "autoregressive")}
@@ -75,9 +83,49 @@ def rouge(candidate: str, reference: str) -> dict:
     return out
 
 
-def _records(path: str, limit: int) -> list[dict]:
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()][:limit]
+TASK_FIELDS = {"infill": ("left", "middle", "right"), "gsm": ("prompt", "answer")}
+
+
+def _records(path: str, limit: int, task: str) -> list[dict]:
+    """The first ``limit`` records of a ``setdiff-tasks`` JSONL file, each checked for the
+    task's fields."""
+    fields, make = TASK_FIELDS[task], f"setdiff-tasks {task} --out FILE.jsonl"
+    out = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if len(out) == limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise EvalError(f"{path}, line {number}: not JSON ({exc.msg}); a task "
+                                    f"file has one JSON object per line ({make})") from None
+                missing = [f for f in fields if not isinstance(rec, dict) or f not in rec]
+                if missing:
+                    raise EvalError(f"{path}, line {number}: no {', '.join(map(repr, missing))} "
+                                    f"field: not {'an' if task[0] in 'aeiou' else 'a'} {task} task file? ({make})")
+                out.append(rec)
+    except FileNotFoundError:
+        raise EvalError(f"--data {path}: no such file ({make})") from None
+    except UnicodeDecodeError as exc:
+        raise EvalError(f"{path}: byte {exc.start} is not UTF-8: not a task file") from None
+    if not out:
+        raise EvalError(f"{path} has no records ({make})")
+    return out
+
+
+def check_task_file(path: str, task: str, limit: int) -> None:
+    """Refuse a task file that is missing, not JSONL, or of another task, before any model
+    is loaded."""
+    _records(path, limit, task)
+
+
+def _nothing_evaluated(path: str, skipped: int, decoder: SetDecoder) -> EvalError:
+    return EvalError(f"all {skipped} records of {path} were skipped: each is longer than the "
+                     f"model's context of {decoder.context} tokens; give shorter records")
 
 
 def infill_window(tok, rec: dict) -> tuple[list[int], list[int], list[int]]:
@@ -90,7 +138,7 @@ def infill_window(tok, rec: dict) -> tuple[list[int], list[int], list[int]]:
 def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, threshold: float,
               sampling: Sampling) -> dict:
     scores, examples, skipped = [], [], 0
-    for rec in _records(path, limit):
+    for rec in _records(path, limit, "infill"):
         left, middle, right = infill_window(tok, rec)
         n = len(middle)
         try:
@@ -102,6 +150,8 @@ def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, thre
         scores.append(rouge(r.text, rec["middle"]))
         if len(examples) < 3:
             examples.append({"left": rec["left"], "infill": r.text, "reference": rec["middle"]})
+    if not scores:
+        raise _nothing_evaluated(path, skipped, decoder)
     mean = {k: sum(s[k] for s in scores) / max(len(scores), 1) for k in ("rouge1", "rouge2",
                                                                           "rougeL")}
     return {**mean, "count": len(scores), "skipped_too_long": skipped, "examples": examples}
@@ -116,7 +166,7 @@ def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, wi
         threshold: float, sampling: Sampling) -> dict:
     correct, total, skipped, examples = 0, 0, 0, []
     stop = StopCriteria(eos_id=tok.eos_id, stop=["re:####\\s*-?[\\d,]+"])
-    for rec in _records(path, limit):
+    for rec in _records(path, limit, "gsm"):
         try:
             r = decoder.generate([tok.encode(rec["prompt"])], max_new_tokens, window=window,
                                  threshold=threshold, sampling=sampling, stop=stop)[0]
@@ -129,7 +179,9 @@ def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, wi
         if len(examples) < 3:
             examples.append({"prompt": rec["prompt"], "output": r.text, "answer": rec["answer"],
                              "extracted": got})
-    return {"accuracy": correct / max(total, 1), "count": total, "skipped_too_long": skipped,
+    if not total:
+        raise _nothing_evaluated(path, skipped, decoder)
+    return {"accuracy": correct / total, "count": total, "skipped_too_long": skipped,
             "examples": examples}
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from setdiff_dist.inference.kv_cache import KVCache, decode_step
+from setdiff_dist.errors import SetdiffError
 
 
 def model_device(model) -> torch.device:
@@ -40,7 +41,7 @@ def model_device(model) -> torch.device:
     return device if isinstance(device, torch.device) else next(model.parameters()).device
 
 
-class DecodeError(ValueError):
+class DecodeError(SetdiffError, ValueError):
     """Bad decoding input; the message says what and how to fix it."""
 
 
@@ -68,11 +69,35 @@ class Sampling:
                 raise DecodeError(f"{name}={value!r}: it must be a finite number {want}")
 
 
+def check_text(what: str, text: str) -> None:
+    """Text from a command line or a file must be Unicode: bytes that are not UTF-8 reach
+    Python as lone surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DecodeError(f"{what} is not valid UTF-8 text (character {exc.start}: "
+                          f"{text[exc.start:exc.start + 1]!r}); re-encode it as UTF-8") from None
+
+
 @dataclass
 class StopCriteria:
     eos_id: Optional[int] = None
     stop: Sequence[str] = ()
     max_repeat_run: Optional[int] = None
+
+    def __post_init__(self):
+        for pattern in self.stop:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as exc:
+                    raise DecodeError(f"stop pattern {pattern!r} is not a valid regular "
+                                      f"expression: {exc}; escape special characters or "
+                                      "drop the 're:' prefix for a plain string") from None
+            elif not pattern:
+                raise DecodeError("an empty stop string would stop at once; give some text")
+        if self.max_repeat_run is not None and self.max_repeat_run < 1:
+            raise DecodeError(f"max_repeat_run={self.max_repeat_run}: must be 1 or more")
 
 
 @dataclass

@@ -36,6 +36,7 @@ from torch import nn
 from setdiff_dist.checkpoint.sharding import split_shard
 from setdiff_dist.inference import kv_cache
 from setdiff_dist.model.transformer import padded_vocab_size, rotary_inv_freq
+from setdiff_dist.errors import SetdiffError
 
 
 # Weights stored transposed, ``[in, out]``, and applied as ``x @ w``: the ones wider than they
@@ -54,7 +55,7 @@ _PACK_MIN = 1 << 20
 _MATMULS = ("qkv", "proj", "fc1", "fc2", "head")
 
 
-class LeanError(ValueError):
+class LeanError(SetdiffError, ValueError):
     """Weights that do not fit the architecture; the message names the tensor."""
 
 

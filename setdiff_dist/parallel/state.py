@@ -12,12 +12,14 @@ import datetime
 import os
 import re
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import cpu_compat
+from setdiff_dist.errors import SetdiffError
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LaunchError(RuntimeError):
+class LaunchError(SetdiffError, RuntimeError):
     """The launch environment cannot work (a GPU job without a usable GPU, ...); the message
     says why and what to do."""
 
@@ -127,6 +129,19 @@ def init_distributed(backend: str = "auto", timeout_minutes: int = 30) -> Launch
     return le
 
 
+def _this_command() -> str:
+    """How torchrun would start this command again: ``-m module`` or the script."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    if spec is not None:
+        return f"-m {spec.name}"
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "SCRIPT"
+    if name.startswith("setdiff-"):  # a console script: its module
+        return f"-m setdiff_dist.cli.{name[len('setdiff-'):]}"
+    return name
+
+
 def initialize_model_parallel(tensor: int = 1, pipeline: int = 1,
                               virtual_pipeline: int | None = None, seed: int = 1234,
                               backend: str = "auto") -> None:
@@ -134,8 +149,11 @@ def initialize_model_parallel(tensor: int = 1, pipeline: int = 1,
     init_distributed(backend)
     world = dist.get_world_size()
     if world % (tensor * pipeline):
-        raise ValueError(f"world size {world} is not divisible by parallel.tensor={tensor} x "
-                         f"parallel.pipeline={pipeline}")
+        n = tensor * pipeline
+        how = (f"start {n} ranks: torchrun --nproc-per-node {n} {_this_command()} ..."
+               if world == 1 else f"launch a multiple of {n} ranks")
+        raise LaunchError(f"{world} rank(s) cannot be split into tensor-parallel {tensor} x "
+                          f"pipeline-parallel {pipeline} groups: {how}")
     from megatron.core import parallel_state as ps
 
     cpu_compat.apply()

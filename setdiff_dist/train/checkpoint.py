@@ -32,9 +32,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from setdiff_dist.checkpoint.files import (FORMAT, LATEST, CheckpointError, checkpoint_root,
-                                           prune, resolve_latest, step_directory, tag_of,
-                                           write_atomic)
+from setdiff_dist.checkpoint.files import (FORMAT, LATEST, CheckpointError, checkpoint_files,
+                                           checkpoint_root, damaged, describe_files,
+                                           file_problems, prune, read_manifest,
+                                           resolve_latest,
+                                           step_directory, tag_of, write_atomic)
 
 UNIVERSAL = "universal"  # a step's DeepSpeed universal checkpoint, for another DP size
 
@@ -253,14 +255,7 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
                            save_latest=False)
     save_weights(engine, os.path.join(path, "weights"), cfg.zero.stage)
     torch.save(_rng_state(), os.path.join(path, f"rng_rank{rank}.pt"))
-    _fault_point("after_shards", step)
-    dist.barrier()  # every rank's files are on disk
     if rank == 0:
-        manifest = {"format": FORMAT, "step": step, "layout": layout(),
-                    "zero_stage": cfg.zero.stage, "model": cfg.to_dict()["model"],
-                    "order": cfg.to_dict()["order"], "seq_len": cfg.data.seq_len,
-                    "seed": cfg.train.seed,
-                    "tokenizer": tokenizer_identity}
         with open(os.path.join(path, "config.yaml"), "w") as fh:
             fh.write(cfg.to_yaml())
         if tokenizer_identity.get("file") and tokenizer_dir:
@@ -269,6 +264,19 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
             name = tokenizer_identity["file"]
             shutil.copyfile(inside(tokenizer_dir, name, "the tokenizer file", CheckpointError),
                             inside(path, name, "the tokenizer file", CheckpointError))
+    _fault_point("after_shards", step)
+    dist.barrier()  # every rank's files are on disk
+    world = dist.get_world_size()
+    mine = describe_files(path, checkpoint_files(path)[rank::world], cfg.checkpoint.checksums)
+    tables = [None] * world
+    dist.all_gather_object(tables, mine)
+    if rank == 0:
+        files = {k: v for t in tables for k, v in t.items()}
+        manifest = {"format": FORMAT, "step": step, "layout": layout(),
+                    "zero_stage": cfg.zero.stage, "model": cfg.to_dict()["model"],
+                    "order": cfg.to_dict()["order"], "seq_len": cfg.data.seq_len,
+                    "seed": cfg.train.seed,
+                    "tokenizer": tokenizer_identity, "files": dict(sorted(files.items()))}
         write_atomic(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=2))
         write_atomic(os.path.join(root, LATEST), tag + "\n")
         prune(root, cfg.checkpoint.keep_last, keep=tag)
@@ -351,10 +359,26 @@ def init_from_weights(model, cfg, path: str, gathered=None) -> None:
                 p.copy_(local.to(p.dtype))
 
 
+def verify(path: str, manifest: dict, hashes: bool = True) -> None:
+    """Check every file of the checkpoint against its manifest (size, and SHA-256 with
+    ``hashes``), the ranks sharing the work; all ranks raise the same
+    :class:`CheckpointError`, naming the damaged files and the checkpoint to go back to.
+    A checkpoint written before the manifest listed its files passes unchecked."""
+    table = manifest.get("files")
+    if table is None:
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = file_problems(path, table, sorted(table)[rank::world], hashes)
+    every = [None] * world
+    dist.all_gather_object(every, problems)
+    problems = sorted(p for ps_ in every for p in ps_)
+    if problems:
+        raise damaged(path, problems)
+
+
 def check_compatible(path: str, cfg, tokenizer_identity: dict) -> dict:
     """The manifest of ``path``, or a CheckpointError listing every difference with this run."""
-    with open(os.path.join(path, "manifest.json")) as fh:
-        m = json.load(fh)
+    m = read_manifest(path)
     if m.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
     # a key added after the checkpoint was written has its default there (e.g. model.head_dim)

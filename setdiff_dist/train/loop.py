@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import signal
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -34,10 +35,22 @@ from .engine import (build_engine, check_precision, compute_dtype, drop_gradient
                      micro_batches_per_step, partitioned_construction)
 from .metrics import MetricsLogger
 from .objective import Objective
+from setdiff_dist.errors import SetdiffError
 
 
-class TrainingError(RuntimeError):
+# what a signal asks for, by precedence: a preemption (requeue) outranks a user's pause
+STOPS = {signal.SIGINT: "paused", signal.SIGTERM: "preempted", signal.SIGUSR1: "preempted"}
+_STOP_CODE = {None: 0, "paused": 1, "preempted": 2}
+
+
+class TrainingError(SetdiffError, RuntimeError):
     """A run that cannot go on; the message says why and what to do."""
+
+
+class Diverged(TrainingError):
+    """The loss stayed non-finite: a failed run (exit code 1), not bad input."""
+
+    exit_code = 1
 
 
 class Trainer:
@@ -74,7 +87,7 @@ class Trainer:
         self.samples_seen = 0
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
-        self._signalled = False
+        self.stop_requested: Optional[str] = None  # "paused" / "preempted", by a signal
         self.resumed_from = self._resume()
 
     # -- set-up ------------------------------------------------------------------------------
@@ -144,6 +157,7 @@ class Trainer:
             raise TrainingError(f"{path} is at step {manifest['step']}, past train.steps="
                                 f"{self.cfg.train.steps}: raise train.steps to train on, or "
                                 "give a new run_dir (resume=never) to start over")
+        checkpoint.verify(path, manifest, self.cfg.checkpoint.checksums)
         checkpoint.check_no_code(path)  # (DeepSpeed's files are pickles)
 
     def _resume(self):
@@ -172,14 +186,19 @@ class Trainer:
         return checkpoint.save(self.engine, self.cfg, self.step, state, self.tokenizer_identity,
                                tokenizer_dir=self.cfg.data.train_shards)
 
-    def _on_signal(self, signum, _frame):
-        self._signalled = True
+    def request_stop(self, signum: int) -> None:
+        """Stop at the next step boundary, with a checkpoint: ``"paused"`` on SIGINT,
+        ``"preempted"`` on SIGTERM / SIGUSR1 (the stronger request wins)."""
+        want = STOPS[signum]
+        if _STOP_CODE[want] > _STOP_CODE[self.stop_requested]:
+            self.stop_requested = want
 
-    def _agreed_stop(self) -> bool:
-        """Whether any rank was signalled: all ranks stop at the same step boundary."""
-        flag = torch.tensor([1.0 if self._signalled else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
+    def _agreed_stop(self) -> Optional[str]:
+        """The stop any rank was asked for (all ranks stop at the same step boundary), or
+        None."""
+        code = torch.tensor([float(_STOP_CODE[self.stop_requested])], device=self.device)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        return {v: k for k, v in _STOP_CODE.items()}[int(code.item())]
 
     def loader(self, start_step: int = 0) -> TokenLoader:
         d = self.cfg.data
@@ -267,7 +286,7 @@ class Trainer:
             self.nonfinite_in_a_row += 1
             self.skipped_steps += 1
             if self.nonfinite_in_a_row >= self.cfg.train.max_nonfinite_steps:
-                raise TrainingError(
+                raise Diverged(
                     f"{self.nonfinite_in_a_row} consecutive steps with a non-finite loss or "
                     f"gradient norm (last at step {self.step}); lower optimizer.lr, check the "
                     "data, or resume from an earlier checkpoint")
@@ -317,17 +336,16 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> str:
-        """Train to ``train.steps``; returns ``"completed"``, ``"paused"`` (``exit_at_step``) or
-        ``"preempted"`` (SIGTERM / SIGUSR1 on any rank: a checkpoint was saved)."""
+        """Train to ``train.steps``; returns ``"completed"``, ``"paused"`` (``exit_at_step``, or
+        SIGINT on any rank) or ``"preempted"`` (SIGTERM / SIGUSR1 on any rank); a stopped run
+        saves a checkpoint first. The signal handlers are the caller's (setdiff-train installs
+        them from its first line), which hands them on with :meth:`request_stop`."""
         cfg = self.cfg
         L = cfg.data.seq_len
         flops = training_flops_per_token(cfg.model, L, causal_lm=cfg.order.kind == "causal")
         metrics = MetricsLogger(cfg.run_dir, self.rank == 0, cfg.train.steps, flops,
                                 dist.get_world_size(), cfg.train.tensorboard, self.step,
                                 cfg.train.peak_tflops)
-        if cfg.checkpoint.save_on_signal:
-            for s in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(s, self._on_signal)
         if self.resumed_from and self.rank == 0:
             print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
         # a resumed run already has a checkpoint of its first step
@@ -346,8 +364,9 @@ class Trainer:
                 if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                     self.save()
                     saved_at = self.step
-                if self._agreed_stop():
-                    outcome = "preempted"
+                stop = self._agreed_stop()
+                if stop is not None:
+                    outcome = stop
                     break
                 if cfg.train.exit_at_step and self.step >= cfg.train.exit_at_step:
                     outcome = "paused"

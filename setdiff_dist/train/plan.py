@@ -33,10 +33,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from setdiff_dist.errors import SetdiffError
+
 GiB = 2 ** 30
 
 
-class PlanError(ValueError):
+class PlanError(SetdiffError, ValueError):
     """A layout that cannot run; the message lists every problem."""
 
 
@@ -94,20 +96,9 @@ class Plan:
 
 
 def _layout_problems(cfg, world_size: int) -> list[str]:
-    from setdiff_dist.config import validate
+    from setdiff_dist.config import validate, world_problems
 
-    p = list(validate(cfg))
-    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    if world_size % (tp * pp):
-        p.append(f"world size {world_size} is not divisible by parallel.tensor={tp} x "
-                 f"parallel.pipeline={pp}")
-        return p
-    dp = world_size // (tp * pp)
-    d = cfg.data
-    if d.global_batch_size % (d.micro_batch_size * dp):
-        p.append(f"data.global_batch_size={d.global_batch_size} must be a multiple of "
-                 f"data.micro_batch_size={d.micro_batch_size} x data-parallel size {dp}")
-    return p
+    return list(validate(cfg)) + world_problems(cfg, world_size)
 
 
 def _stage_model(cfg, world_size: int, stage: int):

@@ -1,0 +1,60 @@
+"""One error type for everything a user can fix.
+
+Every error that is the user's to fix (a config key, a flag, a shard, a checkpoint, the launch
+environment) derives from :class:`SetdiffError`. Each command-line entry point catches it once
+(:func:`setdiff_dist.cli.command`), prints its message as ``prog: error: ...`` and exits with
+code 2; anything else is a bug of ours and keeps its traceback (exit code 1).
+
+The module imports nothing heavy: the data-prep tools and the launcher use it before torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+EXIT_USAGE = 2  # bad input: config, flag, data, checkpoint (argparse's code too)
+
+
+class SetdiffError(Exception):
+    """A problem the user can fix; the message says what is wrong and how to fix it.
+
+    ``every_rank``: every rank of a job reaches this error alike (a config key, a checkpoint),
+    so rank 0 alone prints it. Set it False for an error one rank meets on its own (a shard
+    only that rank reads): then the rank that met it prints it, named.
+    """
+
+    every_rank = True
+    exit_code = EXIT_USAGE
+
+    def __init__(self, *args, every_rank: bool | None = None):
+        super().__init__(*args)
+        if every_rank is not None:
+            self.every_rank = every_rank
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and world size: the process group's when there is one, else the
+    launcher's environment (torchrun, our launcher, Slurm), else (0, 1)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")  # (never import torch just to print an error)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    env = os.environ
+    for rank, world in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if rank in env:
+            try:
+                return int(env[rank]), int(env.get(world, 1))
+            except ValueError:
+                pass
+    return 0, 1
+
+
+def report(prog: str, exc: SetdiffError) -> None:
+    """Print ``exc`` for the user, once per job: from rank 0, or from the rank that met it."""
+    import sys
+
+    rank, world = rank_and_world()
+    if rank == 0 or not exc.every_rank:
+        where = f"[rank {rank}] " if world > 1 and rank != 0 else ""
+        print(f"{prog}: error: {where}{exc}", file=sys.stderr, flush=True)
