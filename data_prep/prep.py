@@ -307,16 +307,34 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
     return manifest
 
 
+def verify(directory: str) -> int:
+    """``setdiff-prep --verify DIR``: hash every shard and index of every split."""
+    from setdiff_dist.data.shards import ShardSet, read_manifest
+
+    start, files, size = time.perf_counter(), 0, 0
+    for split, info in sorted(read_manifest(directory)["splits"].items()):
+        if info["shards"]:
+            ShardSet(directory, split, verify="eager")  # (a ShardError names a bad file)
+            files += 2 * len(info["shards"])
+            size += sum(s["bytes"] for s in info["shards"])
+    print(f"setdiff-prep: {directory}: {files} files, {size / 2**20:.1f} MiB, every size and "
+          f"sha256 as the manifest says ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    return 0
+
+
 @command("setdiff-prep")
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-prep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", nargs="+", required=True, help="files or directories")
-    ap.add_argument("--tokenizer", required=True,
+    ap.add_argument("--verify", metavar="DIR",
+                    help="check every file of an existing shard directory against its manifest "
+                         "(sizes and sha256, every split) and exit: nothing else is needed")
+    ap.add_argument("--input", nargs="+", help="files or directories")
+    ap.add_argument("--tokenizer",
                     help="gpt2, bytes, sentencepiece:PATH, bpe:N, hf:DIR (a Hugging Face model's "
                          "tokenizer.json), or a tokenizer.json directory")
-    ap.add_argument("--seq-len", type=count(2), required=True, help="tokens per sequence (L)")
-    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--seq-len", type=count(2), help="tokens per sequence (L)")
+    ap.add_argument("--out", help="output directory")
     ap.add_argument("--mode", choices=("packed", "padded"), default="packed")
     ap.add_argument("--text-field", default="text", help="JSONL field with the text")
     ap.add_argument("--prompt-field", default=None,
@@ -332,6 +350,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
+    if args.verify:
+        return verify(args.verify)
+    missing = [f"--{k.replace('_', '-')}" for k in ("input", "tokenizer", "seq_len", "out")
+               if getattr(args, k) is None]
+    if missing:
+        ap.error(f"the following arguments are required: {', '.join(missing)}")
     m = prepare(args.input, args.tokenizer, args.seq_len, args.out, mode=args.mode,
                 text_field=args.text_field, prompt_field=args.prompt_field,
                 split_paragraphs=args.split_paragraphs, valid_every=args.valid_every,

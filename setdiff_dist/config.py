@@ -130,10 +130,11 @@ class OptimizerConfig:
 
 @dataclass
 class DataConfig:
-    train_shards: str = _f("", "training shards: a directory written by setdiff-prep (its "
-                           "manifest.json lists the shard files and their checksums)")
-    valid_shards: str = _f("", "a shard directory with a 'valid' split; empty = the 'valid' "
-                           "split of train_shards, if it has one")
+    train_shards: str = _f("", "training shards: a directory written by setdiff-prep, or a "
+                           "blend of several as weight-directory pairs, '0.3 data/web 0.7 "
+                           "data/books' (sampled in those proportions; same tokenizer and L)")
+    valid_shards: str = _f("", "validation shards (same forms); empty = the 'valid' splits of "
+                           "the train_shards directories that have one")
     tokenizer: str = _f("", "tokenizer spec (gpt2, sentencepiece:PATH, bytes, hf:DIR, or a "
                         "directory); empty = the one in the shard manifest")
     seq_len: int = _f(128, "sequence length L (the set-diffusion forward runs on 2L tokens)",
@@ -142,7 +143,14 @@ class DataConfig:
     global_batch_size: int = _f(8, "sequences per optimizer step over all data-parallel ranks",
                                 min=1)
     num_workers: int = _f(2, "data-loader worker processes per rank", min=0)
-    shuffle_buffer: int = _f(1000, "sequences in the shuffle buffer; 0 = no shuffling", min=0)
+    shuffle: bool = _f(True, "a seeded global shuffle of each epoch (per corpus); false = "
+                       "the shards' order")
+    verify: str = _f("size", "shard checks when read: size = every file's size and each "
+                     "index against its shard (the bytes were hashed by setdiff-prep); full = "
+                     "also re-hash each shard on its first use in each process",
+                     choices=("size", "full"))
+    max_open_shards: int = _f(32, "shards each reader process keeps open (two file handles "
+                              "each; least recently used closed first)", min=1)
 
 
 @dataclass
@@ -527,6 +535,15 @@ def validate(cfg: Config) -> list[str]:
     p: list[str] = []
     m, o, par, d = cfg.model, cfg.order, cfg.parallel, cfg.data
     L = d.seq_len
+    from setdiff_dist.data.blend import parse_blend
+    from setdiff_dist.data.shards import ShardError
+
+    for key in ("train_shards", "valid_shards"):
+        try:
+            if getattr(d, key).strip():
+                parse_blend(getattr(d, key))
+        except ShardError as exc:
+            p.append(f"data.{key}: {exc}")
 
     if m.head_dim is None and m.hidden_size % m.num_attention_heads:
         p.append(f"model.hidden_size={m.hidden_size} is not divisible by "

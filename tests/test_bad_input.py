@@ -94,10 +94,9 @@ def test_eval_checks_its_output_directory_before_evaluating(tmp_path):
 
 
 def test_non_finite_results_are_written_as_valid_json():
-    from setdiff_dist.cli.eval import _finite
+    from setdiff_dist.cli import json_text
 
-    text = json.dumps(_finite({"a": [1.0, float("inf")], "b": {"c": float("nan")}}),
-                      allow_nan=False)
+    text = json_text({"a": [1.0, float("inf")], "b": {"c": float("nan")}})
     assert json.loads(text) == {"a": [1.0, "inf"], "b": {"c": "nan"}}
 
 
@@ -156,6 +155,9 @@ BAD_INPUT = [
       "size 2", "set data.global_batch_size=16"]),
     ("--nproc-per-node -1", "setdiff_dist.cli.train", TRAIN + ["--nproc-per-node", "-1"],
      ["--nproc-per-node: must be 1 or more, got -1"]),
+    ("--device-memory nan", "setdiff_dist.cli.train",
+     TRAIN + ["--dry-run", "--device-memory", "nan"],
+     ["--device-memory nan: a positive number of GiB"]),
     ("an unknown key", "setdiff_dist.cli.train", TRAIN + ["optimizer.lrr=1"],
      ["optimizer.lrr", "did you mean 'optimizer.lr'"]),
     ("--tokenizer bpe:100", "data_prep.prep",
@@ -201,9 +203,9 @@ def test_bad_input_is_one_message_and_exit_code_2_and_writes_nothing(workspace, 
 
 
 def test_a_corrupt_shard_met_in_training_is_one_message_from_the_rank_that_read_it(tmp_path):
-    """A shard is hashed when a loader worker first opens it: the error comes from inside a
-    DataLoader worker of one rank, and is printed as the reader raised it, not as the worker's
-    traceback; the job ends with exit code 2."""
+    """With data.verify=full a shard is hashed when a loader worker first opens it: the error
+    comes from inside a DataLoader worker of one rank, and is printed as the reader raised it,
+    not as the worker's traceback; the job ends with exit code 2."""
     from data_prep.prep import prepare
     from helpers import run_train
     from setdiff_dist.data import sample_text
@@ -218,7 +220,7 @@ def test_a_corrupt_shard_met_in_training_is_one_message_from_the_rank_that_read_
         data[len(data) // 2] ^= 0xFF
         tar.write_bytes(bytes(data))
     res = run_train(tmp_path / "run", str(shards), "data.num_workers=1", "train.eval_batches=1",
-                    steps=2)
+                    "data.verify=full", steps=2)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "is corrupt: its sha256 differs from the manifest's; re-run setdiff-prep" in res.stderr
     assert "Traceback" not in res.stderr and "DataLoader worker" not in res.stderr

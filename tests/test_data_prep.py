@@ -170,7 +170,9 @@ def shards(sonnets, tmp_path):
     return out
 
 
-def test_corrupt_or_truncated_shards_and_mismatches_are_named(shards):
+def test_corrupt_or_truncated_shards_and_mismatches_are_named(shards, capsys):
+    assert prep_main(["--verify", str(shards)]) == 0
+    assert "every size and sha256 as the manifest says" in capsys.readouterr().err
     with pytest.raises(ShardError, match="shards hold sequences of 32 tokens but data.seq_len=64"):
         ShardSet(str(shards), seq_len=64)
     with pytest.raises(ShardError, match="not with the configured tokenizer"):
@@ -181,10 +183,12 @@ def test_corrupt_or_truncated_shards_and_mismatches_are_named(shards):
     data = bytearray(tar.read_bytes())
     data[3000] ^= 0xFF
     tar.write_bytes(bytes(data))
-    s = ShardSet(str(shards))
+    s = ShardSet(str(shards), verify="full")  # (the default checks sizes: prep hashed them)
     s[0]  # shard 0 is fine
     with pytest.raises(ShardError, match=f"shard {tar} is corrupt"):
         s[25]
+    assert prep_main(["--verify", str(shards)]) == 2  # the explicit check finds it too
+    assert f"shard {tar} is corrupt" in capsys.readouterr().err
     tar.write_bytes(bytes(data[:-700]))
     with pytest.raises(ShardError, match=f"shard {tar} is truncated"):
         ShardSet(str(shards))

@@ -56,7 +56,7 @@ def test_identical_fp32_loss_curves_across_layouts(reference, shards, tmp_path, 
     assert len(losses) == STEPS
     # the pipeline accumulates its micro-batches in another order: fp32 rounding, amplified by
     # Adam over the steps; everything else sums in the same order and matches to the last bits
-    rel = 1e-4 if "parallel.pipeline=2" in layout else 2e-6
+    rel = 2e-4 if "parallel.pipeline=2" in layout else 2e-6
     assert losses == pytest.approx(ref_losses, rel=rel, abs=0)
     assert valid[-1]["valid_loss"] == pytest.approx(ref_valid[-1]["valid_loss"], rel=rel)
     assert losses[-1] < losses[0]  # it learns

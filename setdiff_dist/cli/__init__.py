@@ -43,6 +43,24 @@ def command(prog: str, process_group: bool = False):
     return wrap
 
 
+def json_text(value, **kw) -> str:
+    """``json.dumps`` of ``value`` with every non-finite float as a string ("inf", "nan"):
+    valid JSON, which has no Infinity or NaN."""
+    import json
+    import math
+
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(value), allow_nan=False, **kw)
+
+
 def count(minimum: int = 1):
     """An argparse type: an integer of at least ``minimum`` (a count: ranks, tokens, records)."""
 

@@ -28,7 +28,7 @@ import torch
 from setdiff_dist.cli import command
 from setdiff_dist.config import ConfigError, load_config
 from setdiff_dist.data.loader import TokenLoader
-from setdiff_dist.data.shards import ShardSet
+from setdiff_dist.data.blend import Blend
 from setdiff_dist.data.tokenizers import load_shipped_tokenizer
 from setdiff_dist.diffusion import (make_schedule, nelbo, perplexity_bound,
                                     sample_orders, schedule_from_config, set_causal_mask,
@@ -134,9 +134,9 @@ def train(cfg, steps: int) -> dict:
     if cfg.order.kind == "causal":
         raise ConfigError(["order.kind=causal: setdiff-demo trains set-diffusion orders; the "
                            "causal baseline is setdiff-train's"])
-    train_set = ShardSet(cfg.data.train_shards, "train", seq_len=L)
-    valid_set = ShardSet(cfg.data.valid_shards or cfg.data.train_shards, "valid", seq_len=L)
-    tok = load_shipped_tokenizer(cfg.data.train_shards, train_set.manifest["tokenizer"])
+    train_set = Blend.open(cfg.data.train_shards, "train", seq_len=L)
+    valid_set = Blend.open(cfg.data.valid_shards or cfg.data.train_shards, "valid", seq_len=L)
+    tok = load_shipped_tokenizer(train_set.directory, train_set.manifest["tokenizer"])
     if tok.vocab_size > m.vocab_size:
         raise ConfigError([f"the shards' tokenizer has {tok.vocab_size} tokens but "
                            f"model.vocab_size={m.vocab_size}; set "
@@ -155,7 +155,7 @@ def train(cfg, steps: int) -> dict:
     os.makedirs(cfg.run_dir, exist_ok=True)
     loader = TokenLoader(train_set, global_batch=cfg.data.global_batch_size,
                          micro_batch=cfg.data.micro_batch_size, seed=cfg.train.seed,
-                         num_workers=cfg.data.num_workers)
+                         shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers)
     start, seen = time.perf_counter(), 0
     with open(os.path.join(cfg.run_dir, "metrics.jsonl"), "w") as metrics:
         for step, micro_batches in zip(range(steps), loader):
@@ -187,7 +187,7 @@ def train(cfg, steps: int) -> dict:
               "valid_ppl_bound": eval_bound(model, valid_set, schedule, cfg.order.eval_seed, **ev),
               "uniform_ppl": float(tok.vocab_size),
               "ar_identity_max_gap": ar_identity_gap(
-                  model, torch.from_numpy(valid_set[0][0][None].astype("int64")))}
+                  model, torch.from_numpy(valid_set.sets[0][0][0][None].astype("int64")))}
     print(f"== held-out NELBO bound (fixed orders, seed {cfg.order.eval_seed}): "
           f"PPL <= {result['valid_ppl_bound']:.2f} per token (train {result['train_ppl_bound']:.2f}, "
           f"uniform {tok.vocab_size}) ==")

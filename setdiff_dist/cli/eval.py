@@ -13,12 +13,11 @@ perplexity for ``causal`` and ``autoregressive``); the shards default to the tra
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 
-from setdiff_dist.cli import add_dtype_argument, command, count, inference_dtype
+from setdiff_dist.cli import add_dtype_argument, command, count, inference_dtype, json_text
 
 
 @command("setdiff-eval", process_group=True)
@@ -87,24 +86,13 @@ def main(argv=None) -> int:
     from setdiff_dist.checkpoint.weights import provenance
 
     result = {"task": args.task, **provenance(args.checkpoint), **result}
-    text = json.dumps(_finite(result), indent=2, allow_nan=False)  # (JSON has no Infinity)
+    text = json_text(result, indent=2)
     if args.out:
         from setdiff_dist.checkpoint.files import write_atomic
 
         write_atomic(args.out, text + "\n")
     print(text)
     return 0
-
-
-def _finite(value):
-    """``value`` with every non-finite float as a string ("inf", "nan"): valid JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 

@@ -13,11 +13,10 @@ standard error; ``--json`` prints one JSON object instead. Under torchrun with
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
-from setdiff_dist.cli import add_dtype_argument, command, count, inference_dtype
+from setdiff_dist.cli import add_dtype_argument, command, count, inference_dtype, json_text
 
 
 @command("setdiff-generate", process_group=True)
@@ -91,8 +90,8 @@ def main(argv=None) -> int:
              "steps": [r.steps for r in results], "seconds": seconds,
              "window": args.window, "threshold": args.threshold, "mode": mode}
     if args.json:
-        print(json.dumps({"prompts": prompts, "texts": [r.text for r in results],
-                          "tokens": [r.tokens for r in results], **stats}))
+        print(json_text({"prompts": prompts, "texts": [r.text for r in results],
+                         "tokens": [r.tokens for r in results], **stats}))
     else:
         for r in results:
             print(r.text)

@@ -38,6 +38,13 @@ import sys
 
 from setdiff_dist.cli import EXIT_INTERRUPTED, command, count
 from setdiff_dist.config import ConfigError, load_config, world_problems
+from setdiff_dist.errors import SetdiffError
+
+
+class PeerLost(SetdiffError):
+    """This rank's collective failed because another rank ended: a consequence, exit 1."""
+
+    exit_code = 1
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on a signal; requeue and resume=auto
 EXIT_STATUS_FILE = "exit_status.json"
@@ -223,6 +230,15 @@ def _claim_run_dir(cfg, force: bool):
     return None
 
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crash",
+              "Broken pipe", "NCCL communicator was aborted", "remote process exited")
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank went away."""
+    return any(s in str(exc) for s in _PEER_LOST)
+
+
 def run(cfg, force: bool = False) -> int:
     if not cfg.checkpoint.save_on_signal:
         # the Slurm launchers start the ranks with SIGTERM / SIGUSR1 ignored: let SIGTERM end
@@ -232,7 +248,6 @@ def run(cfg, force: bool = False) -> int:
 
     import torch.distributed as dist
 
-    from setdiff_dist.errors import SetdiffError
     from setdiff_dist.parallel import init_distributed
     from setdiff_dist.train.checkpoint import CheckpointError, resolve_latest
     from setdiff_dist.train.loop import Trainer
@@ -267,6 +282,12 @@ def run(cfg, force: bool = False) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint
         outcome, code = "interrupted", EXIT_INTERRUPTED
         raise
+    except RuntimeError as exc:
+        if not _peer_lost(exc):
+            raise
+        # another rank ended (its own message says why): stop with one line, not a traceback
+        raise PeerLost("stopped: another rank ended while this one waited for it in a "
+                       "collective; that rank's message says why", every_rank=False) from None
     finally:
         if rank0:
             try:
@@ -287,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
     cfg = load_config(args.config, args.overrides)
+    if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
+        raise ConfigError([f"--device-memory {args.device_memory}: a positive number of GiB"],
+                          "the flags")
     if args.dry_run:
         SIGNALS.restore(STOP_SIGNALS)  # (nothing to checkpoint: Ctrl-C just stops it)
         return dry_run(cfg, args.world_size or cfg.parallel.tensor * cfg.parallel.pipeline,

@@ -10,18 +10,20 @@ A shard directory holds, per split (``train``, ``valid``):
   sha256 of every file. Files are written to a temporary directory and renamed at the end.
 
 The reader (:class:`ShardSet`) checks the manifest against what training expects (sequence
-length, tokenizer), each shard's size on open and its sha256 on first use, and names the file in
-every error. :mod:`setdiff_dist.data.loader` turns it into per-rank micro-batches. This module
+length, tokenizer) and every file's size, keeps a bounded number of shards open, and names the
+file in every error (full re-hashing on request: ``data.verify=full``). :mod:`setdiff_dist.data.loader` turns it into per-rank micro-batches. This module
 needs numpy only, so that setdiff-prep's tokenizer workers start without torch.
 """
 
 from __future__ import annotations
 
 import bisect
+import errno
 import io
 import json
 import os
 import tarfile
+from collections import OrderedDict
 from typing import Optional
 
 import numpy as np
@@ -110,16 +112,31 @@ def read_manifest(directory: str) -> dict:
     return manifest
 
 
+VERIFY = ("size", "full", "eager")
+MAX_OPEN = 32  # shards a reader keeps open (two file handles each)
+
+
 class ShardSet:
     """Random access to the samples of one split, checked against the manifest.
 
     ``seq_len`` and ``tokenizer_sha256``, when given, must match the manifest (the training
-    config and its tokenizer). ``verify``: ``"lazy"`` hashes each shard on first use in each
-    process, ``"eager"`` all of them now, ``"size"`` only checks sizes."""
+    config and its tokenizer). Every file's size is checked now (a stat per file), and each
+    shard's index against its tar when the shard is opened; the bytes were hashed when
+    setdiff-prep wrote them. ``verify="full"`` also hashes each shard in full on its first use
+    in each process (once: the verdict is kept), ``"eager"`` hashes them all now (what
+    ``setdiff-prep --verify DIR`` does). At most ``max_open`` shards are open at a time (the
+    least recently used is closed first), whatever the number of shards: a random global order
+    over 10^5 shards needs no more file handles than over 6."""
 
     def __init__(self, directory: str, split: str = "train", *, seq_len: Optional[int] = None,
-                 tokenizer_sha256: Optional[str] = None, verify: str = "lazy"):
+                 tokenizer_sha256: Optional[str] = None, verify: str = "size",
+                 max_open: int = MAX_OPEN):
+        if verify not in VERIFY:
+            raise ShardError(f"verify={verify!r}: expected one of {', '.join(VERIFY)}")
+        if max_open < 1:
+            raise ShardError(f"max_open={max_open}: a reader needs at least one open shard")
         self.directory, self.split, self.verify = directory, split, verify
+        self.max_open = max_open
         self.manifest = m = read_manifest(directory)
         where = os.path.join(directory, MANIFEST)
         if seq_len is not None and m["seq_len"] != seq_len:
@@ -137,11 +154,12 @@ class ShardSet:
         self._ends = list(np.cumsum([s["samples"] for s in self.shards]))
         for s in self.shards:
             self._check_size(s)
-        self._open: dict = {}
+        self._open: OrderedDict = OrderedDict()
+        self._verified: set = set()
         self._pid = os.getpid()
         if verify == "eager":
             for i in range(len(self.shards)):
-                self._shard(i)
+                self._hash(i)
 
     def __len__(self) -> int:
         return int(self._ends[-1])
@@ -149,6 +167,11 @@ class ShardSet:
     @property
     def tokens(self) -> int:
         return int(self.manifest["splits"][self.split]["tokens"])
+
+    @property
+    def open_shards(self) -> int:
+        """Shards this process holds open now (at most ``max_open``)."""
+        return len(self._open)
 
     def _path(self, name: str) -> str:
         from setdiff_dist.paths import inside
@@ -166,23 +189,57 @@ class ShardSet:
             raise ShardError(f"shard {path} is truncated or changed: {size} bytes, the manifest "
                              f"says {s['bytes']}; re-run setdiff-prep")
 
+    def _hash(self, i: int) -> None:
+        """Check shard ``i`` and its index against the manifest's sha256 (once per process)."""
+        if i in self._verified:
+            return
+        s = self.shards[i]
+        for p, want in ((self._path(s["file"]), s["sha256"]),
+                        (self._path(s["index"]), s["index_sha256"])):
+            if sha256_file(p) != want:
+                raise ShardError(f"shard {p} is corrupt: its sha256 differs from the "
+                                 "manifest's; re-run setdiff-prep")
+        self._verified.add(i)
+
     def _shard(self, i: int):
         if os.getpid() != self._pid:  # a forked loader worker: its own file handles
-            self._open, self._pid = {}, os.getpid()
-        if i not in self._open:
-            s = self.shards[i]
-            path, idx_path = self._path(s["file"]), self._path(s["index"])
-            if self.verify in ("lazy", "eager"):
-                for p, want in ((path, s["sha256"]), (idx_path, s["index_sha256"])):
-                    if sha256_file(p) != want:
-                        raise ShardError(f"shard {p} is corrupt: its sha256 differs from the "
-                                         "manifest's; re-run setdiff-prep")
-            index = np.load(idx_path)
-            if index.shape != (s["samples"], 4):
-                raise ShardError(f"{idx_path}: index of shape {index.shape}, expected "
-                                 f"({s['samples']}, 4)")
-            self._open[i] = (open(path, "rb"), index)
-        return self._open[i]
+            self._open, self._pid = OrderedDict(), os.getpid()
+        entry = self._open.get(i)
+        if entry is not None:
+            self._open.move_to_end(i)
+            return entry
+        s = self.shards[i]
+        path, idx_path = self._path(s["file"]), self._path(s["index"])
+        if self.verify != "size":
+            self._hash(i)
+        while len(self._open) >= self.max_open:
+            _, (old, _) = self._open.popitem(last=False)
+            old.close()
+        try:
+            index = np.load(idx_path, mmap_mode="r")  # (read as samples need it)
+            fh = open(path, "rb")
+        except OSError as exc:
+            if exc.errno == errno.EMFILE:
+                import resource
+
+                raise ShardError(
+                    f"too many open files opening {path}: this process holds {len(self._open)} "
+                    f"shards open (data.max_open_shards={self.max_open}, two files each) and "
+                    f"may open {resource.getrlimit(resource.RLIMIT_NOFILE)[0]} files (ulimit -n); "
+                    "lower data.max_open_shards or raise ulimit -n", every_rank=False) from None
+            raise ShardError(f"cannot read shard {path} ({exc.strerror})",
+                             every_rank=False) from None
+        except ValueError as exc:
+            raise ShardError(f"{idx_path} is not a shard index ({exc}); re-run "
+                             "setdiff-prep") from None
+        if index.shape != (s["samples"], 4):
+            raise ShardError(f"{idx_path}: index of shape {index.shape}, expected "
+                             f"({s['samples']}, 4)")
+        if s["samples"] and int(index[-1, 0]) + int(index[-1, 1]) > s["bytes"]:
+            raise ShardError(f"{idx_path} points past the end of {path}: the index and the "
+                             "shard are not from one write; re-run setdiff-prep")
+        self._open[i] = entry = (fh, index)
+        return entry
 
     def __getitem__(self, i: int):
         """``(tokens int32 [L], length, context)`` of sample ``i``."""
@@ -190,20 +247,25 @@ class ShardSet:
             raise IndexError(i)
         k = bisect.bisect_right(self._ends, i)
         fh, index = self._shard(k)
-        offset, size, length, context = index[i - (self._ends[k - 1] if k else 0)]
-        fh.seek(int(offset))
-        raw = fh.read(int(size))
+        offset, size, length, context = (int(v) for v in
+                                         index[i - (self._ends[k - 1] if k else 0)])
+        raw = os.pread(fh.fileno(), size, offset)
         try:
             tokens = np.load(io.BytesIO(raw))
         except Exception as exc:
             raise ShardError(f"shard {self._path(self.shards[k]['file'])}: sample {i} is "
-                             f"unreadable ({exc})") from None
+                             f"unreadable ({exc}); re-run setdiff-prep") from None
         if tokens.shape != (self.seq_len,):
             raise ShardError(f"shard {self._path(self.shards[k]['file'])}: sample {i} has shape "
                              f"{tokens.shape}, expected ({self.seq_len},)")
-        return tokens, int(length), int(context)
+        return tokens, length, context
+
+    def close(self) -> None:
+        while self._open:
+            _, (fh, _) = self._open.popitem()
+            fh.close()
 
     def __getstate__(self):  # file handles stay behind when a loader worker is started
         state = dict(self.__dict__)
-        state["_open"] = {}
+        state["_open"] = OrderedDict()
         return state

@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 
 from setdiff_dist.data.loader import TokenLoader
-from setdiff_dist.data.shards import ShardSet
+from setdiff_dist.data.blend import Blend
 from setdiff_dist.errors import SetdiffError
 from setdiff_dist.inference.decoder import (DecodeError, Sampling, SetDecoder, StopCriteria,
                                             model_device)
@@ -33,7 +33,7 @@ class EvalError(SetdiffError, ValueError):
 
 
 def perplexity(model, cfg, shards_dir: str, batches: int = 16, batch_size: int = 8) -> dict:
-    shards = ShardSet(shards_dir, "valid", seq_len=cfg.data.seq_len)
+    shards = Blend.open(shards_dir, "valid", seq_len=cfg.data.seq_len)
     objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1)
     loader = TokenLoader(shards, global_batch=batch_size, micro_batch=batch_size, shuffle=False,
                          num_workers=0)

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from setdiff_dist.data.loader import TokenLoader
+from setdiff_dist.data.blend import Blend
+from setdiff_dist.data.loader import Batch, TokenLoader
 from setdiff_dist.data.shards import ShardSet
 from setdiff_dist.data.tokenizers import load_shipped_tokenizer, load_tokenizer
 from setdiff_dist.model.flops import training_flops_per_token
@@ -94,12 +95,19 @@ class Trainer:
     def _data(self):
         d = self.cfg.data
         want_sha = load_tokenizer(d.tokenizer).sha256 if d.tokenizer else None
-        train = ShardSet(d.train_shards, "train", seq_len=d.seq_len, tokenizer_sha256=want_sha)
-        tok = load_shipped_tokenizer(d.train_shards, train.manifest["tokenizer"])
+        opts = {"seq_len": d.seq_len, "verify": d.verify, "max_open": d.max_open_shards}
+        train = Blend.open(d.train_shards, "train", tokenizer_sha256=want_sha, **opts)
+        tok = load_shipped_tokenizer(train.directory, train.manifest["tokenizer"])
+        opts["tokenizer_sha256"] = tok.sha256
         valid = None
-        if d.valid_shards or "valid" in train.manifest["splits"]:
-            valid_dir = d.valid_shards or d.train_shards
-            valid = ShardSet(valid_dir, "valid", seq_len=d.seq_len, tokenizer_sha256=tok.sha256)
+        if d.valid_shards:
+            valid = Blend.open(d.valid_shards, "valid", **opts)
+        else:  # the valid splits of the training corpora that have one, in the same proportions
+            have = [(w, s.directory) for w, s in zip(train.weights, train.sets)
+                    if "valid" in s.manifest["splits"]]
+            if have:
+                valid = Blend([ShardSet(s, "valid", **opts) for _, s in have],
+                              [w for w, _ in have], [s for _, s in have])
         if tok.vocab_size > self.cfg.model.vocab_size:
             raise TrainingError(f"the shards' tokenizer has {tok.vocab_size} tokens but "
                                 f"model.vocab_size={self.cfg.model.vocab_size}; set "
@@ -184,7 +192,7 @@ class Trainer:
                              "nonfinite_in_a_row": self.nonfinite_in_a_row,
                              "loader": self.loader(self.step).state_dict()}}
         return checkpoint.save(self.engine, self.cfg, self.step, state, self.tokenizer_identity,
-                               tokenizer_dir=self.cfg.data.train_shards)
+                               tokenizer_dir=self.train_set.directory)
 
     def request_stop(self, signum: int) -> None:
         """Stop at the next step boundary, with a checkpoint: ``"paused"`` on SIGINT,
@@ -204,8 +212,28 @@ class Trainer:
         d = self.cfg.data
         return TokenLoader(self.train_set, global_batch=d.global_batch_size,
                            micro_batch=d.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp,
-                           seed=self.cfg.train.seed, num_workers=d.num_workers,
-                           start_step=start_step)
+                           seed=self.cfg.train.seed, shuffle=d.shuffle,
+                           num_workers=d.num_workers, start_step=start_step)
+
+    def _steps(self, loader: TokenLoader, n_micro: int):
+        """The loader's steps (lists of ``n_micro`` micro-batches). Only tensor-parallel rank 0
+        reads: the step goes to the other ranks of its group in one broadcast (as Megatron
+        does), so the data is read once per tensor-parallel group, not once per rank."""
+        group = ps.get_tensor_model_parallel_group()
+        if ps.get_tensor_model_parallel_world_size() == 1:
+            yield from loader
+            return
+        src = ps.get_tensor_model_parallel_src_rank()
+        b, L = loader.micro_batch, self.cfg.data.seq_len
+        steps = iter(loader) if self.rank == src else None
+        while True:
+            if steps is not None:
+                flat = Batch.pack(next(steps)).to(self.device)
+            else:
+                flat = torch.empty(Batch.packed_size(n_micro, b, L), dtype=torch.long,
+                                   device=self.device)
+            dist.broadcast(flat, src, group=group)
+            yield Batch.unpack(flat, n_micro, b, L)
 
     # -- one step ------------------------------------------------------------------------------
     # The host waits on the device twice per step, never per micro-batch: once for whether the
@@ -317,7 +345,7 @@ class Trainer:
         self.engine.module.eval()
         self.engine.module.set_is_first_microbatch()  # the weights changed since the last cast
         total = torch.zeros(2, device=self.device)
-        for _, (batch,) in zip(range(n_batches), loader):
+        for _, (batch,) in zip(range(n_batches), self._steps(loader, 1)):
             batch = batch.to(self.device)
             if self.cfg.parallel.pipeline == 1:
                 out, terms = self.eval_objective.step(self.engine.module, batch)
@@ -351,7 +379,7 @@ class Trainer:
         # a resumed run already has a checkpoint of its first step
         tokens_since, saved_at, outcome = 0, self.step if self.resumed_from else None, "completed"
         try:
-            for micro_batches in self.loader(self.step):
+            for micro_batches in self._steps(self.loader(self.step), self.n_micro):
                 if self.step >= cfg.train.steps:
                     break
                 record = self.train_step(micro_batches)
