@@ -85,10 +85,11 @@ class OrderConfig:
     max_set_size: Optional[float] = _f(None, "staggered: maximum set size S_max; null = 2 * D",
                                        min=1.0)
     block_size: int = _f(4, "block: block size B (must divide data.seq_len)", min=1)
-    t_min: float = _f(0.0, "block / masked: lower clip beta of the per-set diffusion time",
-                      min=0.0, max=1.0)
-    t_max: float = _f(1.0, "block / masked: upper clip omega of the per-set diffusion time",
-                      min=0.0, max=1.0)
+    t_min: float = _f(0.0, "block / masked: lower clip beta of the per-set diffusion time, "
+                      "for training (times are floored at 1e-3 anyway; the likelihood bound "
+                      "always uses the unclipped range)", min=0.0, max=1.0)
+    t_max: float = _f(1.0, "block / masked: upper clip omega of the per-set diffusion time, "
+                      "for training", min=0.0, max=1.0)
     eval_seed: int = _f(20260707, "seed of the fixed evaluation orders (reproducible PPL bounds)",
                         min=0)
 
@@ -207,7 +208,13 @@ class CheckpointConfig:
 
 @dataclass
 class DecodeConfig:
-    window: int = _f(16, "candidate window W (masked positions considered per step)", min=1)
+    """Decoding defaults, saved with every checkpoint: setdiff-generate / setdiff-eval take
+    them from the checkpoint's config; a --preset, then each flag, overrides them."""
+
+    window: Optional[int] = _f(None, "candidate window W: the masked positions in [f, f + W), "
+                               "f the leftmost masked one; null = the order's mean set size D "
+                               "(staggered: the paper's GSM point), the block size (block), 1 "
+                               "(autoregressive, causal), 16 (masked)", min=1)
     threshold: float = _f(math.inf, "confidence threshold tau; inf = one token per step",
                           min=0.0, infinite=True)
     greedy: bool = _f(False, "argmax instead of sampling")

@@ -348,7 +348,8 @@ def test_choices_on_the_device_equal_the_per_sample_path():
         toks, conf = dec._pick(logits, samples, sampling, None)
         for b, s in enumerate(samples):
             ref = dec._choose(logits[b, :len(cands[b])], cands[b], s, sampling, None, 0.0)
-            assert ref == [(pos, toks[b][j]) for j, pos in enumerate(cands[b])]
+            assert [(p, t) for p, t, _ in ref] == [(pos, toks[b][j])
+                                                   for j, pos in enumerate(cands[b])]
             probs = torch.softmax(logits[b].clone(), -1)
             if penalty == 1.0:
                 assert torch.allclose(torch.tensor(conf[b]), probs.max(-1).values)

@@ -39,10 +39,15 @@ def generate(checkpoint, *extra, tp=1):
 
 
 def test_same_greedy_output_at_any_tp_and_after_export(trained, tmp_path):
-    one = generate(trained)
+    one = generate(trained, "--trace-png", str(tmp_path / "trace.png"))
     assert one.returncode == 0, one.stderr[-3000:]
     out = json.loads(one.stdout.strip().splitlines()[-1])
     assert len(out["tokens"][0]) == 12 and out["tokens_per_s"] > 0
+    # the trace: per step the positions committed, the prompt from 0; every new one once
+    first = min(p for step in out["trace"][0] for p in step)  # (the prompt's length)
+    assert first > 0 and sorted(p for step in out["trace"][0] for p in step) == \
+        list(range(first, first + 12))
+    assert len(out["trace"][0]) == out["steps"][0] and (tmp_path / "trace.png").stat().st_size
     two = generate(trained, tp=2)
     assert two.returncode == 0, two.stderr[-3000:]
     assert json.loads(two.stdout.strip().splitlines()[-1])["tokens"] == out["tokens"]
@@ -147,6 +152,14 @@ def test_eval_tasks(trained, tmp_path):
     assert [(r["window"], r["threshold"]) for r in rows][:2] == [(1, "inf"), (4, "inf")]
     assert "Infinity" not in (tmp_path / "throughput.json").read_text()
     assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] >= 1 for r in rows)
+    # the paper's measure, said in the file: the mean of per-sample rates after warm-up samples
+    assert "mean over the prompts" in out["throughput"]["method"]
+    assert out["throughput"]["warmup_samples"] == 1
+    # results say what they measured: the checkpoint, its step, the decoding settings
+    assert all(out[t]["step"] == 30 and out[t]["checkpoint"].endswith("step_0000030")
+               for t in out)
+    assert out["gsm"]["decode"]["greedy"] is True and out["infill"]["decode"]["window"] == 32
+    assert out["infill"]["decode"]["repetition_penalty"] == 1.2
     res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.eval", "--checkpoint",
                           str(trained), "--task", "infill"], capture_output=True, text=True)
     assert res.returncode == 2 and "needs --data" in res.stderr

@@ -77,6 +77,48 @@ def count(minimum: int = 1):
     return parse
 
 
+def add_decode_arguments(ap, max_new_tokens_help: str = "") -> None:
+    """The decoding flags: each defaults to the checkpoint's ``decode`` section (then
+    ``--preset``), see :func:`setdiff_dist.inference.decoder.decode_settings`."""
+    import argparse
+
+    from setdiff_dist.inference.decoder import PRESETS
+
+    ap.add_argument("--preset", choices=sorted(PRESETS),
+                    help="the paper's operating point: gsm (W = D, greedy), infill (W = 32, "
+                         "greedy, repetition penalty 1.2)")
+    ap.add_argument("--window", type=count(), help="candidate window W: masked positions in "
+                    "[f, f + W), f the leftmost (default: the checkpoint's decode.window, else "
+                    "the order's mean set size D)")
+    ap.add_argument("--threshold", type=float,
+                    help="confidence threshold tau ('inf' = one token per step)")
+    ap.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=None,
+                    help="argmax (--no-greedy: sample)")
+    ap.add_argument("--temperature", type=float)
+    ap.add_argument("--top-p", type=float)
+    ap.add_argument("--repetition-penalty", type=float)
+    ap.add_argument("--max-new-tokens", type=count(), help=max_new_tokens_help or None)
+    ap.add_argument("--max-repeat-run", type=count())
+
+
+def decode_flags(args) -> dict:
+    """The decoding flags given on the command line (None: not given)."""
+    return {k: getattr(args, k) for k in ("window", "threshold", "greedy", "temperature",
+                                          "top_p", "repetition_penalty", "max_new_tokens",
+                                          "max_repeat_run")}
+
+
+def check_decode_flags(args) -> None:
+    """Refuse bad decoding flags before any model is loaded."""
+    from setdiff_dist.inference.decoder import Sampling, check_threshold
+
+    Sampling(**{k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
+                                  ("repetition_penalty", args.repetition_penalty))
+                if v is not None})
+    if args.threshold is not None:
+        check_threshold(args.threshold)
+
+
 def add_dtype_argument(ap) -> None:
     """``--dtype``, for the commands that load a model for inference."""
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",

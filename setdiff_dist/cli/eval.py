@@ -17,7 +17,8 @@ import math
 import os
 import sys
 
-from setdiff_dist.cli import add_dtype_argument, command, count, inference_dtype, json_text
+from setdiff_dist.cli import (add_decode_arguments, add_dtype_argument, check_decode_flags,
+                              command, count, decode_flags, inference_dtype, json_text)
 
 
 @command("setdiff-eval", process_group=True)
@@ -31,10 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=count(), default=100, help="records to evaluate")
     ap.add_argument("--batches", type=count(), default=16, help="ppl: validation batches")
     ap.add_argument("--batch-size", type=count(), default=8)
-    ap.add_argument("--window", type=count(), default=8)
-    ap.add_argument("--threshold", type=float, default=math.inf)
-    ap.add_argument("--greedy", action="store_true", default=True)
-    ap.add_argument("--max-new-tokens", type=count(), default=128)
+    add_decode_arguments(ap)
     ap.add_argument("--prompt", action="append", default=None, help="throughput prompts")
     ap.add_argument("--tensor-parallel", type=count(), default=1)
     add_dtype_argument(ap)
@@ -42,11 +40,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from setdiff_dist.eval import tasks
-    from setdiff_dist.inference.decoder import Sampling, SetDecoder, check_text, check_threshold
+    from setdiff_dist.inference.decoder import Sampling, SetDecoder, check_text, decode_settings
     from setdiff_dist.inference.weights import build_inference_model
 
     # everything that can be checked before a model load is
-    check_threshold(args.threshold)
+    check_decode_flags(args)
     for text in args.prompt or []:
         check_text("--prompt", text)
     if args.task in ("infill", "gsm"):
@@ -63,21 +61,28 @@ def main(argv=None) -> int:
                                             dtype=inference_dtype(args.dtype))
     mode = "causal" if cfg.order.kind == "causal" else "set"
     decoder = SetDecoder(model, tok, context=cfg.data.seq_len, mode=mode)
-    sampling = Sampling(greedy=args.greedy)
+    # each task's operating point from the paper, unless --preset says otherwise; evaluation
+    # decodes greedily unless --no-greedy (reproducible numbers)
+    flags = dict(decode_flags(args), greedy=True if args.greedy is None else args.greedy)
+    d = decode_settings(cfg, args.preset or {"gsm": "gsm", "infill": "infill"}.get(args.task),
+                        **flags)
+    sampling = Sampling(greedy=d["greedy"], temperature=d["temperature"], top_p=d["top_p"],
+                        repetition_penalty=d["repetition_penalty"])
     if args.task == "ppl":
         shards = args.shards or cfg.data.valid_shards or cfg.data.train_shards
         result = tasks.perplexity(model, cfg, shards, args.batches, args.batch_size)
     elif args.task == "infill":
-        result = tasks.infilling(decoder, tok, args.data, args.limit, args.window,
-                                 args.threshold, sampling)
+        result = tasks.infilling(decoder, tok, args.data, args.limit, d["window"],
+                                 d["threshold"], sampling)
     elif args.task == "gsm":
-        result = tasks.gsm(decoder, tok, args.data, args.limit, args.max_new_tokens,
-                           args.window, args.threshold, sampling)
+        result = tasks.gsm(decoder, tok, args.data, args.limit, d["max_new_tokens"],
+                           d["window"], d["threshold"], sampling)
     else:
         prompts = args.prompt or ["Shall I compare thee", "In the beginning", "O Romeo"]
-        settings = [(1, math.inf), (args.window, math.inf), (args.window, 0.9),
-                    (args.window, 0.5)] if mode == "set" else [(1, math.inf)]
-        result = tasks.throughput(decoder, tok, prompts, args.max_new_tokens, settings,
+        w = d["window"]
+        settings = [(1, math.inf), (w, math.inf), (w, 0.9), (w, 0.5)] if mode == "set" \
+            else [(1, math.inf)]
+        result = tasks.throughput(decoder, tok, prompts, d["max_new_tokens"], settings,
                                   sampling)
     import torch.distributed as dist
 
@@ -86,6 +91,9 @@ def main(argv=None) -> int:
     from setdiff_dist.checkpoint.weights import provenance
 
     result = {"task": args.task, **provenance(args.checkpoint), **result}
+    if args.task != "ppl":
+        result["decode"] = {k: d[k] for k in ("window", "threshold", "greedy", "temperature",
+                                              "top_p", "repetition_penalty", "max_new_tokens")}
     text = json_text(result, indent=2)
     if args.out:
         from setdiff_dist.checkpoint.files import write_atomic

@@ -5,6 +5,10 @@
     setdiff-generate --checkpoint DIR --infill-left "..." --infill-right "..." --infill-length 12
     setdiff-generate --checkpoint DIR                      # unconditional (from end-of-text)
 
+Decoding settings default to the checkpoint's ``decode`` section (its window, when unset, to the
+order's mean set size D); ``--preset gsm|infill`` applies the paper's operating points on top,
+and each flag overrides both.
+
 The generated text goes to standard output and the statistics (tokens/s, tokens/step, steps) to
 standard error; ``--json`` prints one JSON object instead. Under torchrun with
 ``--tensor-parallel N`` the model is sharded over N ranks (rank 0 prints).
@@ -13,10 +17,10 @@ standard error; ``--json`` prints one JSON object instead. Under torchrun with
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
-from setdiff_dist.cli import add_dtype_argument, command, count, inference_dtype, json_text
+from setdiff_dist.cli import (add_decode_arguments, add_dtype_argument, check_decode_flags,
+                              command, count, decode_flags, inference_dtype, json_text)
 
 
 @command("setdiff-generate", process_group=True)
@@ -27,17 +31,10 @@ def main(argv=None) -> int:
                     help="a training run directory, a checkpoint directory, or an export")
     ap.add_argument("--prompt", action="append", default=None,
                     help="prompt text (repeat for a batch); none = unconditional")
-    ap.add_argument("--max-new-tokens", type=count(), default=128)
-    ap.add_argument("--window", type=count(), default=16, help="candidate window W")
-    ap.add_argument("--threshold", type=float, default=math.inf,
-                    help="confidence threshold tau ('inf' = one token per step)")
-    ap.add_argument("--greedy", action="store_true")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    add_decode_arguments(ap)
     ap.add_argument("--stop", action="append", default=[],
-                    help="stop string (prefix 're:' for a regex); repeatable")
-    ap.add_argument("--max-repeat-run", type=count(), default=None)
+                    help="stop string (prefix 're:' for a regex); repeatable, added to the "
+                         "checkpoint's decode.stop")
     ap.add_argument("--no-eos-stop", action="store_true", help="do not stop at end-of-text")
     ap.add_argument("--infill-left", default=None)
     ap.add_argument("--infill-right", default=None)
@@ -45,40 +42,46 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor-parallel", type=count(), default=1)
     add_dtype_argument(ap)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object (with each result's decoding trace: per forward "
+                         "step, the absolute positions committed in it, the prompt from 0)")
+    ap.add_argument("--trace-png", metavar="FILE",
+                    help="draw the decoding trace: position x step, coloured by confidence")
     args = ap.parse_args(argv)
 
     from setdiff_dist.inference.decoder import (DecodeError, Sampling, SetDecoder, StopCriteria,
-                                                check_text, check_threshold)
+                                                check_text, decode_settings)
     from setdiff_dist.inference.weights import build_inference_model
 
     # the flags first: a bad one costs no model load
-    sampling = Sampling(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p,
-                        repetition_penalty=args.repetition_penalty, seed=args.seed)
-    check_threshold(args.threshold)
+    check_decode_flags(args)
     for flag in ("prompt", "infill_left", "infill_right", "stop"):
         for text in (lambda v: v if isinstance(v, list) else [v])(getattr(args, flag) or []):
             check_text(f"--{flag.replace('_', '-')}", text)
-    stop = StopCriteria(eos_id=None, stop=args.stop, max_repeat_run=args.max_repeat_run)
+    StopCriteria(stop=args.stop)
     if (args.infill_left is not None or args.infill_right is not None) and \
             args.infill_length is None:
         raise DecodeError("infilling needs --infill-length")
     model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
                                             dtype=inference_dtype(args.dtype))
+    d = decode_settings(cfg, args.preset, stop=args.stop, **decode_flags(args))
+    sampling = Sampling(greedy=d["greedy"], temperature=d["temperature"], top_p=d["top_p"],
+                        repetition_penalty=d["repetition_penalty"], seed=args.seed)
+    stop = StopCriteria(eos_id=None, stop=d["stop"], max_repeat_run=d["max_repeat_run"])
     mode = "causal" if cfg.order.kind == "causal" else "set"
     decoder = SetDecoder(model, tok, context=cfg.data.seq_len, mode=mode)
     if args.infill_left is not None or args.infill_right is not None:
         results = decoder.infill([tok.encode(args.infill_left or "")],
                                  [tok.encode(args.infill_right or "")], [args.infill_length],
-                                 window=min(args.window, args.infill_length),
-                                 threshold=args.threshold, sampling=sampling)
+                                 window=min(d["window"], args.infill_length),
+                                 threshold=d["threshold"], sampling=sampling)
         prompts = [args.infill_left or ""]
     else:
         prompts = args.prompt if args.prompt is not None else [None]
         ids = [tok.encode(p) if p is not None else [tok.eos_id] for p in prompts]
         stop.eos_id = None if args.no_eos_stop else tok.eos_id
-        results = decoder.generate(ids, args.max_new_tokens, window=args.window,
-                                   threshold=args.threshold, sampling=sampling, stop=stop)
+        results = decoder.generate(ids, d["max_new_tokens"], window=d["window"],
+                                   threshold=d["threshold"], sampling=sampling, stop=stop)
     import torch.distributed as dist
 
     if dist.get_rank() != 0:
@@ -88,10 +91,14 @@ def main(argv=None) -> int:
     stats = {"tokens_per_s": new_tokens / max(seconds, 1e-9),
              "tokens_per_step": [r.tokens_per_step for r in results],
              "steps": [r.steps for r in results], "seconds": seconds,
-             "window": args.window, "threshold": args.threshold, "mode": mode}
+             "window": d["window"], "threshold": d["threshold"], "greedy": d["greedy"],
+             "mode": mode}
+    if args.trace_png:
+        draw_trace(results, prompts, args.trace_png, d["window"], d["threshold"])
     if args.json:
         print(json_text({"prompts": prompts, "texts": [r.text for r in results],
-                         "tokens": [r.tokens for r in results], **stats}))
+                         "tokens": [r.tokens for r in results],
+                         "trace": [r.trace for r in results], **stats}))
     else:
         for r in results:
             print(r.text)
@@ -101,6 +108,36 @@ def main(argv=None) -> int:
               file=sys.stderr)
     return 0
 
+
+
+def draw_trace(results, prompts, path: str, window: int, threshold: float) -> None:
+    """One panel per result (at most four): a dot per committed token at (position, forward
+    step), coloured by its confidence; the prompt is the grey band at the left."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = results[:4]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(9, 2.6 * len(shown)), squeeze=False)
+    for ax, r, prompt in zip(axes[:, 0], shown, prompts):
+        xs = [p for step in r.trace for p in step]
+        ys = [i for i, step in enumerate(r.trace) for _ in step]
+        cs = [c for step in r.trace_confidence for c in step]
+        first = min(xs) if xs else 0
+        ax.axvspan(-0.5, first - 0.5, color="0.9", label="prompt")
+        dots = ax.scatter(xs, ys, c=cs, cmap="viridis", vmin=0, vmax=1, s=14)
+        ax.invert_yaxis()
+        ax.set_xlabel("position")
+        ax.set_ylabel("forward step")
+        per = len(xs) / max(len(r.trace), 1)
+        ax.set_title(f"{len(xs)} tokens in {len(r.trace)} steps ({per:.2f} per step), "
+                     f"W={window}, tau={threshold:g}: {(prompt or '')[:40]!r}", fontsize=9)
+        fig.colorbar(dots, ax=ax, label="confidence")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"setdiff-generate: trace -> {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

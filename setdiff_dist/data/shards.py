@@ -11,8 +11,9 @@ A shard directory holds, per split (``train``, ``valid``):
 
 The reader (:class:`ShardSet`) checks the manifest against what training expects (sequence
 length, tokenizer) and every file's size, keeps a bounded number of shards open, and names the
-file in every error (full re-hashing on request: ``data.verify=full``). :mod:`setdiff_dist.data.loader` turns it into per-rank micro-batches. This module
-needs numpy only, so that setdiff-prep's tokenizer workers start without torch.
+file in every error (full re-hashing on request: ``data.verify=full``).
+:mod:`setdiff_dist.data.loader` turns it into per-rank micro-batches. This module needs numpy
+only, so that setdiff-prep's tokenizer workers start without torch.
 """
 
 from __future__ import annotations

@@ -129,9 +129,13 @@ class StaggeredSchedule(OrderSchedule):
         return f"StaggeredSchedule(window={self.window:.6g}, shape={self.shape:.6g})"
 
 
+T_EPS = 1e-3  # the floor of in-set diffusion times (the 1/t weight's variance is unbounded at 0)
+
+
 class BlockSchedule(OrderSchedule):
     """BD3LM: blocks of ``B`` positions revealed left to right; inside block ``b`` every token is
-    masked with probability ``t_b ~ U(t_min, t_max]``, its own time."""
+    masked with probability ``t_b ~ U(max(t_min, T_EPS), t_max]``, its own time (the reference
+    code's floor :data:`T_EPS`; ``t_min`` / ``t_max`` clip it further for training only)."""
 
     name = "block"
     singleton = False
@@ -151,9 +155,10 @@ class BlockSchedule(OrderSchedule):
         group = torch.arange(seq_len) // self.size(seq_len)
         n_blocks = int(group[-1]) + 1
         u = torch.rand(seq_len, generator=gen, dtype=torch.float64)
-        # 1 - U lies in (0, 1]: t is never 0, so the 1/t weight stays finite
-        t = self.t_min + (self.t_max - self.t_min) * (
-            1.0 - torch.rand(n_blocks, generator=gen, dtype=torch.float64))
+        # 1 - U lies in (0, 1]; the floor keeps the 1/t weight's variance bounded
+        lo = max(self.t_min, T_EPS)
+        t = lo + (self.t_max - lo) * (1.0 - torch.rand(n_blocks, generator=gen,
+                                                       dtype=torch.float64))
         R = (n_blocks - 1 - group.to(torch.float64) + u) / n_blocks
         return R, group, u, t
 
@@ -197,11 +202,14 @@ def make_schedule(kind: str, seq_len: int, *, mean_set_size: float = 4.0,
                      "staggered")
 
 
-def schedule_from_config(order_cfg, seq_len: int) -> OrderSchedule:
-    """Build the schedule of a :class:`setdiff_dist.config.OrderConfig`."""
+def schedule_from_config(order_cfg, seq_len: int, evaluation: bool = False) -> OrderSchedule:
+    """Build the schedule of a :class:`setdiff_dist.config.OrderConfig`. ``evaluation``: the
+    likelihood bound's schedule, with the unclipped time range (a range clipped for training
+    is not a valid ELBO)."""
+    t_min, t_max = (0.0, 1.0) if evaluation else (order_cfg.t_min, order_cfg.t_max)
     return make_schedule(order_cfg.kind, seq_len, mean_set_size=order_cfg.mean_set_size,
                          max_set_size=order_cfg.max_set_size, block_size=order_cfg.block_size,
-                         t_min=order_cfg.t_min, t_max=order_cfg.t_max)
+                         t_min=t_min, t_max=t_max)
 
 
 @dataclass

@@ -34,7 +34,7 @@ class EvalError(SetdiffError, ValueError):
 
 def perplexity(model, cfg, shards_dir: str, batches: int = 16, batch_size: int = 8) -> dict:
     shards = Blend.open(shards_dir, "valid", seq_len=cfg.data.seq_len)
-    objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1)
+    objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1, evaluation=True)
     loader = TokenLoader(shards, global_batch=batch_size, micro_batch=batch_size, shuffle=False,
                          num_workers=0)
     device = model_device(model)
@@ -157,15 +157,24 @@ def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, thre
     return {**mean, "count": len(scores), "skipped_too_long": skipped, "examples": examples}
 
 
+# A GSM answer is "#### <number>"; it is complete only once something that cannot continue the
+# number is committed after it (a newline, a space, a letter, end of text): with a tokenizer that
+# splits digits, "#### 4" is a prefix of "#### 42". A period or comma ends it only when a
+# non-digit follows ("42." then a newline; "1,234" goes on).
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+GSM_STOP = rf"####\s*{_NUMBER}(?=[^\d.,]|[.,]\D)"
+
+
 def _answer(text: str):
-    m = re.search(r"####\s*(-?[\d,]+(?:\.\d+)?)", text)
-    return m.group(1).replace(",", "") if m else None
+    """The whole number after ``####`` (commas dropped), or None."""
+    m = re.search(rf"####\s*({_NUMBER})", text)
+    return m.group(1).replace(",", "").rstrip(".") if m else None
 
 
 def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, window: int,
         threshold: float, sampling: Sampling) -> dict:
     correct, total, skipped, examples = 0, 0, 0, []
-    stop = StopCriteria(eos_id=tok.eos_id, stop=["re:####\\s*-?[\\d,]+"])
+    stop = StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
     for rec in _records(path, limit, "gsm"):
         try:
             r = decoder.generate([tok.encode(rec["prompt"])], max_new_tokens, window=window,
@@ -185,14 +194,22 @@ def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, wi
             "examples": examples}
 
 
+THROUGHPUT_METHOD = ("batch 1; per setting, the mean over the prompts of each sample's "
+                     "generated tokens / wall seconds, after warm-up samples of every setting "
+                     "(the paper's measure); median_tokens_per_s beside it")
+
+
 def throughput(decoder: SetDecoder, tok, prompts: list[str], max_new_tokens: int,
-               settings: list[tuple[int, float]], sampling: Sampling) -> dict:
-    """Batch-1 tokens/s (the paper's measure) and tokens/step per (W, tau), median over the
-    prompts, after a warm-up."""
+               settings: list[tuple[int, float]], sampling: Sampling, warmup: int = 1) -> dict:
+    """Batch-1 tokens/s as the paper measures it (the mean of per-sample tokens/s over the
+    prompts, after ``warmup`` samples of each setting, which are not counted) and tokens/step,
+    per (W, tau)."""
     ids = [tok.encode(p) for p in prompts]
-    decoder.generate(ids[:1], 8, window=1, sampling=sampling)  # warm-up
     rows = []
     for window, tau in settings:
+        for p in ids[:warmup]:  # (allocations, kernels, caches of this shape)
+            decoder.generate([p], max_new_tokens, window=window, threshold=tau,
+                             sampling=sampling)
         rates, per_step = [], []
         for p in ids:
             t = time.perf_counter()
@@ -201,6 +218,8 @@ def throughput(decoder: SetDecoder, tok, prompts: list[str], max_new_tokens: int
             rates.append(len(r.tokens) / (time.perf_counter() - t))
             per_step.append(r.tokens_per_step)
         rows.append({"window": window, "threshold": tau,
-                     "tokens_per_s": sorted(rates)[len(rates) // 2],
+                     "tokens_per_s": sum(rates) / len(rates),
+                     "median_tokens_per_s": sorted(rates)[len(rates) // 2],
                      "tokens_per_step": sum(per_step) / len(per_step)})
-    return {"batch_size": 1, "max_new_tokens": max_new_tokens, "settings": rows}
+    return {"batch_size": 1, "max_new_tokens": max_new_tokens, "warmup_samples": warmup,
+            "method": THROUGHPUT_METHOD, "settings": rows}

@@ -6,8 +6,10 @@ of the step (causal); mask queries attend the cache, all committed tokens of the
 themselves. The committed tokens' keys and values are then appended to the cache, so the cache
 grows after *every* step and committing costs no extra forward.
 
-Candidates are the first ``window`` masked positions from the leftmost one (or, with
-``order=[...]``, the next positions of a given order). Each candidate is sampled (greedy, or
+Candidates are the masked positions in the positional window ``[f, f + window)``, ``f`` the
+leftmost masked position (where earlier steps left holes it holds fewer than ``window``: it
+never reaches past what trained orders reveal), or, with ``order=[...]``, the next positions of
+a given order. Each candidate is sampled (greedy, or
 temperature / top-p, with a repetition penalty); the most confident one and every one with
 confidence ``>= threshold`` are accepted, the rest stay masked. ``window=1, threshold=inf`` is
 autoregressive decoding with a KV cache. ``mode="causal"`` decodes a model trained as a plain
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from setdiff_dist.inference.kv_cache import KVCache, decode_step
-from setdiff_dist.errors import SetdiffError
+from setdiff_dist.errors import SetdiffError, rank_and_world
 
 
 def model_device(model) -> torch.device:
@@ -67,6 +69,60 @@ class Sampling:
         for name, value, ok, want in checks:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
                 raise DecodeError(f"{name}={value!r}: it must be a finite number {want}")
+
+
+# The paper's operating points (on top of the checkpoint's decode section; flags override).
+PRESETS = {
+    "gsm": {"window": None, "greedy": True},  # W = D, greedy
+    "infill": {"window": 32, "greedy": True, "repetition_penalty": 1.2},  # an S <= 32 model
+}
+DECODE_KEYS = ("window", "threshold", "greedy", "temperature", "top_p", "repetition_penalty",
+               "max_new_tokens", "max_repeat_run")
+
+
+def default_window(order_cfg) -> int:
+    """W when neither the config nor a flag sets it: the mean set size D for staggered orders
+    (the paper's GSM point), the block size for block, 1 for AR and causal, 16 for masked."""
+    kind = order_cfg.kind
+    if kind == "staggered":
+        return max(1, round(order_cfg.mean_set_size))
+    if kind == "block":
+        return order_cfg.block_size
+    return 16 if kind == "masked" else 1
+
+
+def largest_set(order_cfg) -> Optional[float]:
+    """S_max of a staggered order (2D unless set); None for the others."""
+    if order_cfg.kind != "staggered":
+        return None
+    return order_cfg.max_set_size or 2 * order_cfg.mean_set_size
+
+
+def decode_settings(cfg, preset: Optional[str] = None, **flags) -> dict:
+    """The decoding settings of a run: the checkpoint's ``decode`` section, then ``preset``
+    (:data:`PRESETS`), then every flag that is not None; an unset window follows the order
+    (:func:`default_window`). A window past the order's S_max is allowed, with a note."""
+    out = {k: getattr(cfg.decode, k) for k in DECODE_KEYS}
+    out["stop"] = list(cfg.decode.stop)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise DecodeError(f"unknown preset {preset!r}; expected {', '.join(PRESETS)}")
+        out.update(PRESETS[preset])
+    for k, v in flags.items():
+        if v is not None:
+            out[k] = out["stop"] + list(v) if k == "stop" else v
+    if out["window"] is None:
+        out["window"] = default_window(cfg.order)
+    check_threshold(out["threshold"])
+    s_max = largest_set(cfg.order)
+    if s_max is not None and out["window"] > s_max and rank_and_world()[0] == 0:
+        import sys
+
+        print(f"note: window {out['window']} is wider than the largest set this model was "
+              f"trained on (S_max = {s_max:g}): candidates past it are outside the training "
+              f"distribution; the paper decodes with W <= S_max (W = D = "
+              f"{default_window(cfg.order)} for GSM)", file=sys.stderr)
+    return out
 
 
 def check_text(what: str, text: str) -> None:
@@ -110,6 +166,7 @@ class _Sample:
     end: Optional[int] = None    # generation stops before this position
     steps: int = 0
     logits: dict = field(default_factory=dict)   # position -> logits when decoded (tests)
+    trace: list = field(default_factory=list)    # per forward: [(position, confidence)] taken
     left: int = 0        # region[:left] is committed (the left prefix)
     checked: int = 0     # region[:checked] was searched for stops
     committed: int = 0   # positions of the region committed so far
@@ -129,6 +186,19 @@ class _Sample:
                     break
         return out
 
+    def window(self, width: int) -> list:
+        """The masked positions in ``[f, f + width)``, ``f`` the leftmost masked position."""
+        self.advance()
+        if self.left == len(self.region):
+            return []
+        f, out = self.region[self.left], []
+        for p in self.region[self.left:]:
+            if p >= f + width:
+                break
+            if self.tokens[p] is None:
+                out.append(p)
+        return out
+
     def finished(self) -> bool:
         self.advance()
         return self.left == len(self.region)
@@ -146,6 +216,8 @@ class Result:
     steps: int          # forward passes, every one (prefill and cache-only passes included)
     seconds: float
     denoising_steps: Optional[int] = None  # passes that decode tokens; None = steps
+    trace: Optional[list] = None  # per forward step: the absolute positions committed in it
+    trace_confidence: Optional[list] = None  # and the confidence of each
 
     @property
     def tokens_per_step(self) -> float:
@@ -246,7 +318,9 @@ class SetDecoder:
         for s in samples:
             end = s.end if s.end is not None else s.region[-1] + 1
             ids = [s.tokens[p] for p in s.region if p < end and s.tokens[p] is not None]
-            results.append(Result(ids, self.tok.decode(ids), s.steps, seconds))
+            results.append(Result(ids, self.tok.decode(ids), s.steps, seconds,
+                                  trace=[[p for p, _ in step] for step in s.trace],
+                                  trace_confidence=[[c for _, c in step] for step in s.trace]))
         return results
 
     def _candidates(self, s, window, order, b):
@@ -254,7 +328,7 @@ class SetDecoder:
             return []
         if order is not None:
             return [order[b][s.committed]]
-        return s.masked(window)
+        return s.window(window)
 
     def _step(self, samples, cache, window, threshold, sampling, stop, order, gen, infill):
         B = len(samples)
@@ -326,6 +400,8 @@ class SetDecoder:
             else:
                 picks = self._choose(logits[b, :len(cands[b])], cands[b], s, sampling, gen,
                                      threshold)
+            s.trace.append(sorted((p, c) for p, _, c in picks))
+            picks = [(p, t) for p, t, _ in picks]
             s.commit(picks)
             s.pending = sorted(picks)
             if not infill:
@@ -397,10 +473,11 @@ class SetDecoder:
 
     @staticmethod
     def _accept(toks, conf, cands, threshold):
-        """The most confident candidate, and every one at or above the threshold."""
+        """The most confident candidate, and every one at or above the threshold, as
+        ``(position, token, confidence)``."""
         conf = conf[:len(cands)]
         best = max(range(len(cands)), key=lambda j: (conf[j], -j))
-        return [(pos, int(toks[j])) for j, pos in enumerate(cands)
+        return [(pos, int(toks[j]), float(conf[j])) for j, pos in enumerate(cands)
                 if j == best or conf[j] >= threshold]
 
     def _choose(self, logits, cands, s, sampling, gen, threshold):
@@ -499,7 +576,7 @@ class BaselineDecoder(SetDecoder):
                 masked = [j for j, p in enumerate(block) if s.tokens[p] is None]
                 picks = self._choose(logits[masked], [block[j] for j in masked], s, sampling,
                                      gen, threshold)
-                s.commit(picks)
+                s.commit([(p, t) for p, t, _ in picks])
                 s.steps += 1
             # the finished block enters the cache as clean tokens (in-block attention: a set)
             self._forward(cache, [s.tokens[p] for p in block], block, everyone, True)
@@ -537,7 +614,7 @@ class BaselineDecoder(SetDecoder):
             logits = self._forward(cache, ids, list(range(T)), own, False)
             masked = s.masked()
             picks = self._choose(logits[masked], masked, s, sampling, gen, threshold)
-            s.commit(picks)
+            s.commit([(p, t) for p, t, _ in picks])
             s.steps += 1
         ids = [s.tokens[p] for p in s.region]
         return Result(ids, self.tok.decode(ids), s.steps, time.perf_counter() - start)

@@ -82,7 +82,7 @@ class Trainer:
         self.engine = build_engine(cfg, self.model, load_universal=self.universal)
         self.main_grad = main_grad(self.engine)  # where each parameter's gradient accumulates
         self.objective = Objective(cfg, seed=cfg.train.seed)
-        self.eval_objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1)
+        self.eval_objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1, evaluation=True)
         self.n_micro = micro_batches_per_step(cfg, self.dp)
         self.step = 0
         self.samples_seen = 0

@@ -12,13 +12,14 @@ from setdiff_dist.model.forward import (causal_lm_inputs, set_diffusion_inputs,
 
 
 class Objective:
-    def __init__(self, cfg, seed: int, stream: int = 0):
+    def __init__(self, cfg, seed: int, stream: int = 0, evaluation: bool = False):
+        """``evaluation``: the likelihood bound (the unclipped diffusion-time range)."""
         self.kind = cfg.order.kind
         self.backend = cfg.model.attention_backend
         self.seq_len = cfg.data.seq_len
         self.seed, self.stream = seed, stream
-        self.schedule = None if self.kind == "causal" else schedule_from_config(cfg.order,
-                                                                                self.seq_len)
+        self.schedule = None if self.kind == "causal" else schedule_from_config(
+            cfg.order, self.seq_len, evaluation=evaluation)
 
     @property
     def model_seq_len(self) -> int:

@@ -1,0 +1,151 @@
+"""Decoding and evaluation as the paper and its reference code define them (SPEC sections 4-5):
+the GSM stop, the positional candidate window, the decode defaults, the diffusion-time floor,
+and the decoding trace."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+class Digits:
+    """A tokenizer of one character per token, digits included (as GPT-2 splits numbers)."""
+
+    chars = "#0123456789 \nabc.,"
+    vocab_size, eos_id = len(chars), None
+
+    def encode(self, text):
+        return [self.chars.index(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+def test_the_gsm_stop_waits_for_the_whole_number():
+    """Committed one digit at a time, ``#### 42`` stops only once a terminator follows, and
+    the answer extracted is the whole number (the old rule stopped at ``#### 4``)."""
+    from setdiff_dist.eval.tasks import GSM_STOP, _answer
+    from setdiff_dist.inference.decoder import SetDecoder, StopCriteria, _Sample
+
+    tok = Digits()
+    model = SimpleNamespace(mask_id=tok.vocab_size, vocab_size=tok.vocab_size,
+                            device=torch.device("cpu"))
+    dec = SetDecoder(model, tok, context=64)
+    stop = StopCriteria(stop=["re:" + GSM_STOP])
+    for text, answer in (("ab #### 42\nabc", "42"), ("#### 1,234 a", "1234"),
+                         ("#### 3.5.\n", "3.5"), ("#### 7", None)):
+        ids = tok.encode(text)
+        s = _Sample(tokens=[None] * len(ids), region=list(range(len(ids))), prompt_len=0)
+        for j, t in enumerate(ids):  # commit left to right, one token per step
+            s.commit([(j, t)])
+            dec._check_stop(s, stop)
+            if s.done:
+                break
+        if answer is None:
+            assert not s.done
+            continue
+        assert s.done, text
+        kept = tok.decode([s.tokens[p] for p in range(s.end)])
+        assert _answer(kept) == answer and kept.endswith(answer.replace("1234", "1,234"))
+
+
+def test_in_set_diffusion_times_have_a_floor_and_the_bound_is_unclipped():
+    from setdiff_dist.config import load_config
+    from setdiff_dist.diffusion.orders import T_EPS, BlockSchedule, schedule_from_config
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.cat([BlockSchedule(4).draw(4096, g)[3] for _ in range(4)])
+    assert t.min() >= T_EPS and t.max() <= 1.0 and t.min() < 2 * T_EPS + 0.01
+    cfg = load_config(None, ["order.kind=block", "order.t_min=0.3", "order.t_max=0.8",
+                             "data.seq_len=64"])
+    train = schedule_from_config(cfg.order, 64)
+    bound = schedule_from_config(cfg.order, 64, evaluation=True)
+    tt = torch.cat([train.draw(64, g)[3] for _ in range(200)])
+    tb = torch.cat([bound.draw(64, g)[3] for _ in range(200)])
+    assert 0.3 <= tt.min() and tt.max() <= 0.8  # training clips
+    assert tb.min() < 0.1 and tb.max() > 0.9  # the bound does not
+    assert math.isclose(max(bound.t_min, T_EPS), T_EPS)
+
+
+@pytest.mark.parametrize("kind", ["masked"])
+def test_the_trainer_and_the_evaluation_draw_their_own_ranges(kind):
+    from setdiff_dist.config import load_config
+    from setdiff_dist.train.objective import Objective
+
+    cfg = load_config(None, [f"order.kind={kind}", "order.t_min=0.5", "data.seq_len=32"])
+    assert Objective(cfg, seed=0).schedule.t_min == 0.5
+    assert Objective(cfg, seed=0, evaluation=True).schedule.t_min == 0.0
+
+
+def test_the_window_is_positional():
+    """Candidates are the masked positions in [f, f + W): a hole (5 committed) leaves three
+    candidates, not the first four masked positions (which would reach 7)."""
+    from setdiff_dist.inference.decoder import _Sample
+
+    s = _Sample(tokens=[1, 2, 3, None, None, 9, None, None, None], region=list(range(3, 9)),
+                prompt_len=3)
+    assert s.window(4) == [3, 4, 6] and s.masked(4) == [3, 4, 6, 7]
+    s.commit([(3, 1), (4, 1)])
+    assert s.window(4) == [6, 7, 8] and s.window(1) == [6]
+
+
+def test_the_trace_records_each_steps_commits_and_stays_in_the_window():
+    from helpers import process_group
+    from test_decoding import Chars, lean_copy, model_for
+
+    from setdiff_dist.inference.decoder import Sampling, SetDecoder, StopCriteria
+
+    greedy, P, N = Sampling(greedy=True), 3, 12
+    with process_group("gloo"):
+        dec = SetDecoder(lean_copy(model_for("staggered", 1)), Chars(), context=24)
+
+        def run(window, threshold):
+            return dec.generate([[1, 2, 3]], N, window=window, threshold=threshold,
+                                sampling=greedy, stop=StopCriteria())[0]
+
+        # by hand: W = 1 is left to right, one per step; tau = 0 commits each whole window
+        assert run(1, math.inf).trace == [[p] for p in range(P, P + N)]
+        assert run(4, 0.0).trace == [list(range(b, b + 4)) for b in range(P, P + N, 4)]
+        # one token per step, the most confident in the window: holes, never past f + W - 1
+        r = run(4, math.inf)
+    committed, jumped = set(), False
+    assert len(r.trace) == r.steps == N and all(len(step) == 1 for step in r.trace)
+    assert all(0 < c <= 1 for step in r.trace_confidence for c in step)
+    for step in r.trace:
+        f = min(set(range(P, P + N)) - committed)
+        assert all(f <= p < f + 4 for p in step), (f, step)
+        jumped |= any(p > f for p in step)
+        committed |= set(step)
+    assert committed == set(range(P, P + N)) and jumped
+
+
+def test_decode_defaults_come_from_the_checkpoint_config_then_the_preset_then_the_flags(capsys):
+    import argparse
+
+    from setdiff_dist.cli import add_decode_arguments, decode_flags
+    from setdiff_dist.config import load_config
+    from setdiff_dist.inference.decoder import decode_settings
+
+    cfg = load_config(None, ["order.kind=staggered", "order.mean_set_size=4",
+                             "data.seq_len=64", "decode.stop=[a]"])
+    d = decode_settings(cfg)
+    assert d["window"] == 4 and d["greedy"] is False  # W = D when the config leaves it unset
+    assert decode_settings(load_config(None, ["order.kind=block", "order.block_size=8",
+                                              "data.seq_len=64"]))["window"] == 8
+    assert decode_settings(load_config(None, ["order.kind=autoregressive"]))["window"] == 1
+    cfg.decode.window, cfg.decode.threshold = 6, 0.9
+    assert decode_settings(cfg)["window"] == 6 and capsys.readouterr().err == ""
+    gsm = decode_settings(cfg, "gsm")
+    assert gsm["window"] == 4 and gsm["greedy"] is True and gsm["threshold"] == 0.9
+    infill = decode_settings(cfg, "infill")
+    assert infill["window"] == 32 and infill["repetition_penalty"] == 1.2
+    assert "wider than the largest set this model was trained on (S_max = 8)" in \
+        capsys.readouterr().err  # allowed, with a note
+    ap = argparse.ArgumentParser()
+    add_decode_arguments(ap)
+    ap.add_argument("--stop", action="append", default=[])
+    args = ap.parse_args(["--preset", "gsm", "--window", "2", "--no-greedy", "--stop", "b"])
+    d = decode_settings(cfg, args.preset, stop=args.stop, **decode_flags(args))
+    assert d["window"] == 2 and d["greedy"] is False and d["stop"] == ["a", "b"]
+    assert decode_flags(ap.parse_args([]))["greedy"] is None  # not given: the config decides
