@@ -276,7 +276,7 @@ def evaluate(out: str, m: Model, data: dict, budget: Budget, scorer: Scorer) -> 
             r = _decode(dec, m, p, budget.new_tokens, tau, Sampling(top_p=0.9, seed=i))
             samples.append(r.tokens)
             rates.append(len(r.tokens) / r.seconds)
-            per_step.append(r.tokens_per_denoising_step)
+            per_step.append(r.tokens_per_step)
             per_pass.append(r.tokens_per_step)
             s, c = scorer.nll(p, r.tokens)
             nll, count = nll + s, count + c

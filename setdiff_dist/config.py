@@ -174,6 +174,11 @@ class TrainConfig:
     log_interval: int = _f(10, "steps between metric lines", min=1)
     eval_interval: int = _f(0, "steps between validation NELBO runs; 0 = only at the end", min=0)
     eval_batches: int = _f(8, "validation batches per evaluation", min=1)
+    ema_decay: float = _f(0.0, "keep an exponential moving average of the weights with this "
+                          "decay (0.9999 in the paper's recipe; 0 = none): saved with each "
+                          "checkpoint (weights_ema/) and what setdiff-generate / -eval / "
+                          "-convert read by default (--raw-weights: the raw ones)",
+                          min=0.0, max=0.999999999)
     max_nonfinite_steps: int = _f(5, "consecutive non-finite losses tolerated before aborting",
                                   min=1)
     tensorboard: bool = _f(True, "write tensorboard logs into run_dir/tensorboard")
@@ -523,10 +528,19 @@ def _cross_checks(cfg: Config, field_problems: list[str]) -> list[str]:
         re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", p) for k in bad)]
 
 
+# keys a saved config may hold that this version no longer has (read by nothing): ignored when
+# a checkpoint's config is read, refused with a suggestion in a user's config
+RETIRED = {"data": ("shuffle_buffer",)}
+
+
 def config_from_dict(raw: dict, check: bool = True) -> Config:
     """Rebuild a config saved with :meth:`Config.to_dict` (e.g. from a checkpoint)."""
     problems: list[str] = []
-    cfg = _build(Config, dict(raw), "", problems)
+    raw = dict(raw)
+    for section, keys in RETIRED.items():
+        if isinstance(raw.get(section), dict):
+            raw[section] = {k: v for k, v in raw[section].items() if k not in keys}
+    cfg = _build(Config, raw, "", problems)
     if check:
         problems += _cross_checks(cfg, problems)
     if problems:

@@ -128,3 +128,15 @@ def test_config_cli_prints_the_resolved_config_or_every_problem(capsys):
     assert config_cli(["order.knd=masked", "zero.stage=9"]) == 2
     err = capsys.readouterr().err
     assert "2 problems" in err and "order.kind" in err
+
+
+def test_a_checkpoint_config_with_a_retired_key_still_loads():
+    """A run saved before data.shuffle_buffer was removed still loads for resume and
+    inference; a user's config that sets it is told what replaced it."""
+    from setdiff_dist.config import ConfigError, config_from_dict, load_config
+
+    saved = load_config("configs/tiny-cpu.yaml").to_dict()
+    saved["data"]["shuffle_buffer"] = 1000
+    assert config_from_dict(saved).data.shuffle is True
+    with pytest.raises(ConfigError, match="did you mean 'data.shuffle'"):
+        load_config("configs/tiny-cpu.yaml", ["data.shuffle_buffer=10"])

@@ -292,14 +292,15 @@ def test_block_and_mdlm_baselines_decode_through_the_same_model(tmp_path):
     spawn(_baselines, 1, tmp_path)
     r = torch.load(tmp_path / "baselines.pt")
     assert len(r["block"]) == 8 and len(r["mdlm"]) == 8
-    # one token per step; steps count forward passes: block decoding pays the prompt, one per
-    # token and one more per finished block (to cache it); MDLM one per token
-    assert r["block_steps"] == 1 + 8 + 2
-    assert r["block_denoising"] == 8  # the papers' count: without the prompt and cache passes
+    # one token per step; steps count forward passes: block decoding caches the prompt and each
+    # finished block inside the next block's first pass (as the reference code does): one
+    # forward per denoising step, nothing more; MDLM one per token
+    assert r["block_steps"] == 8
     assert r["mdlm_empty"] == r["mdlm"] and r["mdlm_infill"] == 3 == r["mdlm_infill_steps"]
     assert r["mdlm_steps"] == 8
     assert r["mdlm_fast_steps"] < 8  # a low threshold unmasks several tokens per step
-    # with block size 1 the block decoder is AR decoding: equal to the cached set decoder
+    # with block size 1 the block decoder is AR decoding (each pass caches the previous token
+    # and queries the next): equal to the cached set decoder
     assert r["block1"] == r["ar"]
 
 
@@ -324,8 +325,7 @@ def _baselines(rank, out):
     ar = dec.generate([prompt], 8, window=1, sampling=greedy)[0]
     torch.save({"block": b.tokens, "block_steps": b.steps, "mdlm": m.tokens,
                 "mdlm_steps": m.steps, "mdlm_fast_steps": fast.steps, "block1": b1.tokens,
-                "ar": ar.tokens, "block_denoising": b.denoising_steps,
-                "mdlm_empty": m_empty.tokens, "mdlm_infill": len(m_infill.tokens),
+                "ar": ar.tokens, "mdlm_empty": m_empty.tokens, "mdlm_infill": len(m_infill.tokens),
                 "mdlm_infill_steps": m_infill.steps}, out / "baselines.pt")
 
 

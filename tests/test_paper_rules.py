@@ -149,3 +149,47 @@ def test_decode_defaults_come_from_the_checkpoint_config_then_the_preset_then_th
     d = decode_settings(cfg, args.preset, stop=args.stop, **decode_flags(args))
     assert d["window"] == 2 and d["greedy"] is False and d["stop"] == ["a", "b"]
     assert decode_flags(ap.parse_args([]))["greedy"] is None  # not given: the config decides
+
+
+def test_every_order_scores_the_same_positions_and_the_ar_identity_still_holds():
+    """The first token is clean context for every order (as a BOS is in the reference code):
+    causal and set-diffusion objectives score positions 1..L-1 (less padding and prompt), and
+    the autoregressive order's NELBO over them is still the model's exact NLL."""
+    from setdiff_dist.config import load_config
+    from setdiff_dist.data.loader import Batch
+    from setdiff_dist.diffusion import (make_schedule, nelbo, sample_orders, set_causal_mask,
+                                        token_nll, two_copy_inputs)
+    from setdiff_dist.model.reference import ReferenceTransformer, sequential_ar_nll
+    from setdiff_dist.train.objective import Objective, first_clean
+
+    B, L, V = 3, 16, 40
+    g = torch.Generator().manual_seed(0)
+    padding = torch.zeros(B, L, dtype=torch.bool)
+    padding[1, 12:] = True
+    context = torch.zeros(B, L, dtype=torch.bool)
+    context[2, :4] = True
+    batch = Batch(tokens=torch.randint(0, V, (B, L), generator=g), padding=padding,
+                  context=context, indices=torch.arange(B))
+    scored = {}
+    for kind in ("causal", "autoregressive", "staggered", "block", "masked"):
+        cfg = load_config(None, [f"order.kind={kind}", f"data.seq_len={L}"])
+        mask = Objective(cfg, seed=0).target_mask(batch)
+        if kind != "causal":
+            assert not mask[:, 0].any()
+            mask = mask[:, 1:]
+        scored[kind] = mask  # over positions 1..L-1
+    assert all(torch.equal(m, scored["causal"]) for m in scored.values())
+    assert int(scored["causal"].sum()) == B * (L - 1) - 4 - 3
+
+    torch.manual_seed(0)
+    model = ReferenceTransformer(V, 32, 2, 4, 64, 10000.0, 1e-5, 0.3).double().eval()
+    x = batch.tokens
+    o = sample_orders(make_schedule("autoregressive", L), L, range(B), 0,
+                      context=first_clean(torch.zeros(B, L, dtype=torch.bool)))
+    with torch.no_grad():
+        tok, pos = two_copy_inputs(x, o, model.mask_id)
+        vec = token_nll(model(tok, pos, set_causal_mask(o.set_ids))[:, L:], x).double()
+        seq = sequential_ar_nll(model, x)
+    assert torch.allclose(vec[:, 1:], seq[:, 1:], rtol=0, atol=1e-6)
+    bound = nelbo(vec, o)
+    assert math.isclose(float(bound.total), float(seq[:, 1:].sum()), rel_tol=1e-7)

@@ -240,10 +240,22 @@ class TensorSource(Mapping):
         return full[:self._rows] if name in VOCAB_ROWS else full
 
 
-def open_weights(path: str):
+EMA_WEIGHTS = "weights_ema"
+
+
+def weights_dir(directory: str, raw: bool) -> str:
+    """Which weights of a checkpoint to read: the EMA (``weights_ema/``, when the run kept one)
+    unless ``raw``, else the raw weights (``weights/``)."""
+    ema = os.path.join(directory, EMA_WEIGHTS)
+    return "weights" if raw or not os.path.isdir(ema) else EMA_WEIGHTS
+
+
+def open_weights(path: str, raw: bool = False, which: Optional[str] = None):
     """``(TensorSource, config, tokenizer, source directory)`` of a checkpoint (any training
-    layout) or an export; tensors are read when asked for. Every file is checked first:
-    present, complete (not truncated) and holding the tensors its list names."""
+    layout) or an export; tensors are read when asked for. A checkpoint's EMA of the weights
+    is read when it has one, unless ``raw`` (``which`` names the directory outright). Every
+    file is checked first: present, complete (not truncated) and holding the tensors its
+    list names."""
     kind, directory = resolve(path)
     cfg = _config_of(directory)
     rows = cfg.model.vocab_size + 1
@@ -267,9 +279,10 @@ def open_weights(path: str):
         raise damaged(directory, problems)
     layout = manifest["layout"]
     files: dict[str, list] = {}
+    sub = which or weights_dir(directory, raw)
     for pp in range(layout["pipeline"]):
         for tp in range(layout["tensor"]):
-            base = os.path.join(directory, "weights", f"tp{tp:02d}_pp{pp:02d}")
+            base = os.path.join(directory, sub, f"tp{tp:02d}_pp{pp:02d}")
             if not os.path.isfile(base + ".json"):
                 raise LoadError(f"{base}.json is missing: the checkpoint is incomplete")
             try:
@@ -308,21 +321,24 @@ def open_weights(path: str):
         directory
 
 
-def provenance(path: str) -> dict:
-    """``{"checkpoint": directory, "step": training step or None}`` of a checkpoint or export,
-    for results to say what they measured."""
+def provenance(path: str, raw: bool = False) -> dict:
+    """``{"checkpoint": directory, "step": training step or None, "weights": "ema" | "raw"}``
+    of a checkpoint or export, for results to say what they measured."""
     kind, directory = resolve(path)
     if kind == "checkpoint":
-        return {"checkpoint": os.path.abspath(directory), "step": read_manifest(directory)["step"]}
+        which = "ema" if weights_dir(directory, raw) == EMA_WEIGHTS else "raw"
+        return {"checkpoint": os.path.abspath(directory),
+                "step": read_manifest(directory)["step"], "weights": which}
     with open(os.path.join(directory, "export.json")) as fh:
         meta = json.load(fh)
-    return {"checkpoint": os.path.abspath(directory), "step": meta.get("step")}
+    return {"checkpoint": os.path.abspath(directory), "step": meta.get("step"),
+            "weights": meta.get("weights", "raw")}
 
 
-def read_full_state_dict(path: str):
+def read_full_state_dict(path: str, raw: bool = False):
     """``(full tensors by global name, config, tokenizer, source directory)``; vocabulary-shaped
     tensors keep their ``vocab_size + 1`` real rows (the padding depends on the TP size)."""
-    source, cfg, tok, directory = open_weights(path)
+    source, cfg, tok, directory = open_weights(path, raw=raw)
     return {name: source[name] for name in source}, cfg, tok, directory
 
 
@@ -350,7 +366,7 @@ def write_export(out: str, state: dict, cfg, tok, source: str, extra_meta: Optio
     except (SetdiffError, OSError, ValueError):
         step = None
     meta = {"format": EXPORT_FORMAT, "source": os.path.abspath(source), "tokenizer": identity,
-            "step": step,
+            "step": step, "weights": "raw",
             "parameters": int(sum(v.numel() for v in state.values())), **(extra_meta or {})}
     with open(os.path.join(tmp, "export.json"), "w") as fh:
         json.dump(meta, fh, indent=2)

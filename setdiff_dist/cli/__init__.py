@@ -119,6 +119,14 @@ def check_decode_flags(args) -> None:
         check_threshold(args.threshold)
 
 
+def add_weights_argument(ap) -> None:
+    """``--raw-weights``: a checkpoint's raw weights instead of their EMA (``train.ema_decay``),
+    which commands read by default when the run kept one."""
+    ap.add_argument("--raw-weights", action="store_true",
+                    help="read the raw weights, not their exponential moving average (the "
+                         "default when the run kept one: train.ema_decay)")
+
+
 def add_dtype_argument(ap) -> None:
     """``--dtype``, for the commands that load a model for inference."""
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from setdiff_dist.cli import command
+from setdiff_dist.cli import add_weights_argument, command
 
 
 @command("setdiff-convert")
@@ -44,6 +44,7 @@ def main(argv=None) -> int:
                          "float32)")
     ap.add_argument("--hf-config", metavar="DIR",
                     help="with --to-hf: take the config.json fields we do not model from DIR")
+    add_weights_argument(ap)
     ap.add_argument("--max-shard-size", type=float, default=5.0, metavar="GB",
                     help="with --to-hf: largest safetensors shard (default 5 GB)")
     args = ap.parse_args(argv)
@@ -70,13 +71,14 @@ def main(argv=None) -> int:
 
         meta = export_hf(args.checkpoint, args.out, dtype=args.dtype,
                          template_dir=args.hf_config,
-                         max_shard_bytes=int(args.max_shard_size * 2**30))
+                         max_shard_bytes=int(args.max_shard_size * 2**30),
+                         raw=args.raw_weights)
         print(f"setdiff-convert: {meta['parameters']:,} parameters from {meta['source']} -> "
               f"{args.out} ({meta['architecture']}, {meta['dtype']})", file=sys.stderr)
         return 0
     from setdiff_dist.inference.weights import export
 
-    meta = export(args.checkpoint, args.out)
+    meta = export(args.checkpoint, args.out, raw=args.raw_weights)
     print(f"setdiff-convert: {meta['parameters']:,} parameters from {meta['source']} -> "
           f"{args.out}", file=sys.stderr)
     return 0

@@ -99,7 +99,9 @@ def lr_at(step: int, opt_cfg, total: int) -> float:
 def batch_nelbo(model, batch, schedule, seed, stream=0):
     """The NELBO of a :class:`~setdiff_dist.data.loader.Batch` (orders seeded per sample)."""
     L = batch.tokens.shape[1]
-    o = sample_orders(schedule, L, batch.indices, seed, context=batch.context,
+    context = batch.context.clone()
+    context[:, 0] = True  # the first token is clean: every order scores positions 1..L-1
+    o = sample_orders(schedule, L, batch.indices, seed, context=context,
                       padding=batch.padding, stream=stream)
     tok, pos = two_copy_inputs(batch.tokens, o, model.mask_id)
     logits = model(tok, pos, set_causal_mask(o.set_ids))[:, L:]

@@ -17,7 +17,8 @@ import math
 import os
 import sys
 
-from setdiff_dist.cli import (add_decode_arguments, add_dtype_argument, check_decode_flags,
+from setdiff_dist.cli import (add_decode_arguments, add_dtype_argument, add_weights_argument,
+                              check_decode_flags,
                               command, count, decode_flags, inference_dtype, json_text)
 
 
@@ -36,6 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", action="append", default=None, help="throughput prompts")
     ap.add_argument("--tensor-parallel", type=count(), default=1)
     add_dtype_argument(ap)
+    add_weights_argument(ap)
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
 
@@ -58,7 +60,8 @@ def main(argv=None) -> int:
             raise tasks.EvalError(f"--out {args.out}: {parent} is not a writable directory; "
                                   "create it first")
     model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
-                                            dtype=inference_dtype(args.dtype))
+                                            dtype=inference_dtype(args.dtype),
+                                            raw=args.raw_weights)
     mode = "causal" if cfg.order.kind == "causal" else "set"
     decoder = SetDecoder(model, tok, context=cfg.data.seq_len, mode=mode)
     # each task's operating point from the paper, unless --preset says otherwise; evaluation
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
         return 0
     from setdiff_dist.checkpoint.weights import provenance
 
-    result = {"task": args.task, **provenance(args.checkpoint), **result}
+    result = {"task": args.task, **provenance(args.checkpoint, args.raw_weights), **result}
     if args.task != "ppl":
         result["decode"] = {k: d[k] for k in ("window", "threshold", "greedy", "temperature",
                                               "top_p", "repetition_penalty", "max_new_tokens")}

@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from setdiff_dist.cli import (add_decode_arguments, add_dtype_argument, check_decode_flags,
+from setdiff_dist.cli import (add_decode_arguments, add_dtype_argument, add_weights_argument,
+                              check_decode_flags,
                               command, count, decode_flags, inference_dtype, json_text)
 
 
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--infill-length", type=count(), default=None, help="tokens to fill")
     ap.add_argument("--tensor-parallel", type=count(), default=1)
     add_dtype_argument(ap)
+    add_weights_argument(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object (with each result's decoding trace: per forward "
@@ -63,7 +65,8 @@ def main(argv=None) -> int:
             args.infill_length is None:
         raise DecodeError("infilling needs --infill-length")
     model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
-                                            dtype=inference_dtype(args.dtype))
+                                            dtype=inference_dtype(args.dtype),
+                                            raw=args.raw_weights)
     d = decode_settings(cfg, args.preset, stop=args.stop, **decode_flags(args))
     sampling = Sampling(greedy=d["greedy"], temperature=d["temperature"], top_p=d["top_p"],
                         repetition_penalty=d["repetition_penalty"], seed=args.seed)

@@ -213,9 +213,8 @@ class _Sample:
 class Result:
     tokens: list        # generated token ids (stop marker excluded)
     text: str
-    steps: int          # forward passes, every one (prefill and cache-only passes included)
+    steps: int          # forward passes, every one (the prefill's included: it is fused)
     seconds: float
-    denoising_steps: Optional[int] = None  # passes that decode tokens; None = steps
     trace: Optional[list] = None  # per forward step: the absolute positions committed in it
     trace_confidence: Optional[list] = None  # and the confidence of each
 
@@ -223,13 +222,6 @@ class Result:
     def tokens_per_step(self) -> float:
         """Tokens per forward pass: what decides the speed."""
         return len(self.tokens) / max(self.steps, 1)
-
-    @property
-    def tokens_per_denoising_step(self) -> float:
-        """Tokens per decoding step as the papers count them: BD3LM's extra pass that caches a
-        finished block, and its prompt pass, are not steps there (set decoding has neither)."""
-        steps = self.steps if self.denoising_steps is None else self.denoising_steps
-        return len(self.tokens) / max(steps, 1)
 
 
 class SetDecoder:
@@ -535,13 +527,17 @@ class BaselineDecoder(SetDecoder):
 
     - :meth:`block` (BD3LM): blocks of ``block_size`` left to right; inside a block every step
       re-runs the whole block as the noisy copy (decoded tokens as ids, the rest [MASK]) over the
-      cache, bidirectionally; a finished block costs one more forward, as clean tokens, to enter
-      the cache. The cache grows once per block, not per step.
+      cache, bidirectionally. A finished block enters the cache as clean tokens inside the next
+      block's first pass (and the prompt inside the first block's), as the reference code does:
+      one forward per denoising step, no pass of its own. The cache grows once per block, not
+      per step.
     - :meth:`mdlm` (MDLM): no cache; every step runs the clean prompt and the whole noisy
       continuation again.
     """
 
     def _forward(self, cache, tokens, positions, own, commit):
+        """One pass over ``tokens``; ``commit``: whether the cache keeps them (a bool, or one
+        per token: the leading ones, in a fused pass)."""
         n = len(tokens)
         cache.reserve(n)
         allowed = torch.cat([cache.valid.cpu()[:, None, :].expand(1, n, cache.length),
@@ -550,7 +546,8 @@ class BaselineDecoder(SetDecoder):
         positions = torch.tensor(positions, device=self.device)[None]
         with torch.no_grad(), decode_step(cache, allowed):
             logits = self.model(tokens, positions, None)
-        cache.commit(torch.full((1, n), commit, dtype=torch.bool, device=self.device), positions)
+        keep = [commit] * n if isinstance(commit, bool) else list(commit)
+        cache.commit(torch.tensor([keep], dtype=torch.bool, device=self.device), positions)
         return self._full_vocab(logits)[:, 0].float().cpu()  # [n, V]
 
     def block(self, prompt: list[int], max_new_tokens: int, block_size: int,
@@ -564,27 +561,31 @@ class BaselineDecoder(SetDecoder):
         cache = KVCache(self.model.config.num_layers, 1, self.device)
         start = time.perf_counter()
         P = len(prompt)
-        self._forward(cache, prompt, list(range(P)), torch.ones(P, P).tril().bool(), True)
-        s.steps += 1
-        cache_passes = 1
+        # clean tokens waiting to enter the cache, with their own attention pattern: the prompt
+        # (causal), then each finished block (in-block attention: a set)
+        pending, pending_own = list(range(P)), torch.ones(P, P).tril().bool()
         for b0 in range(P, P + max_new_tokens, block_size):
             block = list(range(b0, min(b0 + block_size, P + max_new_tokens)))
-            everyone = torch.ones(len(block), len(block), dtype=torch.bool)
+            n = len(block)
             while any(s.tokens[p] is None for p in block):
                 ids = [self.mask_id if s.tokens[p] is None else s.tokens[p] for p in block]
-                logits = self._forward(cache, ids, block, everyone, False)
+                c = len(pending)
+                # the pending clean tokens see the cache and their own pattern; the noisy block
+                # sees them and itself, bidirectionally; only the clean ones are cached
+                own = torch.zeros(c + n, c + n, dtype=torch.bool)
+                own[:c, :c] = pending_own
+                own[c:, :] = True
+                logits = self._forward(cache, [s.tokens[p] for p in pending] + ids,
+                                       pending + block, own, [True] * c + [False] * n)[c:]
+                pending, pending_own = [], torch.ones(0, 0, dtype=torch.bool)
                 masked = [j for j, p in enumerate(block) if s.tokens[p] is None]
                 picks = self._choose(logits[masked], [block[j] for j in masked], s, sampling,
                                      gen, threshold)
                 s.commit([(p, t) for p, t, _ in picks])
                 s.steps += 1
-            # the finished block enters the cache as clean tokens (in-block attention: a set)
-            self._forward(cache, [s.tokens[p] for p in block], block, everyone, True)
-            s.steps += 1  # steps count forward passes, so that tokens/step compare across modes
-            cache_passes += 1
+            pending, pending_own = block, torch.ones(n, n, dtype=torch.bool)
         ids = [s.tokens[p] for p in s.region]
-        return Result(ids, self.tok.decode(ids), s.steps, time.perf_counter() - start,
-                      denoising_steps=s.steps - cache_passes)
+        return Result(ids, self.tok.decode(ids), s.steps, time.perf_counter() - start)
 
     def mdlm(self, prompt: list[int], max_new_tokens: int, threshold: float = math.inf,
              sampling: Sampling = Sampling(), right: Optional[list[int]] = None) -> Result:

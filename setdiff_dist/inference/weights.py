@@ -15,14 +15,19 @@ from setdiff_dist.checkpoint.weights import (LoadError, open_weights, read_full_
                                              write_export)
 
 
-def export(path: str, out: str) -> dict:
-    """``setdiff-convert``: one safetensors file of full tensors, with config and tokenizer."""
-    state, cfg, tok, src = read_full_state_dict(path)
-    return write_export(out, state, cfg, tok, src)
+def export(path: str, out: str, raw: bool = False) -> dict:
+    """``setdiff-convert``: one safetensors file of full tensors, with config and tokenizer
+    (the EMA of the weights when the run kept one, unless ``raw``)."""
+    from setdiff_dist.checkpoint.weights import provenance
+
+    state, cfg, tok, src = read_full_state_dict(path, raw=raw)
+    return write_export(out, state, cfg, tok, src,
+                        extra_meta={"weights": provenance(path, raw)["weights"]})
 
 
 def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = None,
-                          dtype: torch.dtype = torch.float32, pack: Optional[bool] = None):
+                          dtype: torch.dtype = torch.float32, pack: Optional[bool] = None,
+                          raw: bool = False):
     """``(model, config, tokenizer)``: the decode-time model
     (:class:`setdiff_dist.inference.lean.LeanTransformer`) of a checkpoint or export, at
     tensor-parallel size ``tensor`` (the process group must already hold ``tensor`` ranks); each
@@ -35,7 +40,8 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
 
     from .lean import LeanError, LeanTransformer
 
-    state, cfg, tok, _ = open_weights(path)  # tensors are read one at a time, as needed
+    # tensors are read one at a time, as needed; the EMA of the weights unless ``raw``
+    state, cfg, tok, _ = open_weights(path, raw=raw)
     if not ps.model_parallel_is_initialized() or \
             ps.get_tensor_model_parallel_world_size() != tensor:
         initialize_model_parallel(tensor=tensor, seed=0)

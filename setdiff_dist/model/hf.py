@@ -456,7 +456,8 @@ def template_dtype(template: Optional[dict]) -> str:
 
 
 def export_hf(path: str, out: str, dtype: Optional[str] = None,
-              template_dir: Optional[str] = None, max_shard_bytes: int = 5 * 2**30) -> dict:
+              template_dir: Optional[str] = None, max_shard_bytes: int = 5 * 2**30,
+              raw: bool = False) -> dict:
     """``setdiff-convert --to-hf``: a setdiff checkpoint or export (any layout) as an HF
     Llama / Qwen3 checkpoint directory, with the tokenizer. The config starts from the source
     checkpoint's ``config.json`` when one is known (``template_dir``, the ``hf_config.json`` of
@@ -465,7 +466,7 @@ def export_hf(path: str, out: str, dtype: Optional[str] = None,
     the template's (else float32)."""
     from setdiff_dist.checkpoint.weights import read_full_state_dict
 
-    state, cfg, tok, src = read_full_state_dict(path)
+    state, cfg, tok, src = read_full_state_dict(path, raw=raw)  # (the EMA, if kept)
     template = None
     candidates = [os.path.join(template_dir, "config.json")] if template_dir else [
         os.path.join(src, "hf_config.json"),

@@ -39,6 +39,7 @@ from setdiff_dist.checkpoint.files import (FORMAT, LATEST, CheckpointError, chec
                                            step_directory, tag_of, write_atomic)
 
 UNIVERSAL = "universal"  # a step's DeepSpeed universal checkpoint, for another DP size
+EMA_WEIGHTS = "weights_ema"  # the EMA of the weights, laid out as weights/
 
 
 def _deepspeed_globals() -> list:
@@ -188,23 +189,25 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_weights(engine, directory: str, zero_stage: int) -> None:
+def save_weights(engine, directory: str, zero_stage: int, ema=None) -> None:
     """This model-parallel rank's weights (global names, TP-local shards) as safetensors, with
     each tensor's sharding in a JSON sidecar. Every data-parallel rank writes a part: tensor
     ``i`` goes to part ``i % DP`` (``tpTT_ppPP.safetensors`` for part 0,
     ``tpTT_ppPP_partRR.safetensors`` for the others), one tensor at a time; under ZeRO-3 each
     parameter is gathered alone, so no rank ever holds the whole model and a writer one tensor.
-    Collective over the data-parallel group."""
+    With ``ema`` (:class:`~setdiff_dist.train.ema.EMA`) the averages are written instead, in
+    fp32, under the same names and layout. Collective over the data-parallel group."""
     from setdiff_dist.checkpoint.weights import StreamingSafetensors
     from setdiff_dist.model.transformer import global_name
 
     model = engine.module
-    entries, meta = [], {}
+    entries, meta, local = [], {}, {}
     for name, p in model.named_parameters():
         gname = global_name(model, name)
         if gname in meta:  # the tied output weight on the last stage: a copy
             continue
         entries.append((gname, p))
+        local[gname] = name
         meta[gname] = {"tensor_parallel": bool(getattr(p, "tensor_model_parallel", False)),
                        "dim": int(getattr(p, "partition_dim", -1)),
                        "stride": int(getattr(p, "partition_stride", 1))}
@@ -217,9 +220,15 @@ def save_weights(engine, directory: str, zero_stage: int) -> None:
     file = name + (f"_part{part:02d}" if part else "") + ".safetensors"
     writer = StreamingSafetensors(
         os.path.join(directory, file),
-        [(g, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+        [(g, torch.float32 if ema is not None else p.dtype,
+          tuple(getattr(p, "ds_shape", p.shape)))
          for i, (g, p) in enumerate(entries) if i % parts == part])
     for i, (gname, p) in enumerate(entries):
+        if ema is not None:
+            value = ema.tensor(local[gname])  # (under ZeRO-3 a gather every rank takes part in)
+            if i % parts == part:
+                writer.write(gname, value)
+            continue
         gather = contextlib.nullcontext()
         if zero_stage == 3:
             import deepspeed
@@ -236,7 +245,7 @@ def save_weights(engine, directory: str, zero_stage: int) -> None:
 
 
 def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
-         tokenizer_dir: Optional[str] = None) -> str:
+         tokenizer_dir: Optional[str] = None, ema=None) -> str:
     """Save on every rank; returns the checkpoint directory."""
     root = checkpoint_root(cfg.run_dir)
     tag = tag_of(step)
@@ -254,6 +263,8 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     engine.save_checkpoint(root, tag=tag, client_state=client_state,
                            save_latest=False)
     save_weights(engine, os.path.join(path, "weights"), cfg.zero.stage)
+    if ema is not None:
+        save_weights(engine, os.path.join(path, EMA_WEIGHTS), cfg.zero.stage, ema=ema)
     torch.save(_rng_state(), os.path.join(path, f"rng_rank{rank}.pt"))
     if rank == 0:
         with open(os.path.join(path, "config.yaml"), "w") as fh:
@@ -322,41 +333,66 @@ def init_from_weights(model, cfg, path: str, gathered=None) -> None:
     checkpoint or export at ``path``: each rank reads only its rows or columns of each tensor
     (vocabulary tables: the real rows, padded to this layout's table). The architecture must be
     the checkpoint's; every parameter must be found with its shape."""
-    from setdiff_dist.checkpoint.sharding import split_shard
-    from setdiff_dist.checkpoint.weights import VOCAB_ROWS, LoadError, open_weights
-    from setdiff_dist.model.transformer import full_shape, global_name
+    from setdiff_dist.checkpoint.weights import open_weights
+    from setdiff_dist.model.transformer import global_name
 
-    state, saved, _, _ = open_weights(path)
+    state, saved, _, _ = open_weights(path, raw=True)  # (the weights training left, not the EMA)
     # (the weights are read by layout-free names: the layer spec may change too)
     diffs = model_differences(cfg.to_dict()["model"], saved.to_dict()["model"],
                               RUN_FREE + ("layer_spec",))
     if diffs:
         raise CheckpointError(f"checkpoint.init_from={path}: another architecture:\n  - "
                               + "\n  - ".join(diffs))
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            g = global_name(model, name)
             with gathered(p) if gathered is not None else contextlib.nullcontext():
-                if g not in state:
-                    raise LoadError(f"checkpoint.init_from={path}: tensor {g} is missing")
-                want = full_shape(p)
-                split = getattr(p, "tensor_model_parallel", False) and tp > 1
-                dim, stride = getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1)
-                if g in VOCAB_ROWS:  # the real rows, padded to this layout's table
-                    full = state[g]
-                    if list(full.shape[1:]) != want[1:] or full.shape[0] > want[0]:
-                        raise LoadError(f"checkpoint.init_from={path}: tensor {g} has shape "
-                                        f"{tuple(full.shape)}, this model {tuple(want)}")
-                    full = torch.cat([full, full.new_zeros(want[0] - full.shape[0],
-                                                           *full.shape[1:])])
-                    local = split_shard(full, rank, tp, dim, stride) if split else full
-                else:
-                    if state.shape(g) != want:
-                        raise LoadError(f"checkpoint.init_from={path}: tensor {g} has shape "
-                                        f"{tuple(state.shape(g))}, this model {tuple(want)}")
-                    local = state.shard(g, rank, tp, dim, stride) if split else state[g]
+                local = _local_tensor(state, global_name(model, name), p, list(p.shape),
+                                      f"checkpoint.init_from={path}")
                 p.copy_(local.to(p.dtype))
+
+
+def _local_tensor(state, g: str, p, shape: list, what: str) -> torch.Tensor:
+    """This rank's tensor-parallel shard of tensor ``g`` of a weights source (any saved
+    layout), for parameter ``p`` whose local shape is ``shape``: each rank reads only its rows
+    or columns; vocabulary tables keep their real rows, padded to this layout's table."""
+    from setdiff_dist.checkpoint.sharding import split_shard
+    from setdiff_dist.checkpoint.weights import VOCAB_ROWS, LoadError
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if g not in state:
+        raise LoadError(f"{what}: tensor {g} is missing")
+    split = getattr(p, "tensor_model_parallel", False) and tp > 1
+    dim, stride = getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1)
+    want = list(shape)
+    if getattr(p, "tensor_model_parallel", False):
+        want[dim] *= tp
+    if g in VOCAB_ROWS:  # the real rows, padded to this layout's table
+        full = state[g]
+        if list(full.shape[1:]) != want[1:] or full.shape[0] > want[0]:
+            raise LoadError(f"{what}: tensor {g} has shape {tuple(full.shape)}, this model "
+                            f"{tuple(want)}")
+        full = torch.cat([full, full.new_zeros(want[0] - full.shape[0], *full.shape[1:])])
+        return split_shard(full, rank, tp, dim, stride) if split else full
+    if state.shape(g) != want:
+        raise LoadError(f"{what}: tensor {g} has shape {tuple(state.shape(g))}, this model "
+                        f"{tuple(want)}")
+    return state.shard(g, rank, tp, dim, stride) if split else state[g]
+
+
+def load_ema(ema, model, path: str) -> bool:
+    """Set ``ema`` from the checkpoint's ``weights_ema/`` (saved in any layout); False when
+    the checkpoint kept none."""
+    from setdiff_dist.checkpoint.weights import EMA_WEIGHTS, open_weights
+    from setdiff_dist.model.transformer import global_name
+
+    if not os.path.isdir(os.path.join(path, EMA_WEIGHTS)):
+        return False
+    state = open_weights(path, which=EMA_WEIGHTS)[0]
+    for name, p in model.named_parameters():
+        shape = list(getattr(p, "ds_shape", p.shape))
+        ema.load(name, _local_tensor(state, global_name(model, name), p, shape,
+                                     f"the EMA of {path}"))
+    return True
 
 
 def verify(path: str, manifest: dict, hashes: bool = True) -> None:

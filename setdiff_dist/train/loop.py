@@ -34,6 +34,7 @@ from setdiff_dist.parallel import initialize_model_parallel
 from . import checkpoint
 from .engine import (build_engine, check_precision, compute_dtype, drop_gradients, main_grad,
                      micro_batches_per_step, partitioned_construction)
+from .ema import EMA
 from .metrics import MetricsLogger
 from .objective import Objective
 from setdiff_dist.errors import SetdiffError
@@ -80,6 +81,8 @@ class Trainer:
         self.universal = self.resume_path is not None and \
             checkpoint.needs_universal(self.resume_path)
         self.engine = build_engine(cfg, self.model, load_universal=self.universal)
+        # the EMA of the weights starts at the initial weights (or the checkpoint's, on resume)
+        self.ema = EMA(self.engine.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.main_grad = main_grad(self.engine)  # where each parameter's gradient accumulates
         self.objective = Objective(cfg, seed=cfg.train.seed)
         self.eval_objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1, evaluation=True)
@@ -179,6 +182,11 @@ class Trainer:
         self.skipped_steps = state["nonfinite_skipped_steps"]
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.loader(0).load_state_dict(state["loader"])  # same data stream, or a clear error
+        if self.ema is not None and not checkpoint.load_ema(self.ema, self.engine.module, path):
+            self.ema = EMA(self.engine.module, self.cfg.train.ema_decay)  # from these weights
+            if self.rank == 0:
+                print(f"note: {path} kept no EMA of the weights; it starts from them now",
+                      flush=True)
         return path
 
     @property
@@ -192,7 +200,7 @@ class Trainer:
                              "nonfinite_in_a_row": self.nonfinite_in_a_row,
                              "loader": self.loader(self.step).state_dict()}}
         return checkpoint.save(self.engine, self.cfg, self.step, state, self.tokenizer_identity,
-                               tokenizer_dir=self.train_set.directory)
+                               tokenizer_dir=self.train_set.directory, ema=self.ema)
 
     def request_stop(self, signum: int) -> None:
         """Stop at the next step boundary, with a checkpoint: ``"paused"`` on SIGINT,
@@ -297,6 +305,8 @@ class Trainer:
             finite = self._skip_if_nonfinite(step_sum)
             engine.allreduce_gradients()
             engine.step()
+        if self.ema is not None:
+            self.ema.update()
         if getattr(engine, "skipped_steps", 0) != skipped_before and engine.lr_scheduler:
             # DeepSpeed skipped the update (a non-finite gradient) and with it the LR schedule:
             # keep the schedule on the trainer's step count, as for a step we skip ourselves

@@ -1,6 +1,11 @@
 """The training objective of a run: the set-diffusion NELBO of an order schedule, or the plain
 causal-LM loss. It turns a loader :class:`~setdiff_dist.data.loader.Batch` into model inputs and a
-loss *sum* with its number of target tokens (the trainer normalizes over the global batch)."""
+loss *sum* with its number of target tokens (the trainer normalizes over the global batch).
+
+Every order scores the same positions: the first token of each sequence is clean context,
+revealed first and never predicted, as the reference code keeps a BOS clean (SPEC section 4);
+the causal LM cannot predict it either, so both score positions ``1..L-1`` (less padding and
+prompt context), and their bounds compare like for like."""
 
 from __future__ import annotations
 
@@ -9,6 +14,13 @@ import torch
 from setdiff_dist.diffusion import nelbo, sample_orders, schedule_from_config
 from setdiff_dist.model.forward import (causal_lm_inputs, set_diffusion_inputs,
                                         set_diffusion_nll, vocab_parallel_nll)
+
+
+def first_clean(context: torch.Tensor) -> torch.Tensor:
+    """``context`` with every sequence's first position in it (clean, never predicted)."""
+    out = context.clone()
+    out[:, 0] = True
+    return out
 
 
 class Objective:
@@ -28,7 +40,7 @@ class Objective:
 
     def target_mask(self, batch) -> torch.Tensor:
         """Which tokens carry loss (known before the forward, for the global normalizer)."""
-        keep = ~(batch.padding | batch.context)
+        keep = ~(batch.padding | first_clean(batch.context))
         if self.kind == "causal":
             return keep[:, 1:]  # the output at l - 1 predicts token l
         return keep
@@ -47,7 +59,8 @@ class Objective:
 
             return out, terms
         sample = sample_orders(self.schedule, self.seq_len, batch.indices, self.seed,
-                               context=batch.context, padding=batch.padding, stream=self.stream)
+                               context=first_clean(batch.context), padding=batch.padding,
+                               stream=self.stream)
         inp = set_diffusion_inputs(tokens, sample, module.mask_id, self.backend)
         out = module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)
 

@@ -195,7 +195,8 @@ def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
 def rank_memory(cfg, params: int, dp: int, in_flight: int, activations: float) -> dict:
     """Bytes a rank holding ``params`` parameters needs at its peak in steady state (see the
     module docstring), by kind: ``weights``, ``gradients`` (with DeepSpeed's reduction
-    buckets), ``optimizer`` (fp32 master weights and moments) and ``activations``, which here
+    buckets), ``optimizer`` (fp32 master weights and moments, and the EMA of the weights when
+    ``train.ema_decay`` keeps one) and ``activations``, which here
     is the larger of the backward's saved tensors and the optimizer step's transients (the
     flattened fp32 gradient partition and AdamW's temporaries: the activations are gone by
     then)."""
@@ -220,6 +221,8 @@ def rank_memory(cfg, params: int, dp: int, in_flight: int, activations: float) -
             grads += b * 5e7
     if z.offload_optimizer == "cpu":
         optim, step = 0.0, 0.0
+    if cfg.train.ema_decay:  # the fp32 average of what the rank holds of each weight
+        optim += 4.0 * params / (dp if z.stage == 3 else 1)
     return {"weights": weights, "gradients": grads, "optimizer": optim,
             "activations": max(in_flight * activations, step)}
 

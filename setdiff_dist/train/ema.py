@@ -1,0 +1,62 @@
+"""An exponential moving average of the weights (``train.ema_decay``; 0.9999 in the paper's
+recipe), the weights that decoding and evaluation use by default.
+
+Each rank keeps, in fp32, the average of what it holds of each parameter: its tensor-parallel
+shard, or under ZeRO-3 its data-parallel partition of that shard, so the average costs what the
+weights cost and never a whole model on one rank. After every optimizer step,
+``ema = decay * ema + (1 - decay) * weight``. A checkpoint writes it beside the weights, under
+the same global names and sharding (``weights_ema/``, layout-free like ``weights/``), so it
+survives a resume in another layout and inference reads it like the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+
+def _held(p) -> torch.Tensor:
+    """What this rank holds of ``p``: its ZeRO-3 partition (flat), or the tensor itself."""
+    return p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+
+
+class EMA:
+    def __init__(self, model, decay: float):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"an EMA decay lies in (0, 1), got {decay}")
+        self.decay = decay
+        self.params = dict(model.named_parameters())
+        self.shadow = {n: _held(p).detach().float().clone() for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for name, p in self.params.items():
+            self.shadow[name].lerp_(_held(p).float(), 1.0 - self.decay)
+
+    @torch.no_grad()
+    def tensor(self, name: str) -> torch.Tensor:
+        """The average of parameter ``name`` as this rank's tensor-parallel shard of it (under
+        ZeRO-3 gathered over the data-parallel group: a collective, called by every rank)."""
+        p, held = self.params[name], self.shadow[name]
+        if not hasattr(p, "ds_tensor"):
+            return held
+        group = ps.get_data_parallel_group()
+        parts = [torch.empty_like(held) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, held, group=group)
+        return torch.cat(parts)[:p.ds_numel].view(p.ds_shape)
+
+    @torch.no_grad()
+    def load(self, name: str, local: torch.Tensor) -> None:
+        """Set the average of ``name`` from this rank's tensor-parallel shard ``local`` (under
+        ZeRO-3 keeping this rank's partition of it)."""
+        p, held = self.params[name], self.shadow[name]
+        flat = local.detach().float().reshape(-1)
+        if hasattr(p, "ds_tensor"):
+            n = held.numel()
+            start = ps.get_data_parallel_rank() * n
+            part = flat[start:start + n]
+            held.zero_()
+            held[:part.numel()].copy_(part)
+        else:
+            held.copy_(flat.view_as(held))
