@@ -140,3 +140,21 @@ def test_a_checkpoint_config_with_a_retired_key_still_loads():
     assert config_from_dict(saved).data.shuffle is True
     with pytest.raises(ConfigError, match="did you mean 'data.shuffle'"):
         load_config("configs/tiny-cpu.yaml", ["data.shuffle_buffer=10"])
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "train", "convert", "config"])
+def test_help_answers_without_importing_torch(command):
+    """``--help`` answers at once: the heavy stack is imported only by the work itself."""
+    import subprocess
+    import sys
+
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['setdiff-{command}', '--help']\n"
+            "try:\n"
+            f"    runpy.run_module('setdiff_dist.cli.{command}', run_name='__main__')\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert "usage:" in res.stdout and res.stderr.strip().endswith("no torch"), res.stderr

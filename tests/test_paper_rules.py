@@ -125,7 +125,7 @@ def test_decode_defaults_come_from_the_checkpoint_config_then_the_preset_then_th
 
     from setdiff_dist.cli import add_decode_arguments, decode_flags
     from setdiff_dist.config import load_config
-    from setdiff_dist.inference.decoder import decode_settings
+    from setdiff_dist.inference.settings import decode_settings
 
     cfg = load_config(None, ["order.kind=staggered", "order.mean_set_size=4",
                              "data.seq_len=64", "decode.stop=[a]"])

@@ -24,6 +24,9 @@ def command(prog: str, process_group: bool = False):
     def wrap(main):
         @functools.wraps(main)
         def entry(argv=None) -> int:
+            from setdiff_dist.quiet import quiet
+
+            quiet()  # (before the libraries are imported: their notices are filtered)
             try:
                 return main(argv)
             except SetdiffError as exc:
@@ -82,7 +85,7 @@ def add_decode_arguments(ap, max_new_tokens_help: str = "") -> None:
     ``--preset``), see :func:`setdiff_dist.inference.decoder.decode_settings`."""
     import argparse
 
-    from setdiff_dist.inference.decoder import PRESETS
+    from setdiff_dist.inference.settings import PRESETS
 
     ap.add_argument("--preset", choices=sorted(PRESETS),
                     help="the paper's operating point: gsm (W = D, greedy), infill (W = 32, "

@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from setdiff_dist.eval import tasks
-    from setdiff_dist.inference.decoder import Sampling, SetDecoder, check_text, decode_settings
+    from setdiff_dist.inference.decoder import Sampling, SetDecoder, check_text
+    from setdiff_dist.inference.settings import decode_settings
     from setdiff_dist.inference.weights import build_inference_model
 
     # everything that can be checked before a model load is

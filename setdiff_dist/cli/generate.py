@@ -52,7 +52,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from setdiff_dist.inference.decoder import (DecodeError, Sampling, SetDecoder, StopCriteria,
-                                                check_text, decode_settings)
+                                                check_text)
+    from setdiff_dist.inference.settings import decode_settings
     from setdiff_dist.inference.weights import build_inference_model
 
     # the flags first: a bad one costs no model load
