@@ -83,6 +83,8 @@ def test_a_blend_takes_each_corpus_in_its_proportion_and_each_sample_once_per_ep
     for window in range(0, 10_000, 1000):  # evenly spread, not in runs
         part = picks[window:window + 1000]
         assert abs(sum(1 for c, _ in part if c == 0) / 1000 - 0.3) < 0.01
+    # weights that do not sum to 1 (the valid splits of some of the corpora) keep their ratio
+    assert Blend(blend.sets, [3.0, 7.0], blend.specs).counts == blend.counts == [3000, 7000]
     for c, s in enumerate(blend.sets):  # every sample of a corpus once before any repeats
         n = len(s)
         mine = [i for cc, i in picks if cc == c][:n]
@@ -187,7 +189,7 @@ def _tp_read(rank, shards, run_root, out):
         f"run_dir={run_root}", "resume=never", f"data.train_shards={shards}", "data.seq_len=32",
         "model.vocab_size=257", "data.global_batch_size=4", "data.micro_batch_size=2",
         "train.tensorboard=false", "data.num_workers=0", "parallel.tensor=2"]))
-    steps = t._steps(t.loader(0), t.n_micro)
+    steps = t._steps(t.loader(0))
     got = [next(steps) for _ in range(3)]
     torch.save({"open": t.train_set.sets[0].open_shards,
                 "tokens": [b.tokens for step in got for b in step],

@@ -272,14 +272,14 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None):
         source = TensorSource({n: [(file, None)] for n in names}, rows)
         return source, cfg, _tokenizer_of(directory, meta["tokenizer"]), directory
     manifest = read_manifest(directory)
+    sub = which or weights_dir(directory, raw)
     table = manifest.get("files", {})  # sizes only: a truncated file is named here, cheaply
-    problems = file_problems(directory, table, [n for n in table if n.startswith("weights")],
+    problems = file_problems(directory, table, [n for n in table if n.startswith(sub + "/")],
                              hashes=False)
     if problems:
         raise damaged(directory, problems)
     layout = manifest["layout"]
     files: dict[str, list] = {}
-    sub = which or weights_dir(directory, raw)
     for pp in range(layout["pipeline"]):
         for tp in range(layout["tensor"]):
             base = os.path.join(directory, sub, f"tp{tp:02d}_pp{pp:02d}")

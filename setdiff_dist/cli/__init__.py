@@ -80,11 +80,9 @@ def count(minimum: int = 1):
     return parse
 
 
-def add_decode_arguments(ap, max_new_tokens_help: str = "") -> None:
+def add_decode_arguments(ap) -> None:
     """The decoding flags: each defaults to the checkpoint's ``decode`` section (then
-    ``--preset``), see :func:`setdiff_dist.inference.decoder.decode_settings`."""
-    import argparse
-
+    ``--preset``), see :func:`setdiff_dist.inference.settings.decode_settings`."""
     from setdiff_dist.inference.settings import PRESETS
 
     ap.add_argument("--preset", choices=sorted(PRESETS),
@@ -100,15 +98,15 @@ def add_decode_arguments(ap, max_new_tokens_help: str = "") -> None:
     ap.add_argument("--temperature", type=float)
     ap.add_argument("--top-p", type=float)
     ap.add_argument("--repetition-penalty", type=float)
-    ap.add_argument("--max-new-tokens", type=count(), help=max_new_tokens_help or None)
+    ap.add_argument("--max-new-tokens", type=count())
     ap.add_argument("--max-repeat-run", type=count())
 
 
 def decode_flags(args) -> dict:
     """The decoding flags given on the command line (None: not given)."""
-    return {k: getattr(args, k) for k in ("window", "threshold", "greedy", "temperature",
-                                          "top_p", "repetition_penalty", "max_new_tokens",
-                                          "max_repeat_run")}
+    from setdiff_dist.inference.settings import DECODE_KEYS
+
+    return {k: getattr(args, k) for k in DECODE_KEYS}
 
 
 def check_decode_flags(args) -> None:

@@ -76,10 +76,11 @@ class Blend:
     def __init__(self, sets: list[ShardSet], weights: list[float], specs: list[str]):
         total = sum(weights)
         self.sets, self.weights, self.specs = sets, [w / total for w in weights], specs
-        self.counts = _block_counts(weights)
+        self.counts = _block_counts(self.weights)
         # within a block: which corpus each position goes to, and its rank among that corpus's
+        # (one corpus needs no table: locate is the identity)
         which, rank, taken = [], [], [0] * len(sets)
-        for o in range(BLOCK):
+        for o in range(BLOCK if len(sets) > 1 else 0):
             d = max(range(len(sets)), key=lambda j: self.counts[j] * (o + 1) / BLOCK - taken[j])
             which.append(d)
             rank.append(taken[d])

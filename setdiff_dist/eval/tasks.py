@@ -105,8 +105,9 @@ def _records(path: str, limit: int, task: str) -> list[dict]:
                                     f"file has one JSON object per line ({make})") from None
                 missing = [f for f in fields if not isinstance(rec, dict) or f not in rec]
                 if missing:
+                    article = "an" if task[0] in "aeiou" else "a"
                     raise EvalError(f"{path}, line {number}: no {', '.join(map(repr, missing))} "
-                                    f"field: not {'an' if task[0] in 'aeiou' else 'a'} {task} task file? ({make})")
+                                    f"field: not {article} {task} task file? ({make})")
                 out.append(rec)
     except FileNotFoundError:
         raise EvalError(f"--data {path}: no such file ({make})") from None
@@ -152,8 +153,7 @@ def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, thre
             examples.append({"left": rec["left"], "infill": r.text, "reference": rec["middle"]})
     if not scores:
         raise _nothing_evaluated(path, skipped, decoder)
-    mean = {k: sum(s[k] for s in scores) / max(len(scores), 1) for k in ("rouge1", "rouge2",
-                                                                          "rougeL")}
+    mean = {k: sum(s[k] for s in scores) / len(scores) for k in ("rouge1", "rouge2", "rougeL")}
     return {**mean, "count": len(scores), "skipped_too_long": skipped, "examples": examples}
 
 
@@ -168,7 +168,7 @@ GSM_STOP = rf"####\s*{_NUMBER}(?=[^\d.,]|[.,]\D)"
 def _answer(text: str):
     """The whole number after ``####`` (commas dropped), or None."""
     m = re.search(rf"####\s*({_NUMBER})", text)
-    return m.group(1).replace(",", "").rstrip(".") if m else None
+    return m.group(1).replace(",", "") if m else None
 
 
 def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, window: int,

@@ -35,11 +35,10 @@ from megatron.core import parallel_state as ps
 from setdiff_dist.checkpoint.files import (FORMAT, LATEST, CheckpointError, checkpoint_files,
                                            checkpoint_root, damaged, describe_files,
                                            file_problems, prune, read_manifest,
-                                           resolve_latest,
-                                           step_directory, tag_of, write_atomic)
+                                           resolve_latest, step_directory, tag_of, write_atomic)
+from setdiff_dist.checkpoint.weights import EMA_WEIGHTS
 
 UNIVERSAL = "universal"  # a step's DeepSpeed universal checkpoint, for another DP size
-EMA_WEIGHTS = "weights_ema"  # the EMA of the weights, laid out as weights/
 
 
 def _deepspeed_globals() -> list:
@@ -382,7 +381,7 @@ def _local_tensor(state, g: str, p, shape: list, what: str) -> torch.Tensor:
 def load_ema(ema, model, path: str) -> bool:
     """Set ``ema`` from the checkpoint's ``weights_ema/`` (saved in any layout); False when
     the checkpoint kept none."""
-    from setdiff_dist.checkpoint.weights import EMA_WEIGHTS, open_weights
+    from setdiff_dist.checkpoint.weights import open_weights
     from setdiff_dist.model.transformer import global_name
 
     if not os.path.isdir(os.path.join(path, EMA_WEIGHTS)):

@@ -43,6 +43,7 @@ from setdiff_dist.errors import SetdiffError
 # what a signal asks for, by precedence: a preemption (requeue) outranks a user's pause
 STOPS = {signal.SIGINT: "paused", signal.SIGTERM: "preempted", signal.SIGUSR1: "preempted"}
 _STOP_CODE = {None: 0, "paused": 1, "preempted": 2}
+_STOP_OF = {code: stop for stop, code in _STOP_CODE.items()}
 
 
 class TrainingError(SetdiffError, RuntimeError):
@@ -214,7 +215,7 @@ class Trainer:
         None."""
         code = torch.tensor([float(_STOP_CODE[self.stop_requested])], device=self.device)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        return {v: k for k, v in _STOP_CODE.items()}[int(code.item())]
+        return _STOP_OF[int(code.item())]
 
     def loader(self, start_step: int = 0) -> TokenLoader:
         d = self.cfg.data
@@ -223,8 +224,8 @@ class Trainer:
                            seed=self.cfg.train.seed, shuffle=d.shuffle,
                            num_workers=d.num_workers, start_step=start_step)
 
-    def _steps(self, loader: TokenLoader, n_micro: int):
-        """The loader's steps (lists of ``n_micro`` micro-batches). Only tensor-parallel rank 0
+    def _steps(self, loader: TokenLoader):
+        """The loader's steps (lists of micro-batches). Only tensor-parallel rank 0
         reads: the step goes to the other ranks of its group in one broadcast (as Megatron
         does), so the data is read once per tensor-parallel group, not once per rank."""
         group = ps.get_tensor_model_parallel_group()
@@ -232,7 +233,7 @@ class Trainer:
             yield from loader
             return
         src = ps.get_tensor_model_parallel_src_rank()
-        b, L = loader.micro_batch, self.cfg.data.seq_len
+        n_micro, b, L = loader.accumulation, loader.micro_batch, self.cfg.data.seq_len
         steps = iter(loader) if self.rank == src else None
         while True:
             if steps is not None:
@@ -355,7 +356,7 @@ class Trainer:
         self.engine.module.eval()
         self.engine.module.set_is_first_microbatch()  # the weights changed since the last cast
         total = torch.zeros(2, device=self.device)
-        for _, (batch,) in zip(range(n_batches), self._steps(loader, 1)):
+        for _, (batch,) in zip(range(n_batches), self._steps(loader)):
             batch = batch.to(self.device)
             if self.cfg.parallel.pipeline == 1:
                 out, terms = self.eval_objective.step(self.engine.module, batch)
@@ -389,7 +390,7 @@ class Trainer:
         # a resumed run already has a checkpoint of its first step
         tokens_since, saved_at, outcome = 0, self.step if self.resumed_from else None, "completed"
         try:
-            for micro_batches in self._steps(self.loader(self.step), self.n_micro):
+            for micro_batches in self._steps(self.loader(self.step)):
                 if self.step >= cfg.train.steps:
                     break
                 record = self.train_step(micro_batches)
