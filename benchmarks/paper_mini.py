@@ -10,7 +10,8 @@ and SetDLM D = 8. Then, with one evaluation code path for all of them:
 
 - **likelihood**: the validation NELBO bound over fixed seeded orders (exact for AR);
 - **infilling**: held-out KJV windows of 5 clauses (sentence-sized; from chapters that are not
-  in the training split) with the middle 1 or 3 masked, the oracle length given; greedy decoding; ROUGE-1/2/L F1 and tokens/s.
+  in the training split) with the middle 1 or 3 masked, the oracle length given; greedy
+  decoding; ROUGE-1/2/L F1 and tokens/s.
   SetDLM and MDLM see both contexts; BD3LM and AR only the left one (as those models must);
 - **speed and quality**: continuations of validation prompts, nucleus sampling (top-p 0.9,
   the same seeds for every model) with tau in {inf, .99, .95, .9, .8, .7, .6}, window W = D for
@@ -430,7 +431,8 @@ def report(out: str, results: dict) -> str:
              f"Time of all stages {sum(results['timings'].values()) / 60:.1f} min (this "
              f"invocation {results['seconds'] / 60:.1f} min; finished stages are reused).", "",
              "## Headline", "",
-             "| model | PPL (bound) | infill ROUGE-L | tokens/step at tau=0.9 | gen PPL at tau=0.9 |",
+             "| model | PPL (bound) | infill ROUGE-L | tokens/step at tau=0.9 "
+             "| gen PPL at tau=0.9 |",
              "| --- | --- | --- | --- | --- |"]
     for n, e in ev.items():
         row = next((r for r in e["sweep"] if r["tau"] == 0.9), e["sweep"][0])

@@ -35,8 +35,12 @@ def main() -> None:
     from setdiff_dist.config import load_config
     from setdiff_dist.diffusion import make_schedule, nelbo, sample_orders
     from setdiff_dist.model.flops import training_flops_per_token
-    from setdiff_dist.model.forward import (causal_lm_inputs, causal_lm_nll, set_diffusion_inputs,
-                                            set_diffusion_nll)
+    from setdiff_dist.model.forward import (
+        causal_lm_inputs,
+        causal_lm_nll,
+        set_diffusion_inputs,
+        set_diffusion_nll,
+    )
     from setdiff_dist.model.transformer import build_model, transformer_config
     from setdiff_dist.parallel import initialize_model_parallel
 
@@ -54,14 +58,15 @@ def main() -> None:
                                    f"model.hidden_size={args.hidden}",
                                    f"model.num_attention_heads={args.heads}",
                                    f"model.vocab_size={args.vocab}",
-                                   f"model.attention_backend={'sdpa' if kind == 'causal' else kind}",
+                                   "model.attention_backend="
+                                   f"{'sdpa' if kind == 'causal' else kind}",
                                    f"data.seq_len={L}"]).model
             models[kind] = build_model(m, transformer_config(m), seed=0).to(device)
         x = torch.randint(0, args.vocab, (args.batch, L), device=device)
         sample = sample_orders(make_schedule("staggered", L, mean_set_size=4), L,
                                range(args.batch), 0)
 
-        def step(kind):
+        def step(kind, models=models, x=x, sample=sample):
             model = models[kind]
             if kind == "causal":
                 inp = causal_lm_inputs(x)

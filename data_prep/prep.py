@@ -34,8 +34,7 @@ import numpy as np
 
 from setdiff_dist.cli import command, count
 from setdiff_dist.data.shards import FORMAT, MANIFEST, ShardWriter, sha256_file
-from setdiff_dist.data.tokenizers import (Tokenizer, TokenizerError, load_tokenizer,
-                                          train_bpe)
+from setdiff_dist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, train_bpe
 from setdiff_dist.errors import SetdiffError
 
 

@@ -18,8 +18,9 @@ fi
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     echo "[setdiff] installing $TORCH_PIN and setdiff-dist into $VENV (first use: a few minutes)" >&2
     start=$(date +%s)
-    pip_install() {  # quiet, minus the noise of this machine's unused local indexes
-        "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" \
+    pip_install() {  # quiet, minus the noise of this machine's unused local indexes and of
+        # setuptools' notices on editable installs (warnings of the build backend's process)
+        PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" \
             2> >(grep -v "^WARNING: Location" >&2)
     }
     pip_install --upgrade pip

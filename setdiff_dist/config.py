@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
+
 from setdiff_dist.errors import SetdiffError
 
 ORDER_KINDS = ("causal", "autoregressive", "masked", "block", "staggered")
@@ -307,7 +308,8 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None or (from_cli and isinstance(value, str) and value.lower() in ("null", "none")):
+        if value is None or (from_cli and isinstance(value, str)
+                             and value.lower() in ("null", "none")):
             return None
         return _coerce(value, args[0], from_cli)
     if origin is list:
@@ -646,7 +648,8 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"data.global_batch_size={d.global_batch_size} must be a multiple of "
                  f"data.micro_batch_size={d.micro_batch_size}")
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
-        p.append(f"optimizer.min_lr={cfg.optimizer.min_lr} is above optimizer.lr={cfg.optimizer.lr}")
+        p.append(f"optimizer.min_lr={cfg.optimizer.min_lr} is above "
+                 f"optimizer.lr={cfg.optimizer.lr}")
     if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):
         p.append(f"optimizer.betas={cfg.optimizer.betas} must be two numbers in [0, 1)")
     if cfg.optimizer.warmup_steps > cfg.train.steps:

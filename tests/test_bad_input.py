@@ -5,7 +5,6 @@ are refused before any work, and results are valid JSON written only where they 
 import json
 
 import pytest
-
 from helpers import sonnet_shards, tree_hash
 
 
@@ -206,8 +205,9 @@ def test_a_corrupt_shard_met_in_training_is_one_message_from_the_rank_that_read_
     """With data.verify=full a shard is hashed when a loader worker first opens it: the error
     comes from inside a DataLoader worker of one rank, and is printed as the reader raised it,
     not as the worker's traceback; the job ends with exit code 2."""
-    from data_prep.prep import prepare
     from helpers import run_train
+
+    from data_prep.prep import prepare
     from setdiff_dist.data import sample_text
 
     src = tmp_path / "sonnets.txt"

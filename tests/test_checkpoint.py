@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from helpers import child_env, losses, run_train, sonnet_shards, train_command, tree_hash
 
 EXIT_PREEMPTED = 75

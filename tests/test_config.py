@@ -7,8 +7,14 @@ import pytest
 import yaml
 
 from setdiff_dist.cli.config import main as config_cli
-from setdiff_dist.config import (Config, ConfigError, all_keys, config_from_dict, describe,
-                                 load_config)
+from setdiff_dist.config import (
+    Config,
+    ConfigError,
+    all_keys,
+    config_from_dict,
+    describe,
+    load_config,
+)
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 
@@ -88,7 +94,8 @@ def test_conflicting_settings_name_both_keys_and_the_reason():
 
 def test_overrides_are_parsed_by_the_type_of_their_field():
     cfg = load_config(None, ["optimizer.lr=1e-4", "decode.threshold=inf", "decode.stop=a,b",
-                             "order.max_set_size=null", "run_dir=/tmp/x y", "model.ffn_hidden_size=96",
+                             "order.max_set_size=null", "run_dir=/tmp/x y",
+                             "model.ffn_hidden_size=96",
                              "optimizer.betas=[0.9, 0.95]", "train.tensorboard=false",
                              "resume=never"])
     assert cfg.optimizer.lr == 1e-4 and math.isinf(cfg.decode.threshold)

@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from data_prep.prep import PrepError, main as prep_main, prepare
+from data_prep.prep import PrepError, prepare
+from data_prep.prep import main as prep_main
 from setdiff_dist.data import sample_text
 from setdiff_dist.data.loader import TokenLoader
 from setdiff_dist.data.shards import ShardError, ShardSet, read_manifest
@@ -47,7 +48,8 @@ def test_round_trip_bytes_packed(sonnets, tmp_path):
     ids = all_tokens(s).tolist()
     docs = bytes(i if i < 256 else 0 for i in ids).decode().split("\x00")
     assert docs[:-1] == PARAS[: len(docs) - 1]
-    assert m["splits"]["train"]["dropped_tail_tokens"] == sum(len(p.encode()) + 1 for p in PARAS) - len(ids)
+    total = sum(len(p.encode()) + 1 for p in PARAS)
+    assert m["splits"]["train"]["dropped_tail_tokens"] == total - len(ids)
 
 
 def test_round_trip_gpt2_from_gzipped_jsonl(tmp_path):

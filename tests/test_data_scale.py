@@ -10,11 +10,10 @@ import time
 import tracemalloc
 
 import pytest
+from helpers import child_env, losses, run_train, train_command
 
 from data_prep.prep import prepare
-from helpers import child_env, losses, run_train, train_command
 from setdiff_dist.data import sample_text
-
 
 # ----------------------------------------------------------------------------- the permutation
 
@@ -198,7 +197,6 @@ def _tp_read(rank, shards, run_root, out):
 
 def test_one_rank_of_a_tensor_parallel_group_reads_and_the_others_receive(corpora, tmp_path):
     import torch
-
     from mp_harness import spawn
 
     spawn(_tp_read, 2, corpora["a"], str(tmp_path / "run"), tmp_path)

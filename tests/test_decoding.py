@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-
 from mp_harness import results_at_tp1_and_tp2, spawn
 
 V, L = 64, 24
@@ -88,7 +87,8 @@ def gather(logits):
     from megatron.core import parallel_state as ps
 
     parts = [torch.empty_like(logits) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    torch.distributed.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+    torch.distributed.all_gather(parts, logits.contiguous(),
+                                 group=ps.get_tensor_model_parallel_group())
     return torch.cat(parts, -1)[..., :V]
 
 
@@ -305,9 +305,8 @@ def test_block_and_mdlm_baselines_decode_through_the_same_model(tmp_path):
 
 
 def _baselines(rank, out):
-    from setdiff_dist.parallel import initialize_model_parallel
-
     from setdiff_dist.inference.decoder import BaselineDecoder, Sampling
+    from setdiff_dist.parallel import initialize_model_parallel
 
     initialize_model_parallel(seed=0)
 

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from helpers import sonnet_shards
+
 from setdiff_dist.cli.demo import main
 
 
@@ -22,7 +22,8 @@ def test_demo_trains_reports_the_bound_and_checks_the_ar_identity(tmp_path, shar
     out = capsys.readouterr().out
     assert "PPL <=" in out and "AR identity" in out
     assert (tmp_path / "demo" / "orders.png").stat().st_size > 10_000
-    records = [json.loads(l) for l in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [10, 20, 30]
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_seen"} <= set(records[0])
     assert records[-1]["samples_seen"] == 240
@@ -41,3 +42,29 @@ def test_demo_reports_problems_and_exits(tmp_path, shards, capsys):
     assert main(["--config", "configs/tiny-cpu.yaml", f"run_dir={tmp_path}",
                  f"data.train_shards={shards}", "data.seq_len=64"]) == 2
     assert "data.seq_len=64" in capsys.readouterr().err
+
+
+def test_the_main_job_prints_progress_bound_and_text_and_no_warnings(tmp_path):
+    """scripts/main.sh, the README's main job, with its default settings (a few steps): the
+    progress, the validation bound and the generated text, and not one library warning."""
+    import os
+    import re
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from helpers import child_env
+
+    env = child_env()
+    env.pop("SETDIFF_VERBOSE", None)
+    res = subprocess.run(["bash", "scripts/main.sh", "train.steps=6", "train.log_interval=2",
+                          "optimizer.warmup_steps=2", f"run_dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, cwd=root, env=env, timeout=900)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    warning = re.compile(r"Warning|warnings\.warn|\[WARNING\]|^WARNING|^W\d{4} ", re.M)
+    assert not warning.search(out), [line for line in out.splitlines() if warning.search(line)]
+    assert re.search(r"^step +6/6 +loss \d", out, re.M)
+    assert re.search(r"validation: valid_loss \S+ +valid_ppl_bound \d", out)
+    assert re.search(r"^48 tokens in .* tokens/s", out, re.M)
+    text = out.split("checkpoint ", 1)[1].splitlines()[1]  # the line after the checkpoint's
+    assert len(text.split()) >= 5

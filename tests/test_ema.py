@@ -3,7 +3,6 @@ step, its survival through a resume in another layout, and which weights inferen
 
 import pytest
 import torch
-
 from helpers import run_train, sonnet_shards
 
 

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-
 from helpers import train_command
 from mp_harness import spawn
 

@@ -2,8 +2,8 @@
 no GPU: a clear error at start, never a silent fall-back to gloo on the CPUs."""
 
 import pytest
-
 from helpers import run_train, sonnet_shards
+
 from setdiff_dist.parallel import first_host, launch_env
 
 LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",

@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import losses, sonnet_shards, train_command
 
 

@@ -4,6 +4,8 @@
   evaluation or the commands: both training and inference stand on it;
 - ``model/`` imports nothing of inference, training, evaluation or the commands;
 - ``inference/`` imports nothing of training;
+- ``objective.py`` (the loss and the evaluation loop of every command) imports nothing of
+  inference, training, evaluation, checkpoints or the commands;
 - only ``train/`` imports DeepSpeed (the commands reach it through ``train/``)."""
 
 import ast
@@ -16,6 +18,8 @@ FORBIDDEN = {
     "inference": {"train", "eval", "cli"},
     "diffusion": {"model", "inference", "train", "eval", "cli", "checkpoint"},
     "parallel": {"model", "inference", "train", "eval", "cli", "checkpoint"},
+    # the objective (training, evaluation, the demo): the model's inputs and losses only
+    "objective.py": {"inference", "train", "eval", "cli", "checkpoint"},
 }
 
 

@@ -1,13 +1,20 @@
-"""The set-causal mask: SPEC section 3, checked with property-based tests."""
+"""The set-causal mask: docs/method.md §3, checked with property-based tests."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
-from setdiff_dist.diffusion import (from_reveal_order, make_schedule, permuted_singleton_mask,
-                                    permuted_singleton_mask_mod, sample_orders, set_causal_mask,
-                                    set_causal_mask_mod, to_reveal_order)
+from setdiff_dist.diffusion import (
+    from_reveal_order,
+    make_schedule,
+    permuted_singleton_mask,
+    permuted_singleton_mask_mod,
+    sample_orders,
+    set_causal_mask,
+    set_causal_mask_mod,
+    to_reveal_order,
+)
 
 KINDS = ["autoregressive", "staggered", "block", "masked"]
 
@@ -89,7 +96,7 @@ def test_permuted_static_form_allows_the_same_pairs_as_the_per_sample_form(case)
     L = o.seq_len
     dense = set_causal_mask(o.set_ids)
     static = permuted_singleton_mask(L)
-    # independent statement of the static form (SPEC section 3)
+    # independent statement of the static form (docs/method.md §3)
     i = torch.arange(L)
     assert torch.equal(static[:L, :L], i[None] <= i[:, None])
     assert torch.equal(static[L:, :L], i[None] < i[:, None])

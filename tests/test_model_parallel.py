@@ -6,7 +6,6 @@ rank 0 saves what it measured and the assertions run in the parent.
 
 import pytest
 import torch
-
 from mp_harness import results_at_tp1_and_tp2
 
 L, B, V = 12, 2, 256
@@ -43,8 +42,13 @@ def full_grads(model):
 def measure(tp, out):
     """Everything rank 0 reports for one tensor-parallel size."""
     from setdiff_dist.diffusion import make_schedule, nelbo, sample_orders
-    from setdiff_dist.model.forward import (causal_lm_inputs, causal_lm_nll, set_diffusion_inputs,
-                                            set_diffusion_nll, vocab_parallel_nll)
+    from setdiff_dist.model.forward import (
+        causal_lm_inputs,
+        causal_lm_nll,
+        set_diffusion_inputs,
+        set_diffusion_nll,
+        vocab_parallel_nll,
+    )
     from setdiff_dist.model.transformer import build_model, transformer_config
     from setdiff_dist.parallel import initialize_model_parallel
 

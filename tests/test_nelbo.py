@@ -1,14 +1,23 @@
-"""The NELBO: SPEC section 4, on the pure-torch reference transformer."""
+"""The NELBO: docs/method.md §4, on the pure-torch reference transformer."""
 
 import math
 
 import pytest
 import torch
 
-from setdiff_dist.diffusion import (OrderSample, from_reveal_order, make_schedule,
-                                    nelbo, perplexity_bound, permuted_singleton_mask,
-                                    sample_orders, set_causal_mask, to_reveal_order, token_nll,
-                                    two_copy_inputs)
+from setdiff_dist.diffusion import (
+    OrderSample,
+    from_reveal_order,
+    make_schedule,
+    nelbo,
+    permuted_singleton_mask,
+    perplexity_bound,
+    sample_orders,
+    set_causal_mask,
+    to_reveal_order,
+    token_nll,
+    two_copy_inputs,
+)
 from setdiff_dist.model.reference import ReferenceTransformer, sequential_ar_nll
 
 V = 23

@@ -1,4 +1,4 @@
-"""Order schedules: SPEC section 2."""
+"""Order schedules: docs/method.md §2."""
 
 
 import numpy as np
@@ -6,15 +6,21 @@ import pytest
 import torch
 from scipy import stats
 
-from setdiff_dist.diffusion import (AutoregressiveSchedule, StaggeredSchedule, make_schedule,
-                                    sample_orders, staggered_parameters)
+from setdiff_dist.diffusion import (
+    AutoregressiveSchedule,
+    StaggeredSchedule,
+    make_schedule,
+    sample_orders,
+    staggered_parameters,
+)
 
 
 @pytest.mark.parametrize("L, D, w, k", [(1024, 4, 0.00776, 0.336), (1024, 8, 0.0154, 0.340),
                                         (128, 4, 0.0593, 0.358), (768, 16, 0.0400, 0.352)])
 def test_staggered_parameters_reproduce_spec_reference_values(L, D, w, k):
     got_w, got_k = staggered_parameters(L, D)
-    # SPEC quotes three significant figures (768/16 gives w = 0.040050, quoted as 0.0400)
+    # docs/method.md §2.2 quotes three significant figures (768/16 gives w = 0.040050, quoted
+    # as 0.0400)
     assert got_w == pytest.approx(w, rel=2e-3)
     assert got_k == pytest.approx(k, rel=2e-3)
     # the defining identity of the shape parameter
@@ -30,11 +36,13 @@ def test_staggered_reveal_times_follow_the_survival_function():
     sched = StaggeredSchedule.from_mean_set_size(L, D)
     R = _reveal_times(sched, L, n)
     for l in (0, 7, 16, 31):
-        cdf = lambda r, l=l: 1.0 - sched.survival(torch.as_tensor(r), L)[..., l].numpy()
+        def cdf(r, l=l):
+            return 1.0 - sched.survival(torch.as_tensor(r), L)[..., l].numpy()
         assert stats.kstest(R[:, l].numpy(), cdf).pvalue > 1e-3, f"position {l}"
         # the same test rejects the uniform-window law (k = 1): it has power
         wrong = StaggeredSchedule(sched.window, 1.0)
-        wrong_cdf = lambda r, l=l: 1.0 - wrong.survival(torch.as_tensor(r), L)[..., l].numpy()
+        def wrong_cdf(r, l=l, wrong=wrong):
+            return 1.0 - wrong.survival(torch.as_tensor(r), L)[..., l].numpy()
         assert stats.kstest(R[:, l].numpy(), wrong_cdf).pvalue < 1e-6
 
 

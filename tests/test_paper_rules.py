@@ -1,4 +1,4 @@
-"""Decoding and evaluation as the paper and its reference code define them (SPEC sections 4-5):
+"""Decoding and evaluation as the paper and its reference code define them (docs/method.md §§4-6):
 the GSM stop, the positional candidate window, the decode defaults, the diffusion-time floor,
 and the decoding trace."""
 
@@ -71,7 +71,7 @@ def test_in_set_diffusion_times_have_a_floor_and_the_bound_is_unclipped():
 @pytest.mark.parametrize("kind", ["masked"])
 def test_the_trainer_and_the_evaluation_draw_their_own_ranges(kind):
     from setdiff_dist.config import load_config
-    from setdiff_dist.train.objective import Objective
+    from setdiff_dist.objective import Objective
 
     cfg = load_config(None, [f"order.kind={kind}", "order.t_min=0.5", "data.seq_len=32"])
     assert Objective(cfg, seed=0).schedule.t_min == 0.5
@@ -157,10 +157,16 @@ def test_every_order_scores_the_same_positions_and_the_ar_identity_still_holds()
     the autoregressive order's NELBO over them is still the model's exact NLL."""
     from setdiff_dist.config import load_config
     from setdiff_dist.data.loader import Batch
-    from setdiff_dist.diffusion import (make_schedule, nelbo, sample_orders, set_causal_mask,
-                                        token_nll, two_copy_inputs)
+    from setdiff_dist.diffusion import (
+        make_schedule,
+        nelbo,
+        sample_orders,
+        set_causal_mask,
+        token_nll,
+        two_copy_inputs,
+    )
     from setdiff_dist.model.reference import ReferenceTransformer, sequential_ar_nll
-    from setdiff_dist.train.objective import Objective, first_clean
+    from setdiff_dist.objective import Objective, first_clean
 
     B, L, V = 3, 16, 40
     g = torch.Generator().manual_seed(0)

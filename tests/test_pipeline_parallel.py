@@ -6,7 +6,6 @@ gradients of PP=1; TP=2 x PP=2 on four ranks runs a training step.
 
 import pytest
 import torch
-
 from mp_harness import spawn
 
 L, B, V, MICRO = 10, 2, 100, 2
@@ -40,8 +39,9 @@ def train_step(tp, pp, out, tag):
     cfg = model_cfg()
     model = build_model(cfg, transformer_config(cfg, tensor=tp, pipeline=pp), seed=7)
     stats = set_diffusion_forward_backward(model, microbatches(), L, B, "sdpa")
-    grads = {global_name(model, n): unshard(p.grad, p)[: V + 1] if "embedding" in global_name(model, n)
-             else unshard(p.grad, p) for n, p in model.named_parameters()}
+    grads = {global_name(model, n): unshard(p.grad, p)[: V + 1]
+             if "embedding" in global_name(model, n) else unshard(p.grad, p)
+             for n, p in model.named_parameters()}
     # one optimizer step, to show the whole step runs in this layout
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.step()

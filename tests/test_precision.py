@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-
 from helpers import run_train, sonnet_shards
 
 STEPS = 6
@@ -143,6 +142,7 @@ def test_what_cannot_work_is_refused_at_start(shards, tmp_path, overrides, messa
 
 def _recompute(rank, out):
     from helpers import tiny_nelbo_step
+
     from setdiff_dist.parallel import cpu_compat, initialize_model_parallel
 
     initialize_model_parallel(seed=0, backend="gloo")
@@ -187,8 +187,8 @@ def _first_microbatch_events(rank, shards, run_root, out):
         t = _trainer(shards, f"{run_root}/{name}", "train.eval_batches=1", *overrides)
         events = []
         module = t.engine.module
-        module.set_is_first_microbatch = lambda: events.append("first")
-        module.register_forward_pre_hook(lambda *_: events.append("forward"))
+        module.set_is_first_microbatch = lambda events=events: events.append("first")
+        module.register_forward_pre_hook(lambda *_, events=events: events.append("forward"))
         for _, batches in zip(range(2), t.loader(0)):
             events.append("step")
             t.train_step(batches)

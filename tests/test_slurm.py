@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import losses, sonnet_shards
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]

@@ -10,7 +10,6 @@ import json
 import os
 
 import pytest
-
 from helpers import run_train, sonnet_shards
 
 STEPS = 4

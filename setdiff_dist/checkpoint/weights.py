@@ -15,10 +15,10 @@ import torch
 
 from setdiff_dist.config import config_from_dict
 from setdiff_dist.data.tokenizers import Tokenizer, load_shipped_tokenizer
+from setdiff_dist.errors import SetdiffError
 
 from .files import damaged, file_problems, read_manifest, step_directory
 from .sharding import merge_shards
-from setdiff_dist.errors import SetdiffError
 
 EXPORT_FORMAT = "setdiff-export/1"
 VOCAB_ROWS = ("embedding.weight", "output_layer.weight")
@@ -230,7 +230,7 @@ class TensorSource(Mapping):
         from safetensors import safe_open
 
         parts, meta = [], None
-        for file, meta in self._files[name]:
+        for file, meta in self._files[name]:  # noqa: B007 (every part has the same meta)
             with safe_open(file, framework="pt") as fh:  # closed at once: no mapped pages kept
                 parts.append(fh.get_tensor(name))
         if meta and meta["tensor_parallel"] and len(parts) > 1:

@@ -5,13 +5,13 @@
    Everything goes to ``<run_dir>/demo/``: a training run's own files are never touched.
 2. Trains the pure-torch reference transformer with the config's order schedule on the shards
    of ``data.train_shards`` (setdiff-prep's output; scripts/main.sh prepares them from the offline
-   corpus), the NELBO on the ``[clean ; noisy]`` forward, with progress, ETA and
-   ``metrics.jsonl``.
+   corpus): setdiff-train's objective (:mod:`setdiff_dist.objective`, the NELBO on the ``[clean
+   ; noisy]`` forward), with progress, ETA and ``metrics.jsonl``.
 3. Reports the held-out NELBO perplexity bound over fixed, seeded orders, and checks the AR
-   identity of SPEC section 4 on the trained weights.
+   identity of docs/method.md §4 on the trained weights.
 
-The megatron-core model, sharded data and the DeepSpeed trainer replace the pieces used here as
-they land; the config file is the same one ``setdiff-train`` will read.
+setdiff-train runs the same objective on the megatron-core model with DeepSpeed; the config file
+is the same one it reads.
 """
 
 from __future__ import annotations
@@ -27,13 +27,18 @@ import torch
 
 from setdiff_dist.cli import command
 from setdiff_dist.config import ConfigError, load_config
-from setdiff_dist.data.loader import TokenLoader
 from setdiff_dist.data.blend import Blend
+from setdiff_dist.data.loader import TokenLoader
 from setdiff_dist.data.tokenizers import load_shipped_tokenizer
-from setdiff_dist.diffusion import (make_schedule, nelbo, perplexity_bound,
-                                    sample_orders, schedule_from_config, set_causal_mask,
-                                    token_nll, two_copy_inputs)
-from setdiff_dist.model.reference import ReferenceTransformer, sequential_ar_nll
+from setdiff_dist.diffusion import (
+    make_schedule,
+    perplexity_bound,
+    sample_orders,
+    set_causal_mask,
+    token_nll,
+    two_copy_inputs,
+)
+from setdiff_dist.model.reference import AsTrainingModel, ReferenceTransformer, sequential_ar_nll
 
 KINDS = ("autoregressive", "block", "masked", "staggered")
 
@@ -96,28 +101,13 @@ def lr_at(step: int, opt_cfg, total: int) -> float:
     return opt_cfg.lr
 
 
-def batch_nelbo(model, batch, schedule, seed, stream=0):
-    """The NELBO of a :class:`~setdiff_dist.data.loader.Batch` (orders seeded per sample)."""
-    L = batch.tokens.shape[1]
-    context = batch.context.clone()
-    context[:, 0] = True  # the first token is clean: every order scores positions 1..L-1
-    o = sample_orders(schedule, L, batch.indices, seed, context=context,
-                      padding=batch.padding, stream=stream)
-    tok, pos = two_copy_inputs(batch.tokens, o, model.mask_id)
-    logits = model(tok, pos, set_causal_mask(o.set_ids))[:, L:]
-    return nelbo(token_nll(logits, batch.tokens), o)
-
-
-def eval_bound(model, shards, schedule, seed, batches: int, batch_size: int) -> float:
+def eval_bound(model, shards, objective, batches: int, batch_size: int) -> float:
     """NELBO PPL bound over the first samples of ``shards`` with fixed, seeded orders (the
     same numbers on every run)."""
     loader = TokenLoader(shards, global_batch=batch_size, micro_batch=batch_size,
                          shuffle=False, num_workers=0)
-    total = tokens = 0.0
-    with torch.no_grad():
-        for _, (batch,) in zip(range(min(batches, max(1, len(shards) // batch_size))), loader):
-            b = batch_nelbo(model, batch, schedule, seed, stream=1)
-            total, tokens = total + b.total.item(), tokens + b.tokens.item()
+    n = min(batches, max(1, len(shards) // batch_size))
+    total, tokens = objective.evaluate(model, (b for _, (b,) in zip(range(n), loader)), "cpu")
     return perplexity_bound(total, tokens)
 
 
@@ -143,13 +133,21 @@ def train(cfg, steps: int) -> dict:
         raise ConfigError([f"the shards' tokenizer has {tok.vocab_size} tokens but "
                            f"model.vocab_size={m.vocab_size}; set "
                            f"model.vocab_size={tok.vocab_size}"])
-    schedule = schedule_from_config(cfg.order, L)
+    # the objective of setdiff-train, on the reference model (dense masks: sdpa's form)
+    from setdiff_dist.objective import Objective
+    from setdiff_dist.parallel import initialize_model_parallel
+
+    initialize_model_parallel(seed=cfg.train.seed)  # (one process: the loss's vocab group)
+    cfg.model.attention_backend = "sdpa"
+    objective = Objective(cfg, seed=cfg.train.seed)
+    schedule = objective.schedule
     torch.manual_seed(cfg.train.seed)
     model = ReferenceTransformer(m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads,
                                  m.ffn_hidden_size, m.rotary_base, m.norm_epsilon, m.init_std)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr,
                             betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,
                             weight_decay=cfg.optimizer.weight_decay)
+    trained = AsTrainingModel(model)  # (called as the objective calls the training model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"== training the reference transformer ({n_params / 1e3:.0f}k params) with "
           f"{schedule!r} on {train_set.tokens:,} tokens ({len(train_set):,} sequences, "
@@ -164,9 +162,9 @@ def train(cfg, steps: int) -> dict:
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg.optimizer, steps)
             opt.zero_grad(set_to_none=True)
-            bounds = [batch_nelbo(model, b, schedule, cfg.train.seed) for b in micro_batches]
-            tokens = sum(b.tokens for b in bounds)
-            loss = sum(b.total for b in bounds) / tokens
+            terms = [objective.step(trained, b) for b in micro_batches]
+            bounds = [fn(out) for out, fn in terms]
+            loss = sum(s for s, _ in bounds) / sum(n for _, n in bounds)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        cfg.optimizer.grad_clip or float("inf"))
@@ -184,10 +182,10 @@ def train(cfg, steps: int) -> dict:
                       f"{tps:8.0f} tok/s  eta {eta:5.1f}s", flush=True)
     model.eval()
     ev = dict(batches=cfg.train.eval_batches, batch_size=cfg.data.micro_batch_size)
-    bound = schedule_from_config(cfg.order, L, evaluation=True)  # (the unclipped range)
+    bound = Objective(cfg, seed=cfg.order.eval_seed, stream=1, evaluation=True)
     result = {"schedule": repr(schedule), "steps": steps,
-              "train_ppl_bound": eval_bound(model, train_set, bound, cfg.order.eval_seed, **ev),
-              "valid_ppl_bound": eval_bound(model, valid_set, bound, cfg.order.eval_seed, **ev),
+              "train_ppl_bound": eval_bound(trained, train_set, bound, **ev),
+              "valid_ppl_bound": eval_bound(trained, valid_set, bound, **ev),
               "uniform_ppl": float(tok.vocab_size),
               "ar_identity_max_gap": ar_identity_gap(
                   model, torch.from_numpy(valid_set.sets[0][0][0][None].astype("int64")))}
@@ -202,7 +200,7 @@ def train(cfg, steps: int) -> dict:
     return result
 
 
-@command("setdiff-demo")
+@command("setdiff-demo", process_group=True)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

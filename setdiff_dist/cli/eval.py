@@ -4,10 +4,18 @@
     setdiff-eval --checkpoint DIR --task infill --data infill.jsonl [--limit 100] [--window 4]
     setdiff-eval --checkpoint DIR --task gsm --data gsm.jsonl [--max-new-tokens 256]
     setdiff-eval --checkpoint DIR --task throughput [--prompt TEXT ...]
+    setdiff-eval --checkpoint DIR --task choice --data choice.jsonl
+    setdiff-eval --checkpoint DIR --task harness --harness-tasks T1,T2 [--include-path DIR]
+                 [--num-fewshot K] [--log-samples]
     ... [--out results.json] [--tensor-parallel N under torchrun]
 
 ``ppl`` is the NELBO bound over fixed seeded orders of the model's own schedule (the exact
 perplexity for ``causal`` and ``autoregressive``); the shards default to the training config's.
+``choice`` scores multiple-choice records ``{"context", "choices", "gold"}`` by log-likelihood
+(accuracy, and per character of the choice). ``harness`` runs lm-evaluation-harness tasks
+(``pip install 'setdiff-dist[eval]'``) through our lm_eval model class; its log-likelihoods are
+exact for causal LMs and, for set-diffusion models, the autoregressive order's (exact for W = 1
+decoding, a bound otherwise: the results say which); generation uses the decode flags.
 """
 
 from __future__ import annotations
@@ -17,9 +25,17 @@ import math
 import os
 import sys
 
-from setdiff_dist.cli import (add_decode_arguments, add_dtype_argument, add_weights_argument,
-                              check_decode_flags,
-                              command, count, decode_flags, inference_dtype, json_text)
+from setdiff_dist.cli import (
+    add_decode_arguments,
+    add_dtype_argument,
+    add_weights_argument,
+    check_decode_flags,
+    command,
+    count,
+    decode_flags,
+    inference_dtype,
+    json_text,
+)
 
 
 @command("setdiff-eval", process_group=True)
@@ -27,10 +43,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--task", required=True, choices=("ppl", "infill", "gsm", "throughput"))
+    ap.add_argument("--task", required=True,
+                    choices=("ppl", "infill", "gsm", "throughput", "choice", "harness"))
     ap.add_argument("--shards", help="ppl: a shard directory with a valid split")
-    ap.add_argument("--data", help="infill / gsm: a .jsonl from setdiff-tasks")
-    ap.add_argument("--limit", type=count(), default=100, help="records to evaluate")
+    ap.add_argument("--data", help="infill / gsm: a .jsonl from setdiff-tasks; choice: "
+                                   "records {context, choices, gold}")
+    ap.add_argument("--harness-tasks", help="harness: lm-eval task names, comma-separated")
+    ap.add_argument("--include-path", help="harness: a directory of task YAMLs of your own")
+    ap.add_argument("--num-fewshot", type=int, help="harness: few-shot examples per prompt")
+    ap.add_argument("--log-samples", action="store_true",
+                    help="harness: every request's arguments and answers in the results")
+    ap.add_argument("--limit", type=count(), default=None,
+                    help="records to evaluate (default 100; harness: per task, default all)")
     ap.add_argument("--batches", type=count(), default=16, help="ppl: validation batches")
     ap.add_argument("--batch-size", type=count(), default=8)
     add_decode_arguments(ap)
@@ -50,11 +74,26 @@ def main(argv=None) -> int:
     check_decode_flags(args)
     for text in args.prompt or []:
         check_text("--prompt", text)
-    if args.task in ("infill", "gsm"):
+    limit = args.limit if args.limit is not None or args.task == "harness" else 100
+    if args.task in ("infill", "gsm", "choice"):
         if not args.data:
             raise tasks.EvalError(f"--task {args.task} needs --data FILE.jsonl "
-                                  f"(setdiff-tasks {args.task} --out FILE.jsonl)")
-        tasks.check_task_file(args.data, args.task, args.limit)
+                                  f"({tasks.TASK_MAKE[args.task]})")
+        tasks.check_task_file(args.data, args.task, limit)
+    if args.task == "harness":
+        harness_tasks = [t for t in (args.harness_tasks or "").split(",") if t.strip()]
+        if not harness_tasks:
+            raise tasks.EvalError("--task harness needs --harness-tasks T1[,T2...] (lm-eval "
+                                  "task names; tasks of your own: --include-path DIR)")
+        if args.include_path and not os.path.isdir(args.include_path):
+            raise tasks.EvalError(f"--include-path {args.include_path}: no such directory")
+        try:
+            from setdiff_dist.eval import harness
+        except ImportError as exc:
+            raise tasks.EvalError(f"lm-evaluation-harness is not installed ({exc}); install it "
+                                  "with: pip install 'setdiff-dist[eval]'") from None
+        harness_tasks = [t.strip() for t in harness_tasks]
+        manager = harness.task_manager(harness_tasks, args.include_path)
     if args.out:  # where the result goes is checked before the evaluation, not after it
         parent = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
@@ -72,14 +111,24 @@ def main(argv=None) -> int:
                         **flags)
     sampling = Sampling(greedy=d["greedy"], temperature=d["temperature"], top_p=d["top_p"],
                         repetition_penalty=d["repetition_penalty"])
-    if args.task == "ppl":
+    if args.task == "harness":
+        lm = harness.SetdiffLM(loaded=(model, cfg, tok), batch_size=args.batch_size,
+                               preset=args.preset, **flags)
+        result = harness.run(lm, manager, harness_tasks, limit, args.num_fewshot,
+                             args.log_samples)
+    elif args.task == "choice":
+        from setdiff_dist.eval.likelihood import Scorer
+
+        result = tasks.multiple_choice(Scorer(model, cfg, tok, args.batch_size), args.data,
+                                       limit)
+    elif args.task == "ppl":
         shards = args.shards or cfg.data.valid_shards or cfg.data.train_shards
         result = tasks.perplexity(model, cfg, shards, args.batches, args.batch_size)
     elif args.task == "infill":
-        result = tasks.infilling(decoder, tok, args.data, args.limit, d["window"],
+        result = tasks.infilling(decoder, tok, args.data, limit, d["window"],
                                  d["threshold"], sampling)
     elif args.task == "gsm":
-        result = tasks.gsm(decoder, tok, args.data, args.limit, d["max_new_tokens"],
+        result = tasks.gsm(decoder, tok, args.data, limit, d["max_new_tokens"],
                            d["window"], d["threshold"], sampling)
     else:
         prompts = args.prompt or ["Shall I compare thee", "In the beginning", "O Romeo"]
@@ -95,7 +144,7 @@ def main(argv=None) -> int:
     from setdiff_dist.checkpoint.weights import provenance
 
     result = {"task": args.task, **provenance(args.checkpoint, args.raw_weights), **result}
-    if args.task != "ppl":
+    if args.task not in ("ppl", "choice"):
         result["decode"] = {k: d[k] for k in ("window", "threshold", "greedy", "temperature",
                                               "top_p", "repetition_penalty", "max_new_tokens")}
     text = json_text(result, indent=2)

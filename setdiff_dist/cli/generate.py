@@ -17,11 +17,20 @@ standard error; ``--json`` prints one JSON object instead. Under torchrun with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from setdiff_dist.cli import (add_decode_arguments, add_dtype_argument, add_weights_argument,
-                              check_decode_flags,
-                              command, count, decode_flags, inference_dtype, json_text)
+from setdiff_dist.cli import (
+    add_decode_arguments,
+    add_dtype_argument,
+    add_weights_argument,
+    check_decode_flags,
+    command,
+    count,
+    decode_flags,
+    inference_dtype,
+    json_text,
+)
 
 
 @command("setdiff-generate", process_group=True)
@@ -51,8 +60,13 @@ def main(argv=None) -> int:
                     help="draw the decoding trace: position x step, coloured by confidence")
     args = ap.parse_args(argv)
 
-    from setdiff_dist.inference.decoder import (DecodeError, Sampling, SetDecoder, StopCriteria,
-                                                check_text)
+    from setdiff_dist.inference.decoder import (
+        DecodeError,
+        Sampling,
+        SetDecoder,
+        StopCriteria,
+        check_text,
+    )
     from setdiff_dist.inference.settings import decode_settings
     from setdiff_dist.inference.weights import build_inference_model
 
@@ -83,7 +97,7 @@ def main(argv=None) -> int:
     else:
         prompts = args.prompt if args.prompt is not None else [None]
         ids = [tok.encode(p) if p is not None else [tok.eos_id] for p in prompts]
-        stop.eos_id = None if args.no_eos_stop else tok.eos_id
+        stop = dataclasses.replace(stop, eos_id=None if args.no_eos_stop else tok.eos_id)
         results = decoder.generate(ids, d["max_new_tokens"], window=d["window"],
                                    threshold=d["threshold"], sampling=sampling, stop=stop)
     import torch.distributed as dist

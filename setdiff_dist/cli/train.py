@@ -23,8 +23,9 @@ and exit with code 130 (outcome ``"paused"``); a second Ctrl-C aborts at once, w
 Exit codes: 0 done (or stopped at ``train.exit_at_step``), 75 preempted after a checkpoint,
 130 paused by Ctrl-C after a checkpoint, 2 bad config, data or checkpoint, 1 a failed run.
 Rank 0 also writes the outcome to ``run_dir/exit_status.json`` (``{"outcome", "exit_code",
-"step", "checkpoint"}``), since under torchrun or srun the exit code a job script sees is the launcher's, not the trainer's: the Slurm
-launchers requeue on ``"preempted"`` and stop on ``"completed"``.
+"step", "checkpoint"}``), since under torchrun or srun the exit code a job script sees is the
+launcher's, not the trainer's: the Slurm launchers requeue on ``"preempted"`` and stop on
+``"completed"``.
 """
 
 from __future__ import annotations

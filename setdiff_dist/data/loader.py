@@ -9,7 +9,7 @@ stream positions ``[k G, (k + 1) G)``, of which
 data-parallel rank ``r`` takes a contiguous ``G / D``, in micro-batches. The step is the whole
 state: resuming at step ``k`` yields exactly the batches an uninterrupted run would have seen,
 whatever the number of loader workers. A sample's stream position is its *global sample index*,
-from which its order and noise are seeded (SPEC section 4), so those do not depend on the rank.
+from which its order and noise are seeded (docs/method.md §4), so those do not depend on the rank.
 """
 
 from __future__ import annotations

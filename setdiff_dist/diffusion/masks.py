@@ -1,4 +1,4 @@
-"""The set-causal attention mask over ``[clean ; noisy]`` (SPEC section 3), in three forms.
+"""The set-causal attention mask over ``[clean ; noisy]`` (docs/method.md §3), in three forms.
 
 Convention: ``True`` means *the query may attend the key* (torch SDPA's boolean convention;
 megatron-core's is the opposite, and the model layer converts). Rows are queries, columns keys;

@@ -1,4 +1,4 @@
-"""The NELBO (SPEC section 4): the noisy copy, per-token weights, reductions, the PPL bound.
+"""The NELBO (docs/method.md §4): the noisy copy, per-token weights, reductions, the PPL bound.
 
 - Singleton sets (autoregressive, staggered): every target is ``[MASK]`` in the noisy copy and the
   loss is the unweighted any-order AR loss ``sum_l -log p(x_l | x revealed before l)``.

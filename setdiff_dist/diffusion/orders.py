@@ -1,4 +1,4 @@
-"""Order schedules (SPEC section 2): reveal times, the order they induce, and set ids.
+"""Order schedules (docs/method.md §2): reveal times, the order they induce, and set ids.
 
 Every position ``l`` of a sample gets a reveal time ``R_l`` in [0, 1] (larger = revealed
 earlier). Sorting by decreasing ``R`` gives the order; tokens revealed together form a set.
@@ -116,7 +116,8 @@ class StaggeredSchedule(OrderSchedule):
         return (1.0 - self.window) * (1.0 - pos / (seq_len - 1))
 
     def survival(self, t: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """``alpha^l_t = P(R_l > t)`` for every position: ``[..., L]`` for ``t`` of shape ``[...]``."""
+        """``alpha^l_t = P(R_l > t)`` for every position: ``[..., L]`` for ``t`` of shape
+        ``[...]``."""
         u = (t.to(torch.float64)[..., None] - self.offsets(seq_len)) / self.window
         return (1.0 - u.clamp(0.0, 1.0)) ** self.shape
 

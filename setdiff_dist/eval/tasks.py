@@ -18,14 +18,17 @@ import re
 import time
 from collections import Counter
 
-import torch
-
-from setdiff_dist.data.loader import TokenLoader
 from setdiff_dist.data.blend import Blend
+from setdiff_dist.data.loader import TokenLoader
 from setdiff_dist.errors import SetdiffError
-from setdiff_dist.inference.decoder import (DecodeError, Sampling, SetDecoder, StopCriteria,
-                                            model_device)
-from setdiff_dist.train.objective import Objective
+from setdiff_dist.inference.decoder import (
+    DecodeError,
+    Sampling,
+    SetDecoder,
+    StopCriteria,
+    model_device,
+)
+from setdiff_dist.objective import Objective
 
 
 class EvalError(SetdiffError, ValueError):
@@ -35,16 +38,11 @@ class EvalError(SetdiffError, ValueError):
 def perplexity(model, cfg, shards_dir: str, batches: int = 16, batch_size: int = 8) -> dict:
     shards = Blend.open(shards_dir, "valid", seq_len=cfg.data.seq_len)
     objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1, evaluation=True)
+    n = min(batches, max(1, len(shards) // batch_size))
     loader = TokenLoader(shards, global_batch=batch_size, micro_batch=batch_size, shuffle=False,
                          num_workers=0)
-    device = model_device(model)
-    total = tokens = 0.0
-    n = min(batches, max(1, len(shards) // batch_size))
-    with torch.no_grad():
-        for _, (batch,) in zip(range(n), loader):
-            out, terms = objective.step(model, batch.to(device))
-            s, t = terms(out)
-            total, tokens = total + float(s), tokens + float(t)
+    total, tokens = objective.evaluate(model, (b for _, (b,) in zip(range(n), loader)),
+                                       model_device(model))
     if not tokens:
         raise EvalError(f"{shards_dir}: the validation split gave no batch of {batch_size} "
                         "sequences; lower --batch-size or prepare more validation data")
@@ -83,13 +81,19 @@ def rouge(candidate: str, reference: str) -> dict:
     return out
 
 
-TASK_FIELDS = {"infill": ("left", "middle", "right"), "gsm": ("prompt", "answer")}
+TASK_FIELDS = {"infill": ("left", "middle", "right"), "gsm": ("prompt", "answer"),
+               "choice": ("context", "choices", "gold")}
+# how to make each task's file
+TASK_MAKE = {"infill": "setdiff-tasks infill --out FILE.jsonl",
+             "gsm": "setdiff-tasks gsm --out FILE.jsonl",
+             "choice": 'one JSON object per line: {"context": str, "choices": [str, ...], '
+                       '"gold": index of the right choice}'}
 
 
 def _records(path: str, limit: int, task: str) -> list[dict]:
     """The first ``limit`` records of a ``setdiff-tasks`` JSONL file, each checked for the
     task's fields."""
-    fields, make = TASK_FIELDS[task], f"setdiff-tasks {task} --out FILE.jsonl"
+    fields, make = TASK_FIELDS[task], TASK_MAKE[task]
     out = []
     try:
         with open(path, encoding="utf-8") as fh:
@@ -108,6 +112,8 @@ def _records(path: str, limit: int, task: str) -> list[dict]:
                     article = "an" if task[0] in "aeiou" else "a"
                     raise EvalError(f"{path}, line {number}: no {', '.join(map(repr, missing))} "
                                     f"field: not {article} {task} task file? ({make})")
+                if task == "choice":
+                    _check_choice(rec, f"{path}, line {number}")
                 out.append(rec)
     except FileNotFoundError:
         raise EvalError(f"--data {path}: no such file ({make})") from None
@@ -116,6 +122,40 @@ def _records(path: str, limit: int, task: str) -> list[dict]:
     if not out:
         raise EvalError(f"{path} has no records ({make})")
     return out
+
+
+def _check_choice(rec: dict, where: str) -> None:
+    choices, gold = rec["choices"], rec["gold"]
+    if not isinstance(choices, list) or len(choices) < 2 or \
+            not all(isinstance(c, str) and c for c in choices):
+        raise EvalError(f"{where}: 'choices' must be a list of at least two non-empty strings")
+    if not isinstance(rec["context"], str):
+        raise EvalError(f"{where}: 'context' must be a string")
+    if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):
+        raise EvalError(f"{where}: 'gold' must be the index of the right choice, 0 to "
+                        f"{len(choices) - 1}; got {gold!r}")
+
+
+def multiple_choice(scorer, path: str, limit: int, delimiter: str = " ") -> dict:
+    """Accuracy of picking the most likely choice (``acc``; ``acc_norm`` per character of the
+    choice), each choice scored as ``delimiter + choice`` after the context: the multiple-choice
+    scoring of lm-evaluation-harness, here without it (:mod:`setdiff_dist.eval.likelihood`)."""
+    recs = _records(path, limit, "choice")
+    pairs = [(r["context"], delimiter + c) for r in recs for c in r["choices"]]
+    scores = iter(scorer.loglikelihood(pairs))
+    per, acc, acc_norm = [], 0, 0
+    for r in recs:
+        got = [next(scores) for _ in r["choices"]]
+        lls = [ll for ll, _ in got]
+        pred = max(range(len(lls)), key=lambda j: (lls[j], -j))
+        norm = [ll / len(c) for ll, c in zip(lls, r["choices"])]
+        pred_norm = max(range(len(norm)), key=lambda j: (norm[j], -j))
+        acc += pred == r["gold"]
+        acc_norm += pred_norm == r["gold"]
+        per.append({"loglikelihoods": lls, "greedy": [g for _, g in got], "pred": pred,
+                    "gold": r["gold"]})
+    return {"records": len(recs), "acc": acc / len(recs), "acc_norm": acc_norm / len(recs),
+            "likelihood": scorer.likelihood, "exact_likelihood": scorer.exact, "scores": per}
 
 
 def check_task_file(path: str, task: str, limit: int) -> None:

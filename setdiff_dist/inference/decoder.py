@@ -1,4 +1,4 @@
-"""KV-cached set decoding (SPEC section 5), batched, on any tensor-parallel size.
+"""KV-cached set decoding (docs/method.md §5), batched, on any tensor-parallel size.
 
 Each step is one forward over ``[tokens committed by the previous step, as clean ; [MASK] at
 the candidate positions]``: committed tokens attend the cache and the earlier committed tokens
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from setdiff_dist.inference.kv_cache import KVCache, decode_step
 from setdiff_dist.errors import SetdiffError
+from setdiff_dist.inference.kv_cache import KVCache, decode_step
 
 
 def model_device(model) -> torch.device:
@@ -53,7 +53,7 @@ def check_threshold(threshold: float) -> None:
                           "per step)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sampling:
     greedy: bool = False
     temperature: float = 1.0
@@ -81,7 +81,7 @@ def check_text(what: str, text: str) -> None:
                           f"{text[exc.start:exc.start + 1]!r}); re-encode it as UTF-8") from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class StopCriteria:
     eos_id: Optional[int] = None
     stop: Sequence[str] = ()

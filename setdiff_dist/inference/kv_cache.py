@@ -1,6 +1,6 @@
 """The KV cache of committed (clean) tokens, and the hook through which attention uses it.
 
-A clean token's keys and values never change once computed (SPEC section 3), so the cache is
+A clean token's keys and values never change once computed (docs/method.md §3), so the cache is
 exact. During a decoding step the model runs on a few *new* tokens (the tokens committed by the
 previous step, and [MASK] queries); :func:`decode_step` makes the lean model's attention
 (:mod:`setdiff_dist.inference.lean`) attend ``[cache ; new]`` under the step's mask, writing the

@@ -34,10 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from setdiff_dist.checkpoint.sharding import split_shard
+from setdiff_dist.errors import SetdiffError
 from setdiff_dist.inference import kv_cache
 from setdiff_dist.model.transformer import padded_vocab_size, rotary_inv_freq
-from setdiff_dist.errors import SetdiffError
-
 
 # Weights stored transposed, ``[in, out]``, and applied as ``x @ w``: the ones wider than they
 # are deep (the fused qkv, fc1 and the output head). For the few rows of a decoding step MKL's

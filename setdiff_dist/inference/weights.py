@@ -11,8 +11,12 @@ from typing import Optional
 
 import torch
 
-from setdiff_dist.checkpoint.weights import (LoadError, open_weights, read_full_state_dict,
-                                             write_export)
+from setdiff_dist.checkpoint.weights import (
+    LoadError,
+    open_weights,
+    read_full_state_dict,
+    write_export,
+)
 
 
 def export(path: str, out: str, raw: bool = False) -> dict:

@@ -23,7 +23,6 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
 
-
 def _heads_first(q, k, v):
     """[s, b, n, d] -> [b, n, s, d], with k/v groups expanded to the query heads (GQA)."""
     rep = q.size(2) // k.size(2)

@@ -18,8 +18,13 @@ from typing import Any, Optional
 import torch
 from megatron.core import tensor_parallel
 
-from setdiff_dist.diffusion import (OrderSample, from_reveal_order, set_causal_mask,
-                                    set_causal_mask_mod, two_copy_inputs)
+from setdiff_dist.diffusion import (
+    OrderSample,
+    from_reveal_order,
+    set_causal_mask,
+    set_causal_mask_mod,
+    two_copy_inputs,
+)
 
 
 @dataclass

@@ -38,8 +38,13 @@ from typing import Optional
 
 import torch
 
-from setdiff_dist.checkpoint.hf_files import (DTYPES, HFCheckpointError, HFFiles,
-                                              read_hf_config, write_hf)
+from setdiff_dist.checkpoint.hf_files import (
+    DTYPES,
+    HFCheckpointError,
+    HFFiles,
+    read_hf_config,
+    write_hf,
+)
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -500,9 +505,9 @@ def import_hf(directory: str, out: str, tokenizer: Optional[str] = None) -> dict
     original ``config.json`` as ``hf_config.json`` for the way back). ``setdiff-generate`` and
     ``setdiff-eval`` read it directly; training starts from the HF directory itself
     (``checkpoint.init_from_hf``), sharded per rank."""
+    from setdiff_dist.checkpoint.weights import write_export
     from setdiff_dist.config import Config
     from setdiff_dist.data.tokenizers import TokenizerError, load_tokenizer
-    from setdiff_dist.checkpoint.weights import write_export
 
     state, model_cfg, ckpt = read_hf_state(directory)
     spec = tokenizer or f"hf:{directory}"

@@ -15,10 +15,6 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from setdiff_dist.diffusion import nelbo
-
-from .forward import set_diffusion_inputs, set_diffusion_nll
-
 
 def forward_backward(model, microbatches: Iterable, seq_len: int, micro_batch_size: int,
                      step: Callable, forward_only: bool = False,
@@ -63,15 +59,10 @@ def set_diffusion_forward_backward(model, microbatches: Iterable, seq_len: int,
     """:func:`forward_backward` over ``(tokens [b, L], OrderSample)`` micro-batches, with the
     NELBO per target token as each micro-batch's loss."""
 
+    from setdiff_dist.objective import nelbo_step  # (the objective imports the model)
+
     def step(module, microbatch):
         tokens, sample = microbatch
-        inp = set_diffusion_inputs(tokens, sample, module.mask_id, backend)
-        out = module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)
-
-        def terms(logits):
-            bound = nelbo(set_diffusion_nll(logits, tokens, inp), sample)
-            return bound.total, bound.tokens
-
-        return out, terms
+        return nelbo_step(module, tokens, sample, backend)
 
     return forward_backward(model, microbatches, 2 * seq_len, micro_batch_size, step, forward_only)

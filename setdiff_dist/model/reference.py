@@ -86,10 +86,26 @@ class ReferenceTransformer(nn.Module):
         return self.norm(h) @ self.embed.weight[: self.vocab_size].t()
 
 
+class AsTrainingModel(nn.Module):
+    """A :class:`ReferenceTransformer` called as the objective calls the training model
+    (:mod:`setdiff_dist.objective`): ``(tokens, positions, mask, logits_from)`` with megatron's
+    ``mask [B, 1, N, N]`` (True = masked out), logits ``[N - logits_from, B, vocab]``."""
+
+    def __init__(self, model: ReferenceTransformer):
+        super().__init__()
+        self.model = model
+        self.mask_id = model.mask_id
+
+    def forward(self, tokens, positions, mask, logits_from: int = 0):
+        allowed = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool,
+                             device=tokens.device).tril() if mask is None else ~mask[:, 0]
+        return self.model(tokens, positions, allowed)[:, logits_from:].transpose(0, 1).contiguous()
+
+
 def sequential_ar_nll(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Tensor:
     """``-log p(x_l | x_<l)`` ``[B, L]`` (float64) from the model used one position at a time:
     the clean prefix ``x_<l`` then a ``[MASK]`` query at ``l``, causal in position order. The
-    other side of SPEC's AR identity."""
+    other side of the AR identity of docs/method.md §4.3."""
     B, L = tokens.shape
     out = torch.empty(B, L, dtype=torch.float64)
     for l in range(L):

@@ -19,8 +19,9 @@ from .attention import core_attention_class
 def _require_te():
     try:
         import transformer_engine  # noqa: F401
-        from megatron.core.models.gpt.gpt_layer_specs import \
-            get_gpt_layer_with_transformer_engine_spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
     except Exception as exc:
         raise RuntimeError("model.layer_spec=te needs Transformer Engine on a CUDA machine "
                            "(pip install '.[gpu]', or the docker image); use layer_spec=local "

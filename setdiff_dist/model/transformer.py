@@ -29,9 +29,11 @@ from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_block import (TransformerBlock,
-                                                         TransformerBlockSubmodules,
-                                                         get_num_layers_to_build)
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from setdiff_dist.checkpoint.sharding import merge_shards, split_shard
 

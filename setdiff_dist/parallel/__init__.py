@@ -1,7 +1,15 @@
 """Process groups and megatron-core parallel state (plus the CPU compatibility layer)."""
 
-from .state import (LaunchEnv, LaunchError, destroy_model_parallel, first_host, free_port,
-                    init_distributed, initialize_model_parallel, launch_env)
+from .state import (
+                    LaunchEnv,
+                    LaunchError,
+                    destroy_model_parallel,
+                    first_host,
+                    free_port,
+                    init_distributed,
+                    initialize_model_parallel,
+                    launch_env,
+)
 
 __all__ = ["LaunchEnv", "LaunchError", "destroy_model_parallel", "first_host", "free_port",
            "init_distributed", "initialize_model_parallel", "launch_env"]

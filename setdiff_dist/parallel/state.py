@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import cpu_compat
 from setdiff_dist.errors import SetdiffError
+
+from . import cpu_compat
 
 
 @dataclass(frozen=True)

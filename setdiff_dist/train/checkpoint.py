@@ -32,10 +32,22 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from setdiff_dist.checkpoint.files import (FORMAT, LATEST, CheckpointError, checkpoint_files,
-                                           checkpoint_root, damaged, describe_files,
-                                           file_problems, prune, read_manifest,
-                                           resolve_latest, step_directory, tag_of, write_atomic)
+from setdiff_dist.checkpoint.files import (
+    FORMAT,
+    LATEST,
+    CheckpointError,
+    checkpoint_files,
+    checkpoint_root,
+    damaged,
+    describe_files,
+    file_problems,
+    prune,
+    read_manifest,
+    resolve_latest,
+    step_directory,
+    tag_of,
+    write_atomic,
+)
 from setdiff_dist.checkpoint.weights import EMA_WEIGHTS
 
 UNIVERSAL = "universal"  # a step's DeepSpeed universal checkpoint, for another DP size

@@ -26,19 +26,25 @@ from setdiff_dist.data.blend import Blend
 from setdiff_dist.data.loader import Batch, TokenLoader
 from setdiff_dist.data.shards import ShardSet
 from setdiff_dist.data.tokenizers import load_shipped_tokenizer, load_tokenizer
+from setdiff_dist.errors import SetdiffError
 from setdiff_dist.model.flops import training_flops_per_token
 from setdiff_dist.model.pipeline import forward_backward
 from setdiff_dist.model.transformer import build_model, transformer_config
+from setdiff_dist.objective import Objective
 from setdiff_dist.parallel import initialize_model_parallel
 
 from . import checkpoint
-from .engine import (build_engine, check_precision, compute_dtype, drop_gradients, main_grad,
-                     micro_batches_per_step, partitioned_construction)
 from .ema import EMA
+from .engine import (
+    build_engine,
+    check_precision,
+    compute_dtype,
+    drop_gradients,
+    main_grad,
+    micro_batches_per_step,
+    partitioned_construction,
+)
 from .metrics import MetricsLogger
-from .objective import Objective
-from setdiff_dist.errors import SetdiffError
-
 
 # what a signal asks for, by precedence: a preemption (requeue) outranks a user's pause
 STOPS = {signal.SIGINT: "paused", signal.SIGTERM: "preempted", signal.SIGUSR1: "preempted"}

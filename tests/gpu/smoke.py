@@ -42,7 +42,6 @@ def main() -> int:
     imported = time.monotonic() - START
 
     import torch.distributed as dist
-
     from helpers import process_group, tiny_nelbo_step
 
     backend = "nccl" if args.device == "cuda" else "gloo"

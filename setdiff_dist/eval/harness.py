@@ -1,0 +1,195 @@
+"""lm-evaluation-harness on setdiff-dist checkpoints: an ``lm_eval`` model class, and the run
+behind ``setdiff-eval --task harness``.
+
+:class:`SetdiffLM` (registered with lm-eval as ``setdiff``) answers the harness's three
+request types on the inference engine, at any tensor-parallel size:
+
+- ``loglikelihood`` and ``loglikelihood_rolling``: :class:`setdiff_dist.eval.likelihood.Scorer`
+  (exact for causal LMs; for set-diffusion models the autoregressive-order likelihood, exact for
+  ``W = 1`` decoding and a bound otherwise: the results say which);
+- ``generate_until``: the set decoder (:class:`setdiff_dist.inference.decoder.SetDecoder`) with
+  the run's decode settings (window, threshold, ...: model arguments, or setdiff-eval's decode
+  flags), stopping at each request's ``until`` strings (cut from the text, as the harness
+  expects) or at ``max_gen_toks``.
+
+Under tensor parallelism every rank runs the same harness over the same requests (the harness
+sees one process: ranks split the model, not the data), and rank 0 reports. Offline use: a task
+YAML whose ``dataset_path: json`` reads local JSONL files (``--include-path DIR``; see
+``tests/harness/`` for a multiple-choice and a generation task).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+
+from setdiff_dist.eval.likelihood import ScoreError, Scorer
+
+
+@register_model("setdiff")
+class SetdiffLM(TemplateLM):
+    backend = "causal"  # the harness's pair encoding: the whole text, then the context's prefix
+
+    def __init__(self, checkpoint: Optional[str] = None, *, loaded=None, tensor_parallel: int = 1,
+                 dtype: str = "auto", batch_size: int = 8, raw_weights: bool = False,
+                 preset: Optional[str] = None, **decode):
+        """``checkpoint``: a checkpoint or export directory (or ``loaded``: ``(model, config,
+        tokenizer)`` already built). ``decode``: decoding settings over the checkpoint's
+        ``decode`` section and ``preset`` (window, threshold, greedy, temperature, top_p,
+        repetition_penalty, max_new_tokens, max_repeat_run)."""
+        super().__init__()
+        from setdiff_dist.inference.decoder import SetDecoder
+        from setdiff_dist.inference.settings import DECODE_KEYS, decode_settings
+
+        unknown = sorted(set(decode) - set(DECODE_KEYS))
+        if unknown:
+            raise ScoreError(f"unknown model argument(s) {', '.join(unknown)}; the decoding "
+                             f"settings are {', '.join(DECODE_KEYS)}")
+        if loaded is None:
+            if not checkpoint:
+                raise ScoreError("give the model argument checkpoint=DIR (a checkpoint or "
+                                 "export)")
+            from setdiff_dist.cli import inference_dtype
+            from setdiff_dist.inference.weights import build_inference_model
+
+            loaded = build_inference_model(checkpoint, tensor=int(tensor_parallel),
+                                           dtype=inference_dtype(dtype), raw=bool(raw_weights))
+        model, cfg, tok = loaded
+        self.scorer = Scorer(model, cfg, tok, int(batch_size))
+        self.tok = tok
+        self.decode = decode_settings(cfg, preset, **decode)
+        self.decoder = SetDecoder(model, tok, context=cfg.data.seq_len,
+                                  mode="causal" if cfg.order.kind == "causal" else "set")
+
+    # -- what the harness asks of a token-level model ------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def max_length(self) -> int:
+        return self.scorer.max_length
+
+    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs):
+        return self.tok.encode(string)  # (our tokenizers add no special tokens)
+
+    def tok_decode(self, tokens, **kwargs) -> str:
+        return self.tok.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        pairs = [(ctx, cont) for _, ctx, cont in requests]
+        out = self.scorer.loglikelihood_tokens(pairs)
+        for (key, _, _), answer in zip(requests, out):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        texts = [req.args[0] for req in requests]
+        out = self.scorer.rolling(texts)
+        for text, answer in zip(texts, out):
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), answer)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or sampled, per the settings or the request) set decoding of each context,
+        cut at the first of its ``until`` strings; requests with the same arguments decode as
+        one batch of ragged prompts."""
+        groups: dict = {}
+        for i, req in enumerate(requests):
+            context, kwargs = req.args
+            groups.setdefault(json.dumps(kwargs, sort_keys=True, default=str), []).append(
+                (i, context))
+        out: list = [None] * len(requests)
+        for key, items in groups.items():
+            kwargs = json.loads(key)
+            for lo in range(0, len(items), self.scorer.batch_size):
+                chunk = items[lo:lo + self.scorer.batch_size]
+                for (i, _), text in zip(chunk, self._generate([c for _, c in chunk],
+                                                                      kwargs)):
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return out
+
+    def _generate(self, contexts: list[str], kwargs: dict) -> list[str]:
+        from setdiff_dist.inference.decoder import Sampling, StopCriteria
+
+        kwargs = dict(kwargs)
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        d = self.decode
+        max_new = int(kwargs.pop("max_gen_toks", d["max_new_tokens"]))
+        greedy = d["greedy"]
+        if "do_sample" in kwargs:
+            greedy = not kwargs.pop("do_sample")
+        temperature = float(kwargs.pop("temperature", d["temperature"]))
+        if temperature == 0:
+            greedy = True
+        top_p = float(kwargs.pop("top_p", d["top_p"]))
+        if kwargs:
+            raise ScoreError(f"generation arguments {', '.join(sorted(kwargs))} are not "
+                             "supported (until, max_gen_toks, do_sample, temperature, top_p "
+                             "are); remove them from the task's generation_kwargs")
+        window = d["window"]
+        keep = self.max_length - window  # a prompt and the first window fit the context
+        prompts = [(self.tok.encode(c) or [self.tok.eos_id])[-keep:] for c in contexts]
+        sampling = Sampling(greedy=greedy, temperature=temperature if not greedy else 1.0,
+                            top_p=top_p, repetition_penalty=d["repetition_penalty"])
+        stop = StopCriteria(eos_id=self.tok.eos_id, stop=tuple(u for u in until if u),
+                            max_repeat_run=d["max_repeat_run"])
+        results = self.decoder.generate(prompts, max_new, window=window,
+                                        threshold=d["threshold"], sampling=sampling, stop=stop)
+        texts = []
+        for r in results:
+            text = self.tok.decode([t for t in r.tokens if t is not None])
+            for u in until:
+                if u:
+                    text = text.split(u)[0]
+            texts.append(text)
+        return texts
+
+
+def task_manager(tasks: list[str], include_path: Optional[str]):
+    """The harness's task index with ``include_path``'s tasks; refuses unknown task names
+    (before any model is loaded)."""
+    from lm_eval.tasks import TaskManager
+
+    from setdiff_dist.errors import rank_and_world
+
+    if rank_and_world()[0] != 0:  # (every rank runs the harness; rank 0 speaks)
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    manager = TaskManager(include_path=include_path)
+    known = set(manager.all_tasks)
+    missing = [t for t in tasks if t not in known]
+    if missing:
+        where = f" or in {include_path}" if include_path else \
+            " (a task of your own: --include-path DIR with its YAML)"
+        raise ScoreError(f"unknown harness task(s) {', '.join(missing)}: not among the "
+                         f"harness's{where}")
+    return manager
+
+
+def run(lm: SetdiffLM, manager, tasks: list[str], limit: Optional[int],
+        num_fewshot: Optional[int] = None, log_samples: bool = False, seed: int = 0) -> dict:
+    """Run the harness's ``tasks`` on ``lm``; the harness's results, reduced to JSON."""
+    import lm_eval
+
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
+                                  num_fewshot=num_fewshot, log_samples=log_samples,
+                                  random_seed=seed, numpy_random_seed=seed,
+                                  torch_random_seed=seed, fewshot_random_seed=seed)
+    if out is None:  # (the harness reports on global rank 0 only)
+        return {}
+    result = {"results": out["results"], "n_samples": out.get("n-samples"),
+              "versions": out.get("versions"), "likelihood": lm.scorer.likelihood,
+              "exact_likelihood": lm.scorer.exact}
+    if log_samples:
+        result["samples"] = {task: [{k: s[k] for k in ("doc_id", "doc", "target", "arguments",
+                                                       "resps", "filtered_resps") if k in s}
+                                    for s in samples]
+                             for task, samples in out["samples"].items()}
+    return result

@@ -1,0 +1,152 @@
+"""The objective, in one place: the set-diffusion NELBO of an order schedule or the plain
+causal-LM loss (docs/method.md §4), for training (:mod:`setdiff_dist.train.loop`, through
+megatron's schedules in :mod:`setdiff_dist.model.pipeline`), evaluation (``setdiff-eval ppl``,
+the trainer's validation, the demo's bound: :meth:`Objective.evaluate`) and the per-token
+log-likelihoods that benchmarks score (:func:`token_scores`, lm-evaluation-harness).
+
+:class:`Objective` turns a loader :class:`~setdiff_dist.data.loader.Batch` into model inputs and a
+loss *sum* with its number of target tokens (the trainer normalizes over the global batch).
+Every order scores the same positions: the first token of each sequence is clean context,
+revealed first and never predicted, as the reference code keeps a BOS clean (docs/method.md
+§4); the causal LM cannot predict it either, so both score positions ``1..L-1`` (less padding
+and prompt context), and their bounds compare like for like."""
+
+from __future__ import annotations
+
+import torch
+
+from setdiff_dist.diffusion import make_schedule, nelbo, sample_orders, schedule_from_config
+from setdiff_dist.model.forward import (
+    causal_lm_inputs,
+    set_diffusion_inputs,
+    set_diffusion_nll,
+    vocab_parallel_nll,
+)
+
+
+def first_clean(context: torch.Tensor) -> torch.Tensor:
+    """``context`` with every sequence's first position in it (clean, never predicted)."""
+    out = context.clone()
+    out[:, 0] = True
+    return out
+
+
+class Objective:
+    def __init__(self, cfg, seed: int, stream: int = 0, evaluation: bool = False):
+        """``evaluation``: the likelihood bound (the unclipped diffusion-time range)."""
+        self.kind = cfg.order.kind
+        self.backend = cfg.model.attention_backend
+        self.seq_len = cfg.data.seq_len
+        self.seed, self.stream = seed, stream
+        self.schedule = None if self.kind == "causal" else schedule_from_config(
+            cfg.order, self.seq_len, evaluation=evaluation)
+
+    @property
+    def model_seq_len(self) -> int:
+        """Tokens per sequence in the model (the p2p message length with pipelining)."""
+        return self.seq_len if self.kind == "causal" else 2 * self.seq_len
+
+    def target_mask(self, batch) -> torch.Tensor:
+        """Which tokens carry loss (known before the forward, for the global normalizer)."""
+        keep = ~(batch.padding | first_clean(batch.context))
+        if self.kind == "causal":
+            return keep[:, 1:]  # the output at l - 1 predicts token l
+        return keep
+
+    def step(self, module, batch):
+        """``(model output, terms_fn)``; ``terms_fn(logits) -> (loss sum, target tokens)``."""
+        tokens = batch.tokens
+        if self.kind == "causal":
+            inp = causal_lm_inputs(tokens)
+            out = module(inp.tokens, inp.positions, None)
+            mask = self.target_mask(batch).to(tokens.device)
+
+            def terms(logits):
+                nll = vocab_parallel_nll(logits[:-1], tokens[:, 1:])
+                return torch.where(mask, nll, 0.0).sum(), mask.sum().to(nll.dtype)
+
+            return out, terms
+        sample = sample_orders(self.schedule, self.seq_len, batch.indices, self.seed,
+                               context=first_clean(batch.context), padding=batch.padding,
+                               stream=self.stream)
+        return nelbo_step(module, tokens, sample, self.backend)
+
+    def evaluate(self, module, batches, device) -> tuple[float, float]:
+        """``(loss sum, target tokens)`` of ``module`` over the loader batches ``batches``,
+        forward only, on ``device``: the evaluation loop of ``setdiff-eval ppl`` and the demo
+        (the trainer's validation adds pipelining and the data-parallel sum)."""
+        total = tokens = 0.0
+        with torch.no_grad():
+            for batch in batches:
+                out, terms = self.step(module, batch.to(device))
+                s, n = terms(out)
+                total, tokens = total + float(s), tokens + float(n)
+        return total, tokens
+
+
+def nelbo_step(module, tokens: torch.Tensor, sample, backend: str):
+    """The set-diffusion forward of ``tokens [b, L]`` under the orders ``sample``:
+    ``(model output, terms_fn)`` with ``terms_fn(logits) -> (NELBO sum, target tokens)``."""
+    inp = set_diffusion_inputs(tokens, sample, module.mask_id, backend)
+    out = module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)
+
+    def terms(logits):
+        bound = nelbo(set_diffusion_nll(logits, tokens, inp), sample.to(tokens.device))
+        return bound.total, bound.tokens
+
+    return out, terms
+
+
+def token_scores(module, kind: str, tokens: torch.Tensor, context: torch.Tensor,
+                 padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position ``(log p(x_l | x_<l), whether x_l is the most likely token)``, ``[b, L]``
+    each, for the positions that are neither ``context`` nor ``padding`` (elsewhere 0 and True):
+    what a log-likelihood benchmark scores (lm-evaluation-harness's ``loglikelihood``).
+
+    ``kind == "causal"``: the causal LM's exact next-token log-probabilities. Otherwise the
+    set-diffusion model's log-probabilities under the autoregressive order (docs/method.md §4):
+    the context clean, then one position at a time, left to right; one forward of ``[clean ;
+    noisy]`` under the set-causal mask gives them all. That is the exact likelihood of the
+    model decoding autoregressively (``W=1``), and a lower bound on what other orders could
+    give; results say which. ``module`` is the inference model (any tensor-parallel size)."""
+    B, L = tokens.shape
+    context = first_clean(context)
+    with torch.no_grad():
+        if kind == "causal":
+            inp = causal_lm_inputs(tokens)
+            logits = module(inp.tokens, inp.positions, None)[:-1]  # row l - 1 predicts x_l
+            targets = tokens[:, 1:]
+        else:
+            sample = sample_orders(make_schedule("autoregressive", L), L, range(B), 0,
+                                   context=context, padding=padding)
+            inp = set_diffusion_inputs(tokens, sample, module.mask_id, "sdpa")
+            logits = module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)
+            targets = tokens
+        logp = -vocab_parallel_nll(logits, targets)
+        greedy = _is_argmax(logits, targets)
+    if kind == "causal":  # (position 0 is context: never scored)
+        logp = torch.cat([logp.new_zeros(B, 1), logp], 1)
+        greedy = torch.cat([greedy.new_ones(B, 1), greedy], 1)
+    scored = ~(context | padding)
+    return torch.where(scored, logp, 0.0), greedy | ~scored
+
+
+def _is_argmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[b, s]``: whether each target's logit is the largest of its row, for vocab-parallel
+    ``logits [s, b, V/TP]`` (the target's logit and the row maximum reduced exactly over the
+    tensor-parallel group: no gather of the vocabulary)."""
+    from megatron.core import parallel_state as ps
+
+    logits = logits.float()
+    part = logits.shape[-1]
+    lo = ps.get_tensor_model_parallel_rank() * part if ps.model_parallel_is_initialized() else 0
+    local = targets.t() - lo  # [s, b]
+    here = (local >= 0) & (local < part)
+    target = torch.where(here, logits.gather(-1, local.clamp(0, part - 1)[..., None])[..., 0],
+                         torch.zeros((), dtype=logits.dtype))
+    best = logits.max(-1).values
+    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+        group = ps.get_tensor_model_parallel_group()
+        torch.distributed.all_reduce(target, group=group)
+        torch.distributed.all_reduce(best, op=torch.distributed.ReduceOp.MAX, group=group)
+    return (target >= best).t()

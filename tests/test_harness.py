@@ -1,0 +1,179 @@
+"""lm-evaluation-harness through our model class (setdiff-eval --task harness), offline, with the
+task YAMLs and JSONL data of tests/harness/: the harness's multiple-choice scores equal our own
+scorer's, generation is the same at TP=1 and TP=2, a causal checkpoint exported to Hugging Face
+scores the same through lm-eval's own `hf` model, and the autoregressive-order log-likelihood
+of a set-diffusion model equals the one computed a token at a time."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import child_env, process_group, run_train, sonnet_shards
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASKS = os.path.join("tests", "harness")
+CHOICE = os.path.join(TASKS, "choice.jsonl")
+# no hub: the tasks read local JSONL; the datasets cache stays in the test's directory
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A set-diffusion (staggered) and a causal checkpoint, 30 steps each on the sonnets."""
+    tmp = tmp_path_factory.mktemp("harness")
+    shards = sonnet_shards(tmp, "bpe:300")
+    out = {}
+    for kind in ("staggered", "causal"):
+        res = run_train(tmp / kind, shards, "train.log_interval=10", f"order.kind={kind}",
+                        steps=30, vocab=300, micro_batch=4)
+        assert res.returncode == 0, res.stderr[-3000:]
+        out[kind] = tmp / kind
+    out["cache"] = tmp / "hf-cache"
+    return out
+
+
+def evaluate(runs, checkpoint, *args, tp=1):
+    cmd = ["-m", "setdiff_dist.cli.eval", "--checkpoint", str(checkpoint), *args]
+    if tp > 1:
+        from setdiff_dist.parallel import free_port
+
+        cmd = ["-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
+               str(free_port()), *cmd, "--tensor-parallel", str(tp)]
+    env = child_env({**os.environ, **OFFLINE, "HF_HOME": str(runs["cache"])})
+    return subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env=env)
+
+
+def harness(runs, checkpoint, tmp_path, tasks, *args, tp=1):
+    out = tmp_path / f"harness-tp{tp}.json"
+    res = evaluate(runs, checkpoint, "--task", "harness", "--harness-tasks", tasks,
+                   "--include-path", TASKS, "--log-samples", "--out", str(out), *args, tp=tp)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def choice_lls(samples):
+    """Per document, the log-likelihood of each choice, from the harness's samples."""
+    return {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in samples}
+
+
+def test_multiple_choice_through_the_harness_equals_our_scorer(runs, tmp_path):
+    ours = tmp_path / "choice.json"
+    res = evaluate(runs, runs["staggered"], "--task", "choice", "--data", CHOICE, "--out",
+                   str(ours))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ours = json.loads(ours.read_text())
+    got = harness(runs, runs["staggered"], tmp_path, "setdiff_choice")
+    result = got["results"]["setdiff_choice"]
+    assert result["acc,none"] == pytest.approx(ours["acc"])
+    assert result["acc_norm,none"] == pytest.approx(ours["acc_norm"])
+    lls = choice_lls(got["samples"]["setdiff_choice"])
+    assert len(lls) == ours["records"] == 8
+    for i, rec in enumerate(ours["scores"]):
+        assert lls[i] == pytest.approx(rec["loglikelihoods"], rel=1e-5, abs=1e-5)
+        assert all(math.isfinite(x) and x < 0 for x in lls[i])
+    # a staggered-order model's scores are the AR order's, and the results say so
+    assert got["exact_likelihood"] is False and ours["exact_likelihood"] is False
+    assert "autoregressive-order" in got["likelihood"]
+
+
+def test_generation_is_the_same_at_tp1_and_tp2(runs, tmp_path):
+    one = harness(runs, runs["staggered"], tmp_path, "setdiff_gen")
+    two = harness(runs, runs["staggered"], tmp_path, "setdiff_gen", tp=2)
+    texts = [s["resps"][0][0] for s in one["samples"]["setdiff_gen"]]
+    assert len(texts) == 5 and all(isinstance(t, str) for t in texts)
+    assert texts == [s["resps"][0][0] for s in two["samples"]["setdiff_gen"]]
+    # `until` cuts the text (as the harness expects) and max_gen_toks bounds it
+    assert not any("\n" in t or "." in t for t in texts)
+    assert one["decode"]["greedy"] is True
+
+
+def test_causal_export_scores_the_same_through_lm_evals_hf_model(runs, tmp_path):
+    """Our causal checkpoint exported with --to-hf: lm-eval's own `hf` model class on the
+    export, our model class on the checkpoint; the same log-likelihoods and rolling
+    log-likelihoods (word perplexity)."""
+    export = tmp_path / "hf"
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.convert", "--checkpoint",
+                          str(runs["causal"]), "--to-hf", "--out", str(export)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ours = harness(runs, runs["causal"], tmp_path, "setdiff_choice,setdiff_rolling")
+    assert ours["exact_likelihood"] is True
+    env = child_env({**os.environ, **OFFLINE, "HF_HOME": str(runs["cache"])})
+    code = f"""
+import json, lm_eval
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+lm = HFLM(pretrained={str(export)!r}, device="cpu", dtype="float32", batch_size=4)
+out = lm_eval.simple_evaluate(model=lm, tasks=["setdiff_choice", "setdiff_rolling"],
+                              task_manager=TaskManager(include_path={TASKS!r}), log_samples=True)
+print(json.dumps({{"results": out["results"], "samples": {{
+    t: [{{"doc_id": s["doc_id"], "resps": s["resps"]}} for s in v]
+    for t, v in out["samples"].items()}}}}, default=float))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    hf = json.loads(res.stdout.strip().splitlines()[-1])
+    ours_lls = choice_lls(ours["samples"]["setdiff_choice"])
+    hf_lls = choice_lls(hf["samples"]["setdiff_choice"])
+    assert sorted(ours_lls) == sorted(hf_lls) == list(range(8))
+    for i in hf_lls:
+        assert ours_lls[i] == pytest.approx(hf_lls[i], rel=1e-4, abs=1e-4)
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["setdiff_choice"][metric] == hf["results"]["setdiff_choice"][metric]
+    rolling = {k: ours["results"]["setdiff_rolling"][k] for k in ("word_perplexity,none",
+                                                                   "bits_per_byte,none")}
+    for k, v in rolling.items():
+        assert v == pytest.approx(hf["results"]["setdiff_rolling"][k], rel=1e-4)
+
+
+def test_set_model_ar_loglikelihood_equals_one_token_at_a_time(runs):
+    """The one-pass scores of a set-diffusion model (lm-eval's loglikelihood and rolling) equal
+    its [MASK] query at each position over the clean prefix, one forward per token."""
+    from setdiff_dist.eval.likelihood import Scorer
+    from setdiff_dist.inference.weights import build_inference_model
+
+    with process_group("gloo"):
+        model, cfg, tok = build_inference_model(str(runs["staggered"]))
+        scorer = Scorer(model, cfg, tok, batch_size=3)
+        text = "Shall I compare thee to a summer's"
+        ids = tok.encode(text)
+        assert len(ids) < cfg.data.seq_len  # (one window of the model's context)
+
+        def sequential(prefix, targets):
+            total, greedy = 0.0, True
+            for x in targets:
+                t = torch.tensor([prefix + [model.mask_id]])
+                logits = model(t, torch.arange(t.shape[1])[None], None)[-1, 0].double()
+                logp = torch.log_softmax(logits, -1)
+                total += float(logp[x])
+                greedy &= int(logp.argmax()) == x
+                prefix = prefix + [x]
+            return total, greedy
+
+        pairs = [(ids[:4], ids[4:9]), (ids[:1], ids[1:3]), (ids[:7], ids[7:])]
+        got = scorer.loglikelihood_tokens(pairs)
+        for (ctx, cont), (ll, greedy) in zip(pairs, got):
+            want_ll, want_greedy = sequential(ctx, cont)
+            assert ll == pytest.approx(want_ll, rel=1e-5) and greedy == want_greedy
+        # the whole text after end-of-text, as loglikelihood_rolling scores it
+        assert scorer.rolling([text])[0] == pytest.approx(
+            sequential([tok.eos_id], ids)[0], rel=1e-5)
+
+
+def test_bad_harness_requests_are_one_line_errors(runs, tmp_path):
+    res = evaluate(runs, runs["staggered"], "--task", "harness")
+    assert res.returncode == 2 and "--harness-tasks" in res.stderr
+    res = evaluate(runs, runs["staggered"], "--task", "harness", "--harness-tasks", "nope",
+                   "--include-path", TASKS)
+    assert res.returncode == 2 and "unknown harness task(s) nope" in res.stderr
+    assert "Traceback" not in res.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "gold": 2}) + "\n")
+    res = evaluate(runs, runs["staggered"], "--task", "choice", "--data", str(bad))
+    assert res.returncode == 2 and "'gold' must be the index" in res.stderr
