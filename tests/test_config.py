@@ -149,16 +149,19 @@ def test_a_checkpoint_config_with_a_retired_key_still_loads():
         load_config("configs/tiny-cpu.yaml", ["data.shuffle_buffer=10"])
 
 
-@pytest.mark.parametrize("command", ["generate", "eval", "train", "convert", "config"])
+@pytest.mark.parametrize("command", ["setdiff_dist.cli.generate", "setdiff_dist.cli.eval",
+                                     "setdiff_dist.cli.train", "setdiff_dist.cli.convert",
+                                     "setdiff_dist.cli.config", "setdiff_dist.cli.demo",
+                                     "data_prep.prep", "data_prep.corpus", "data_prep.tasks"])
 def test_help_answers_without_importing_torch(command):
     """``--help`` answers at once: the heavy stack is imported only by the work itself."""
     import subprocess
     import sys
 
     code = ("import runpy, sys\n"
-            f"sys.argv = ['setdiff-{command}', '--help']\n"
+            f"sys.argv = ['{command}', '--help']\n"
             "try:\n"
-            f"    runpy.run_module('setdiff_dist.cli.{command}', run_name='__main__')\n"
+            f"    runpy.run_module('{command}', run_name='__main__')\n"
             "except SystemExit:\n"
             "    pass\n"
             "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n")

@@ -23,27 +23,19 @@ import os
 import sys
 import time
 
-import torch
-
 from setdiff_dist.cli import command
 from setdiff_dist.config import ConfigError, load_config
-from setdiff_dist.data.blend import Blend
-from setdiff_dist.data.loader import TokenLoader
-from setdiff_dist.data.tokenizers import load_shipped_tokenizer
-from setdiff_dist.diffusion import (
-    make_schedule,
-    perplexity_bound,
-    sample_orders,
-    set_causal_mask,
-    token_nll,
-    two_copy_inputs,
-)
-from setdiff_dist.model.reference import AsTrainingModel, ReferenceTransformer, sequential_ar_nll
+
+# torch and the rest are imported where they are used: --help answers without them
 
 KINDS = ("autoregressive", "block", "masked", "staggered")
 
 
 def describe_orders(cfg, out_png: str | None) -> None:
+    import torch
+
+    from setdiff_dist.diffusion import make_schedule, sample_orders
+
     L = cfg.data.seq_len
     print(f"== order schedules at L={L} ==")
     samples = {}
@@ -71,6 +63,9 @@ def _plot_orders(samples, L, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import torch
+
+    from setdiff_dist.diffusion import set_causal_mask
 
     fig, axes = plt.subplots(2, len(samples), figsize=(4 * len(samples), 8))
     for col, (kind, o) in enumerate(samples.items()):
@@ -104,6 +99,9 @@ def lr_at(step: int, opt_cfg, total: int) -> float:
 def eval_bound(model, shards, objective, batches: int, batch_size: int) -> float:
     """NELBO PPL bound over the first samples of ``shards`` with fixed, seeded orders (the
     same numbers on every run)."""
+    from setdiff_dist.data.loader import TokenLoader
+    from setdiff_dist.diffusion import perplexity_bound
+
     loader = TokenLoader(shards, global_batch=batch_size, micro_batch=batch_size,
                          shuffle=False, num_workers=0)
     n = min(batches, max(1, len(shards) // batch_size))
@@ -113,6 +111,17 @@ def eval_bound(model, shards, objective, batches: int, batch_size: int) -> float
 
 def ar_identity_gap(model, x) -> float:
     """max |vectorized - sequential| log-likelihood under the autoregressive order."""
+    import torch
+
+    from setdiff_dist.diffusion import (
+        make_schedule,
+        sample_orders,
+        set_causal_mask,
+        token_nll,
+        two_copy_inputs,
+    )
+    from setdiff_dist.model.reference import sequential_ar_nll
+
     B, L = x.shape
     o = sample_orders(make_schedule("autoregressive", L), L, range(B), 0)
     with torch.no_grad():
@@ -122,6 +131,13 @@ def ar_identity_gap(model, x) -> float:
 
 
 def train(cfg, steps: int) -> dict:
+    import torch
+
+    from setdiff_dist.data.blend import Blend
+    from setdiff_dist.data.loader import TokenLoader
+    from setdiff_dist.data.tokenizers import load_shipped_tokenizer
+    from setdiff_dist.model.reference import AsTrainingModel, ReferenceTransformer
+
     L, m = cfg.data.seq_len, cfg.model
     if cfg.order.kind == "causal":
         raise ConfigError(["order.kind=causal: setdiff-demo trains set-diffusion orders; the "
