@@ -26,7 +26,7 @@ from setdiff_dist.errors import SetdiffError
 
 ORDER_KINDS = ("causal", "autoregressive", "masked", "block", "staggered")
 SINGLETON_ORDER_KINDS = ("autoregressive", "staggered")
-ATTENTION_BACKENDS = ("sdpa", "flex", "te", "permuted_causal")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "te", "permuted_causal")
 
 
 def _f(default: Any = dataclasses.MISSING, help: str = "", *, choices=None, min=None, max=None,
@@ -70,8 +70,9 @@ class ModelConfig:
     init_std: float = _f(0.02, "std of the normal weight initialization", min=0.0)
     attention_dropout: float = _f(0.0, "dropout on attention probabilities", min=0.0, max=1.0)
     hidden_dropout: float = _f(0.0, "dropout on residual branches", min=0.0, max=1.0)
-    attention_backend: str = _f("sdpa", "attention kernel: sdpa (dense mask, CPU reference), flex "
-                                "(FlexAttention, GPU), te (Transformer Engine, GPU), "
+    attention_backend: str = _f("auto", "attention kernel: auto (the cheapest for the order: see "
+                                "resolve_attention_backend), sdpa (dense mask, CPU reference), "
+                                "flex (FlexAttention, GPU), te (Transformer Engine, GPU), "
                                 "permuted_causal (causal kernels on the permuted singleton form)",
                                 choices=ATTENTION_BACKENDS)
     layer_spec: str = _f("local", "megatron-core layer spec: local (pure torch) or te "
@@ -101,6 +102,9 @@ class ParallelConfig:
     pipeline: int = _f(1, "pipeline-parallel size", min=1)
     virtual_pipeline: Optional[int] = _f(None, "interleaved pipeline chunks per rank", min=1)
     sequence_parallel: bool = _f(False, "megatron sequence parallelism (needs tensor > 1)")
+    context: int = _f(1, "context-parallel size: each sequence split over this many ranks "
+                      "(zigzag; attention gathers keys and values): set-diffusion orders with "
+                      "the sdpa or permuted_causal backend", min=1)
     backend: str = _f("auto", "torch.distributed backend: auto = nccl with GPUs, else gloo",
                       choices=("auto", "nccl", "gloo"))
 
@@ -384,20 +388,21 @@ def _check_bounds(key: str, value: Any, md: dict, problems: list[str]) -> None:
 def world_problems(cfg: Config, world_size: int) -> list[str]:
     """What keeps ``cfg`` from running on ``world_size`` ranks (the checks that need the world
     size, which the config alone does not know); empty when it can."""
-    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    tp, pp, cp = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.context
     if world_size < 1:
         return [f"the world size must be at least 1, got {world_size}"]
-    if world_size % (tp * pp):
+    if world_size % (tp * pp * cp):
+        with_cp = f" x parallel.context={cp}" if cp > 1 else ""
         return [f"world size {world_size} is not divisible by parallel.tensor={tp} x "
-                f"parallel.pipeline={pp}: launch a multiple of {tp * pp} ranks or lower "
-                "parallel.tensor / parallel.pipeline"]
-    dp = world_size // (tp * pp)
+                f"parallel.pipeline={pp}{with_cp}: launch a multiple of {tp * pp * cp} ranks "
+                "or lower parallel.tensor / parallel.pipeline / parallel.context"]
+    dp = world_size // (tp * pp * cp)
     d = cfg.data
     unit = d.micro_batch_size * dp
     if d.global_batch_size % unit:
         return [f"data.global_batch_size={d.global_batch_size} must be a multiple of "
                 f"data.micro_batch_size={d.micro_batch_size} x data-parallel size {dp} "
-                f"(world {world_size} / (tensor {tp} x pipeline {pp})): set "
+                f"(world {world_size} / (tensor {tp} x pipeline {pp} x context {cp})): set "
                 f"data.global_batch_size={max(1, round(d.global_batch_size / unit)) * unit} "
                 "or lower data.micro_batch_size"]
     return []
@@ -515,11 +520,38 @@ def load_config(path: Optional[str] = None, overrides: list[str] | tuple[str, ..
     raw = read_yaml(path) if path else {}
     _deep_merge(raw, parse_overrides(list(overrides), problems))
     cfg = _build(Config, raw, "", problems)
+    resolve_attention_backend(cfg)
     if check:
         problems += _cross_checks(cfg, problems)
     if problems:
         raise ConfigError(problems, source)
     return cfg
+
+
+def resolve_attention_backend(cfg: Config) -> None:
+    """``model.attention_backend=auto`` becomes the cheapest backend for the order, in place
+    (the saved config names the one that ran):
+
+    - the causal LM: ``sdpa`` (causal, no mask tensor);
+    - singleton orders (autoregressive, staggered): ``permuted_causal``, causal kernels on the
+      reveal order, no mask at all (docs/method.md §3);
+    - in-set orders (block, masked): ``flex`` on a GPU (a block mask, built once per
+      micro-batch), ``sdpa`` with the dense boolean mask on a CPU;
+    - with attention dropout, which only ``sdpa`` has: ``sdpa``."""
+    m = cfg.model
+    if m.attention_backend != "auto":
+        return
+    kind = cfg.order.kind
+    if kind == "causal" or m.attention_dropout > 0:
+        m.attention_backend = "sdpa"
+    elif kind in SINGLETON_ORDER_KINDS:
+        m.attention_backend = "permuted_causal"
+    elif cfg.parallel.context > 1:  # (flex has no context parallelism)
+        m.attention_backend = "sdpa"
+    else:
+        import torch  # (only here: the config module is read by --help without torch)
+
+        m.attention_backend = "flex" if torch.cuda.is_available() else "sdpa"
 
 
 def _cross_checks(cfg: Config, field_problems: list[str]) -> list[str]:
@@ -543,6 +575,7 @@ def config_from_dict(raw: dict, check: bool = True) -> Config:
         if isinstance(raw.get(section), dict):
             raw[section] = {k: v for k, v in raw[section].items() if k not in keys}
     cfg = _build(Config, raw, "", problems)
+    resolve_attention_backend(cfg)
     if check:
         problems += _cross_checks(cfg, problems)
     if problems:
@@ -621,6 +654,18 @@ def validate(cfg: Config) -> list[str]:
             p.append(f"order.block_size={o.block_size} must divide data.seq_len={L}")
     if o.kind in ("block", "masked") and o.t_min >= o.t_max:
         p.append(f"order.t_min={o.t_min} must be below order.t_max={o.t_max}")
+    if par.context > 1:
+        if o.kind == "causal":
+            p.append(f"parallel.context={par.context} with order.kind=causal: context "
+                     "parallelism serves the set-diffusion orders; train the causal baseline "
+                     "with parallel.context=1")
+        if m.attention_backend not in ("sdpa", "permuted_causal"):
+            p.append(f"parallel.context={par.context} with model.attention_backend="
+                     f"{m.attention_backend}: context parallelism runs on sdpa or "
+                     "permuted_causal (auto picks one)")
+        if L % (2 * par.context):
+            p.append(f"parallel.context={par.context}: data.seq_len={L} must be a multiple of "
+                     f"{2 * par.context} (the zigzag split: 2 x parallel.context equal chunks)")
     if m.attention_backend == "permuted_causal" and o.kind not in SINGLETON_ORDER_KINDS:
         p.append(f"model.attention_backend=permuted_causal needs singleton sets, i.e. "
                  f"order.kind in {SINGLETON_ORDER_KINDS}, not {o.kind!r}; use sdpa or flex")

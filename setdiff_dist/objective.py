@@ -43,7 +43,8 @@ class Objective:
 
     @property
     def model_seq_len(self) -> int:
-        """Tokens per sequence in the model (the p2p message length with pipelining)."""
+        """Tokens per sequence in the model (the p2p message length with pipelining; megatron's
+        schedule divides it by the context-parallel size itself)."""
         return self.seq_len if self.kind == "causal" else 2 * self.seq_len
 
     def target_mask(self, batch) -> torch.Tensor:
@@ -91,7 +92,8 @@ def nelbo_step(module, tokens: torch.Tensor, sample, backend: str):
     out = module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)
 
     def terms(logits):
-        bound = nelbo(set_diffusion_nll(logits, tokens, inp), sample.to(tokens.device))
+        bound = nelbo(set_diffusion_nll(logits, tokens, inp), sample.to(tokens.device),
+                      inp.scored(tokens.shape[1]))
         return bound.total, bound.tokens
 
     return out, terms

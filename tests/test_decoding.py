@@ -33,7 +33,9 @@ def model_for(kind, tp, overrides=()):
     cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=32",
                              "model.num_attention_heads=4", "model.num_query_groups=2",
                              "model.ffn_hidden_size=64", f"model.vocab_size={V}",
-                             "model.init_std=0.3", f"order.kind={kind}", *overrides]).model
+                             "model.init_std=0.3", f"order.kind={kind}",
+                             # a dense mask in position order (training_logits)
+                             "model.attention_backend=sdpa", *overrides]).model
     return build_model(cfg, transformer_config(cfg, tensor=tp), seed=3).eval()
 
 
@@ -79,7 +81,7 @@ def training_logits(model, tokens, prompt_len, order):
     inputs = torch.cat([x, noisy], 1)
     positions = torch.arange(n).repeat(2)[None]
     with torch.no_grad():
-        logits = model(inputs, positions, ~set_causal_mask(set_ids[None])[:, None], n)
+        logits = model(inputs, positions, set_causal_mask(set_ids[None])[:, None], n)
     return gather(logits)[:, 0]  # [n, V]
 
 

@@ -32,6 +32,19 @@ def test_gpu_backends_match_the_dense_mask_with_gradients(_parallel_state, backe
         assert torch.allclose(grads[name], g, atol=1e-5, rtol=1e-3), name
 
 
+def test_compiled_flex_at_8k_tokens_matches_permuted_causal(_parallel_state):
+    """Long context (issue 20): L = 8192 (2L = 16384 tokens in the model), compiled
+    FlexAttention with a block mask built once per micro-batch against the mask-free permuted
+    form; a dense mask would be 268M booleans here."""
+    from helpers import tiny_nelbo_step
+
+    ref_nll, ref_grads = tiny_nelbo_step("permuted_causal", device="cuda", L=8192, B=1)
+    nll, grads = tiny_nelbo_step("flex", device="cuda", L=8192, B=1)
+    assert torch.allclose(nll, ref_nll, atol=1e-4)
+    for name, g in ref_grads.items():
+        assert torch.allclose(grads[name], g, atol=1e-5, rtol=1e-3), name
+
+
 def test_transformer_engine_attention_matches_sdpa(_parallel_state):
     pytest.importorskip("transformer_engine")
     ref_nll, _ = _loss_and_grads("sdpa")

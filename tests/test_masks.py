@@ -1,5 +1,6 @@
 """The set-causal mask: docs/method.md §3, checked with property-based tests."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -132,3 +133,32 @@ def test_to_reveal_order_handles_feature_dimensions():
     y = to_reveal_order(x, order)
     assert torch.equal(y[1, 2], x[1, order[1, 2]])
     assert torch.equal(from_reveal_order(y, order), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_attention_with_lse_has_exact_gradients(dtype):
+    """permuted_causal's building block: causal attention returning its log-sum-exp, both
+    differentiable (one fused backward on the CPU), against autograd through a dense float64
+    attention."""
+    from setdiff_dist.model.attention import _CausalWithLSE
+
+    torch.manual_seed(0)
+    b, n, s, d = 2, 3, 37, 16
+    q, k, v = (torch.randn(b, n, s, d, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    g_out, g_lse = torch.randn(b, n, s, d, dtype=torch.float64), torch.randn(b, n, s,
+                                                                             dtype=torch.float64)
+    scores = (q @ k.transpose(-1, -2)) * d ** -0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    out, lse = torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+    want = torch.autograd.grad((out * g_out).sum() + (lse * g_lse).sum(), (q, k, v))
+    low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out2, lse2 = _CausalWithLSE.apply(*low, None)
+    got = torch.autograd.grad((out2 * g_out.to(dtype)).sum() + (lse2 * g_lse.to(dtype)).sum(),
+                              low)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(out2.double(), out, atol=tol) and torch.allclose(lse2.double(), lse,
+                                                                            atol=tol)
+    for a, w in zip(got, want):
+        assert torch.allclose(a.double(), w, atol=tol * 4, rtol=tol), float((a.double() - w)
+                                                                             .abs().max())

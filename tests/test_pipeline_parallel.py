@@ -16,7 +16,7 @@ def model_cfg():
 
     return load_config(None, ["model.num_layers=4", "model.hidden_size=32",
                               "model.num_attention_heads=4", "model.ffn_hidden_size=64",
-                              f"model.vocab_size={V}"]).model
+                              f"model.vocab_size={V}", "model.attention_backend=sdpa"]).model
 
 
 def microbatches():

@@ -58,13 +58,16 @@ class Nelbo:
         return self.terms.sum(dim=1)
 
 
-def nelbo(nll: torch.Tensor, sample: OrderSample) -> Nelbo:
-    """Weight per-token ``nll [B, L]`` (from the noisy half) by the sample's loss weights."""
+def nelbo(nll: torch.Tensor, sample: OrderSample, scored: torch.Tensor | None = None) -> Nelbo:
+    """Weight per-token ``nll [B, L]`` (from the noisy half) by the sample's loss weights.
+    ``scored [B, L]``: only these tokens count (a context-parallel rank's share)."""
     w = sample.loss_weight.to(nll.device)
+    targets = sample.targets.to(nll.device)
+    if scored is not None:
+        w, targets = torch.where(scored, w, torch.zeros_like(w)), targets & scored
     # where(), not a product: an unpredicted token's nll may be inf or nan, and 0 * inf = nan
     terms = torch.where(w > 0, nll * w, torch.zeros_like(nll))
-    return Nelbo(terms=terms, total=terms.sum(),
-                 tokens=sample.targets.to(nll.device).sum().to(nll.dtype))
+    return Nelbo(terms=terms, total=terms.sum(), tokens=targets.sum().to(nll.dtype))
 
 
 def perplexity_bound(total: float, tokens: float) -> float:

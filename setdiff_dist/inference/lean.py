@@ -20,7 +20,7 @@ fused tensor operations per layer and no autograd:
 Weights are the layout-free full tensors of a checkpoint or export
 (:func:`setdiff_dist.inference.weights.read_full_state_dict`); each rank keeps only its slices.
 It is called like the training model: ``model(tokens [b, s], positions [b, s], mask, logits_from)``
-with ``mask`` a boolean ``[b, 1, s, s]`` (True = masked out) or None (causal), so the set decoder
+with ``mask`` a boolean ``[b, 1, s, s]`` (True = may attend) or None (causal), so the set decoder
 runs on it unchanged.
 """
 
@@ -282,8 +282,7 @@ class LeanTransformer(nn.Module):
                 if rep > 1:
                     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
                 o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
-                    is_causal=attention_mask is None)
+                    q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None)
             o = o.transpose(1, 2).reshape(b, s, self.heads * d)
             x = x + self._all_reduce(self._linear(o, f"{i}.proj"))
             h = self._linear(self._norm(x, f"{i}.norm2"), f"{i}.fc1")

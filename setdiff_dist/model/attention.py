@@ -5,8 +5,9 @@ calls ``core_attention(q [s,b,np,hn], k [s,b,ng,hn], v [s,b,ng,hn], attention_ma
 returns ``[s, b, np*hn]`` for the row-parallel output projection. Every backend here has that
 contract; the layer spec picks one (``model.attention_backend``):
 
-- ``sdpa``: torch SDPA with the dense boolean mask (megatron convention: True = masked out), or
-  causal when no mask is given. The CPU path and the reference.
+- ``sdpa``: torch SDPA with the dense boolean mask as SDPA takes it (True = may attend; one
+  tensor per micro-batch, shared by the layers), or causal when no mask is given. The CPU path
+  and the reference.
 - ``flex``: FlexAttention with a block mask (GPU; forward also runs on CPU for tests).
 - ``permuted_causal``: the permuted singleton form on causal kernels. Inputs are in reveal order,
   ``[clean ; noisy]``; clean queries run a causal attention, noisy queries a strictly causal one
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
+
+from .context import ContextMask
 
 
 def _heads_first(q, k, v):
@@ -52,24 +55,53 @@ class _CoreAttention(MegatronModule):
     def _dropout(self):
         return self.dropout_p if self.training else 0.0
 
+    def _context_parallel(self, query, key, value, attention_mask):
+        """Under context parallelism (``attention_mask`` a
+        :class:`~setdiff_dist.model.context.ContextMask`): this rank's queries over the
+        gathered keys and values, under its rows of the mask."""
+        from .context import attend
+
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            o = attend(query, key, value, attention_mask, self.softmax_scale, self._dropout())
+        return _seq_first(o)
+
 
 class SDPAAttention(_CoreAttention):
-    """torch SDPA with a dense boolean mask ``[b, 1, s, s]`` (True = masked out)."""
+    """torch SDPA with a dense boolean mask ``[b, 1, s, s]`` (True = may attend)."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
+        if isinstance(attention_mask, ContextMask):
+            return self._context_parallel(query, key, value, attention_mask)
         q, k, v = _heads_first(query, key, value)
         with tensor_parallel.get_cuda_rng_tracker().fork():  # per-TP-rank dropout streams
             o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
-                is_causal=attention_mask is None, dropout_p=self._dropout(),
+                q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None,
+                dropout_p=self._dropout(),
                 scale=self.softmax_scale)
         return _seq_first(o)
 
 
+_COMPILED_FLEX = None
+
+
+def _flex():
+    """``flex_attention`` compiled (once per process): the fused kernel that skips masked
+    blocks. Uncompiled, torch runs a reference that materialises every score; that path is
+    kept for the CPU, where the compiled kernel has no backward (torch 2.13) and only tests run
+    flex, forward only."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
 class FlexAttention(_CoreAttention):
-    """FlexAttention. ``attention_mask`` is a ``BlockMask`` (built once per batch from the set ids,
-    see :func:`setdiff_dist.model.forward.build_attention_inputs`) or a dense mask."""
+    """FlexAttention, compiled on a GPU. ``attention_mask`` is a ``BlockMask`` (built once per
+    micro-batch from the set ids and shared by the layers, see
+    :func:`setdiff_dist.model.forward.set_diffusion_inputs`) or a dense mask."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -83,9 +115,10 @@ class FlexAttention(_CoreAttention):
                                "or run flex on a GPU")
         q, k, v = _heads_first(query, key, value)
         if isinstance(attention_mask, BlockMask):
-            o = flex_attention(q, k, v, block_mask=attention_mask, scale=self.softmax_scale)
+            kernel = _flex() if query.is_cuda else flex_attention
+            o = kernel(q, k, v, block_mask=attention_mask, scale=self.softmax_scale)
         else:
-            allowed = ~attention_mask
+            allowed = attention_mask  # (the dense form: True = may attend)
             o = flex_attention(q, k, v, scale=self.softmax_scale, score_mod=lambda s, b, h, qi, ki:
                                torch.where(allowed[b, 0, qi, ki], s, -float("inf")))
         return _seq_first(o)
@@ -94,10 +127,15 @@ class FlexAttention(_CoreAttention):
 class _CausalWithLSE(torch.autograd.Function):
     """Causal attention returning ``(out, logsumexp)``, both differentiable.
 
-    The fused CPU kernel returns the log-sum-exp without a gradient. Its gradient is added here:
-    ``d lse_i / d q_i = scale * sum_j p_ij k_j`` (attention with values = keys) and
-    ``d lse_i / d k_j = scale * p_ij q_i`` (the value-gradient of an attention whose upstream
-    gradient is ``g_lse * q``)."""
+    The fused kernels return the log-sum-exp without a gradient. With one, the score gradient of
+    attention becomes ``dS_ij = p_ij (dO_i . v_j - D_i + g_i)`` (``D_i = dO_i . O_i``, ``g`` the
+    gradient of ``lse``; ``d lse_i / d s_ij = p_ij``): the plain backward with ``D_i - g_i`` in
+    place of ``D_i``. On the CPU one call of the fused backward computes it, on head dimensions
+    padded with zero columns (scores and values unchanged) where the padded output carries a 1
+    and the padded output gradient ``-g``: ``D'_i = D_i - g_i``. Elsewhere the gradient is
+    assembled from attention calls: ``d lse_i / d q_i = scale * sum_j p_ij k_j`` (attention with
+    values = keys) and ``d lse_i / d k_j = scale * p_ij q_i`` (the value-gradient of an
+    attention whose upstream gradient is ``g_lse * q``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
@@ -108,14 +146,24 @@ class _CausalWithLSE(torch.autograd.Function):
             out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
                 q, k, v, None, True, 0.0, True, scale=scale)
             lse = lse[..., : q.size(2)]  # the CUDA kernel pads the sequence axis
-        ctx.save_for_backward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
         return out, lse
 
     @staticmethod
     def backward(ctx, g_out, g_lse):
-        q, k, v = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         scale = ctx.scale if ctx.scale is not None else q.size(-1) ** -0.5
+        if q.device.type == "cpu":
+            d, pad = q.size(-1), 8  # (8 zero columns: the kernel's vector width)
+            g = F.pad(g_out.contiguous(), (0, pad))
+            o = F.pad(out, (0, pad))
+            o[..., d] = 1
+            if g_lse is not None:
+                g[..., d] = -g_lse.to(g.dtype)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                g, *(F.pad(t, (0, pad)) for t in (q, k, v)), o, lse, 0.0, True, scale=scale)
+            return dq[..., :d], dk[..., :d], dv[..., :d], None
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
             out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=ctx.scale)
@@ -140,6 +188,8 @@ class PermutedCausalAttention(_CoreAttention):
         if self._dropout() > 0:
             raise NotImplementedError("model.attention_backend=permuted_causal has no attention "
                                       "dropout")
+        if isinstance(attention_mask, ContextMask):  # (rows of the reveal order's mask)
+            return self._context_parallel(query, key, value, attention_mask)
         q, k, v = _heads_first(query, key, value)
         L = q.size(2) // 2
         qc, qn = q[:, :, :L], q[:, :, L:]

@@ -1,9 +1,11 @@
 """Inputs and losses of the two training modes, for any attention backend.
 
 - Set diffusion: ``[clean ; noisy]`` (2L tokens) at the original positions, with the set-causal
-  mask in the backend's form (dense for ``sdpa``/``te``, a block mask for ``flex``, the permuted
-  order for ``permuted_causal``); logits only for the noisy half; per-token ``-log p`` returned in
-  original positions, so the NELBO code does not care which backend ran.
+  mask in the backend's form, built once per micro-batch (dense boolean for ``sdpa``, True =
+  may attend; its inverse, megatron's convention, for ``te``; a block mask for ``flex``; none
+  for ``permuted_causal``, whose inputs are in reveal order); logits only for the noisy half;
+  per-token ``-log p`` returned in original positions, so the NELBO code does not care which
+  backend ran.
 - The plain causal LM: L tokens, causal attention, next-token loss (the AR baseline).
 
 Every pipeline stage calls :func:`set_diffusion_inputs` (deterministic, cheap) so that all of
@@ -34,6 +36,19 @@ class ModelInputs:
     attention_mask: Any            # backend-specific, or None
     logits_from: int               # first sequence index that needs logits
     order: Optional[torch.Tensor]  # [b, L] when the inputs are in reveal order
+    # context parallelism: this rank's positions within a half (in reveal order when ``order``
+    # is set), whose noisy tokens it scores; None without
+    context: Optional[torch.Tensor] = None
+
+    def scored(self, L: int) -> Optional[torch.Tensor]:
+        """Under context parallelism, ``[b, L]`` (original positions): the tokens this rank
+        scores; None without."""
+        if self.context is None:
+            return None
+        B = self.tokens.shape[0]
+        mine = torch.zeros(B, L, dtype=torch.bool, device=self.tokens.device)
+        mine[:, self.context.to(mine.device)] = True
+        return mine if self.order is None else from_reveal_order(mine, self.order)
 
 
 def set_diffusion_inputs(tokens: torch.Tensor, sample: OrderSample, mask_id: int,
@@ -42,6 +57,10 @@ def set_diffusion_inputs(tokens: torch.Tensor, sample: OrderSample, mask_id: int
     sample = sample.to(tokens.device)
     L = tokens.shape[1]
     both, positions = two_copy_inputs(tokens, sample, mask_id)
+    from . import context
+
+    if context.size() > 1:
+        return _context_parallel_inputs(both, positions, sample, backend)
     if backend == "permuted_causal":
         perm = torch.cat([sample.order, sample.order + L], dim=1)
         return ModelInputs(both.gather(1, perm), positions.gather(1, perm), None, L, sample.order)
@@ -49,11 +68,46 @@ def set_diffusion_inputs(tokens: torch.Tensor, sample: OrderSample, mask_id: int
         from torch.nn.attention.flex_attention import create_block_mask
 
         B = tokens.shape[0]
+        # once per micro-batch, shared by the layers; compiled on a GPU (no [2L, 2L] mask is
+        # materialised to find the blocks)
         mask = create_block_mask(set_causal_mask_mod(sample.set_ids), B, None, 2 * L, 2 * L,
-                                 device=tokens.device)
+                                 device=tokens.device, _compile=tokens.is_cuda)
         return ModelInputs(both, positions, mask, L, None)
-    # megatron's convention: True = masked out
-    return ModelInputs(both, positions, ~set_causal_mask(sample.set_ids)[:, None], L, None)
+    allowed = set_causal_mask(sample.set_ids)[:, None]  # [b, 1, 2L, 2L], True = may attend
+    if backend == "te":  # megatron's convention for Transformer Engine: True = masked out
+        return ModelInputs(both, positions, ~allowed, L, None)
+    # sdpa: the form SDPA takes, built once per micro-batch; every layer reads (and autograd
+    # keeps) this one tensor, no per-layer inverted copy
+    return ModelInputs(both, positions, allowed, L, None)
+
+
+def _context_parallel_inputs(both, positions, sample, backend: str) -> ModelInputs:
+    """This rank's share of the ``[clean ; noisy]`` inputs and its rows of the mask (see
+    :mod:`setdiff_dist.model.context`): in reveal order with the reveal order's static mask for
+    ``permuted_causal``, in position order with the set-causal mask for ``sdpa``."""
+    from . import context
+
+    if backend not in ("sdpa", "permuted_causal"):
+        raise ValueError(f"model.attention_backend={backend} has no context parallelism; use "
+                         "sdpa or permuted_causal")
+    L = both.shape[1] // 2
+    part = context.split(L, halves=2)
+    local, keys = part.local.to(both.device), part.keys.to(both.device)
+    order = None
+    if backend == "permuted_causal":
+        order = sample.order
+        perm = torch.cat([order, order + L], dim=1)
+        both, positions = both.gather(1, perm), positions.gather(1, perm)
+        set_ids = torch.arange(L, device=both.device)[None]  # a set per token, in order
+    else:
+        set_ids = sample.set_ids
+    s_q = set_ids[:, local % L, None]
+    s_k = set_ids[:, None, keys % L]
+    q_noisy, k_noisy = (local >= L)[None, :, None], (keys >= L)[None, None, :]
+    rows = ((~q_noisy & ~k_noisy & (s_k <= s_q)) | (q_noisy & ~k_noisy & (s_k < s_q))
+            | (q_noisy & k_noisy & (s_k == s_q)))
+    return ModelInputs(both[:, local], positions[:, local], context.ContextMask(rows[:, None]),
+                       local.numel() // 2, order, context=part.half)
 
 
 def vocab_parallel_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -65,7 +119,14 @@ def vocab_parallel_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 def set_diffusion_nll(logits: torch.Tensor, tokens: torch.Tensor,
                       inputs: ModelInputs) -> torch.Tensor:
-    """Per-token ``-log p`` ``[b, L]`` of the noisy half, in original positions."""
+    """Per-token ``-log p`` ``[b, L]`` of the noisy half, in original positions (under context
+    parallelism: of this rank's tokens, 0 elsewhere; see :meth:`ModelInputs.scored`)."""
+    if inputs.context is not None:
+        mine = inputs.context.to(tokens.device)
+        ordered = tokens if inputs.order is None else tokens.gather(1, inputs.order)
+        nll = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        nll[:, mine] = vocab_parallel_nll(logits, ordered[:, mine])
+        return nll if inputs.order is None else from_reveal_order(nll, inputs.order)
     if inputs.order is None:
         return vocab_parallel_nll(logits, tokens)
     targets = tokens.gather(1, inputs.order)

@@ -89,7 +89,7 @@ class ReferenceTransformer(nn.Module):
 class AsTrainingModel(nn.Module):
     """A :class:`ReferenceTransformer` called as the objective calls the training model
     (:mod:`setdiff_dist.objective`): ``(tokens, positions, mask, logits_from)`` with megatron's
-    ``mask [B, 1, N, N]`` (True = masked out), logits ``[N - logits_from, B, vocab]``."""
+    dense ``mask [B, 1, N, N]`` (True = may attend), logits ``[N - logits_from, B, vocab]``."""
 
     def __init__(self, model: ReferenceTransformer):
         super().__init__()
@@ -98,7 +98,7 @@ class AsTrainingModel(nn.Module):
 
     def forward(self, tokens, positions, mask, logits_from: int = 0):
         allowed = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool,
-                             device=tokens.device).tril() if mask is None else ~mask[:, 0]
+                             device=tokens.device).tril() if mask is None else mask[:, 0]
         return self.model(tokens, positions, allowed)[:, logits_from:].transpose(0, 1).contiguous()
 
 

@@ -132,7 +132,8 @@ class SetDiffusionTransformer(MegatronModule):
     ``forward(tokens [b, s], positions [b, s], attention_mask)`` returns vocab-parallel logits
     ``[s', b, V_pad / TP]`` on the last stage (``s' = s - logits_from``), hidden states
     ``[s, b, h]`` elsewhere. ``attention_mask`` is what the backend takes: a boolean
-    ``[b, 1, s, s]`` (True = masked out), a FlexAttention block mask, or None (causal / permuted).
+    ``[b, 1, s, s]`` (True = may attend; ``te``: True = masked out), a FlexAttention block mask,
+    or None (causal / permuted).
     """
 
     def __init__(self, model_cfg, config: TransformerConfig, pre_process: bool = True,

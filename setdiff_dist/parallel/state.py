@@ -145,16 +145,19 @@ def _this_command() -> str:
 
 def initialize_model_parallel(tensor: int = 1, pipeline: int = 1,
                               virtual_pipeline: int | None = None, seed: int = 1234,
-                              backend: str = "auto") -> None:
-    """torch.distributed, then megatron's groups (order tp-cp-ep-dp-pp), then the RNG tracker."""
+                              backend: str = "auto", context: int = 1) -> None:
+    """torch.distributed, then megatron's groups (order tp-cp-ep-dp-pp), then the RNG tracker.
+    ``context``: the context-parallel size (each sequence split over that many ranks, see
+    :mod:`setdiff_dist.model.context`)."""
     init_distributed(backend)
     world = dist.get_world_size()
-    if world % (tensor * pipeline):
-        n = tensor * pipeline
+    if world % (tensor * pipeline * context):
+        n = tensor * pipeline * context
         how = (f"start {n} ranks: torchrun --nproc-per-node {n} {_this_command()} ..."
                if world == 1 else f"launch a multiple of {n} ranks")
+        cp = f" x context-parallel {context}" if context > 1 else ""
         raise LaunchError(f"{world} rank(s) cannot be split into tensor-parallel {tensor} x "
-                          f"pipeline-parallel {pipeline} groups: {how}")
+                          f"pipeline-parallel {pipeline}{cp} groups: {how}")
     from megatron.core import parallel_state as ps
 
     cpu_compat.apply()
@@ -162,7 +165,8 @@ def initialize_model_parallel(tensor: int = 1, pipeline: int = 1,
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tensor,
                                  pipeline_model_parallel_size=pipeline,
-                                 virtual_pipeline_model_parallel_size=virtual_pipeline)
+                                 virtual_pipeline_model_parallel_size=virtual_pipeline,
+                                 context_parallel_size=context)
     cpu_compat.seed_model_parallel_rng(seed)
 
 

@@ -179,7 +179,8 @@ def make_universal(path: str) -> str:
 def layout() -> dict:
     return {"tensor": ps.get_tensor_model_parallel_world_size(),
             "pipeline": ps.get_pipeline_model_parallel_world_size(),
-            "data": ps.get_data_parallel_world_size(), "world": dist.get_world_size()}
+            "data": ps.get_data_parallel_world_size(), "world": dist.get_world_size(),
+            "context": ps.get_context_parallel_world_size()}
 
 
 def _rng_state() -> dict:
@@ -224,7 +225,9 @@ def save_weights(engine, directory: str, zero_stage: int, ema=None) -> None:
                        "stride": int(getattr(p, "partition_stride", 1))}
     name = (f"tp{ps.get_tensor_model_parallel_rank():02d}_"
             f"pp{ps.get_pipeline_model_parallel_rank():02d}")
-    parts, part = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    # every rank holding these weights writes its part: data x context-parallel ranks
+    parts = ps.get_data_parallel_world_size(with_context_parallel=True)
+    part = ps.get_data_parallel_rank(with_context_parallel=True)
     for i, (gname, _) in enumerate(entries):
         meta[gname]["part"] = i % parts
     os.makedirs(directory, exist_ok=True)
@@ -432,6 +435,12 @@ def check_compatible(path: str, cfg, tokenizer_identity: dict) -> dict:
     diffs = model_differences(cfg.to_dict()["model"],
                               dict(dataclasses.asdict(type(cfg.model)()), **m["model"]))
     here, saved = layout(), m["layout"]
+    if saved.get("context", 1) != here["context"]:
+        diffs.append(f"parallel.context: checkpoint {saved.get('context', 1)}, this run "
+                     f"{here['context']} (a checkpoint resumes at its own context-parallel size; "
+                     "to go on from its weights with a fresh optimizer: setdiff-train --config "
+                     f"{os.path.join(path, 'config.yaml')} run_dir=NEW_RUN_DIR "
+                     f"checkpoint.init_from={path} parallel.context={here['context']} ...)")
     if saved["pipeline"] != here["pipeline"]:
         diffs.append(f"parallel.pipeline: checkpoint {saved['pipeline']}, this run "
                      f"{here['pipeline']} (stages name their layers locally: a checkpoint "

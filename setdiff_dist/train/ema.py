@@ -41,7 +41,7 @@ class EMA:
         p, held = self.params[name], self.shadow[name]
         if not hasattr(p, "ds_tensor"):
             return held
-        group = ps.get_data_parallel_group()
+        group = ps.get_data_parallel_group(with_context_parallel=True)  # (ZeRO-3's group)
         parts = [torch.empty_like(held) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, held, group=group)
         return torch.cat(parts)[:p.ds_numel].view(p.ds_shape)
@@ -54,7 +54,7 @@ class EMA:
         flat = local.detach().float().reshape(-1)
         if hasattr(p, "ds_tensor"):
             n = held.numel()
-            start = ps.get_data_parallel_rank() * n
+            start = ps.get_data_parallel_rank(with_context_parallel=True) * n
             part = flat[start:start + n]
             held.zero_()
             held[:part.numel()].copy_(part)

@@ -38,9 +38,15 @@ class MegatronMPU:
     get_pipeline_model_parallel_world_size = staticmethod(
         ps.get_pipeline_model_parallel_world_size)
     get_pipeline_model_parallel_rank = staticmethod(ps.get_pipeline_model_parallel_rank)
-    get_data_parallel_group = staticmethod(ps.get_data_parallel_group)
-    get_data_parallel_world_size = staticmethod(ps.get_data_parallel_world_size)
-    get_data_parallel_rank = staticmethod(ps.get_data_parallel_rank)
+    # DeepSpeed's data-parallel group is megatron's data x context-parallel one: the ranks that
+    # hold the same weights and sum their gradients (context-parallel ranks hold the same samples
+    # and each its share of the tokens); without context parallelism, the data-parallel group
+    get_data_parallel_group = staticmethod(
+        lambda: ps.get_data_parallel_group(with_context_parallel=True))
+    get_data_parallel_world_size = staticmethod(
+        lambda: ps.get_data_parallel_world_size(with_context_parallel=True))
+    get_data_parallel_rank = staticmethod(
+        lambda: ps.get_data_parallel_rank(with_context_parallel=True))
 
     @staticmethod
     def get_model_parallel_world_size():
@@ -52,7 +58,8 @@ class MegatronMPU:
 
     @staticmethod
     def get_data_parallel_group_ranks():
-        return dist.get_process_group_ranks(ps.get_data_parallel_group())
+        return dist.get_process_group_ranks(
+            ps.get_data_parallel_group(with_context_parallel=True))
 
 
 def micro_batches_per_step(cfg, dp_size: int) -> int:
@@ -66,7 +73,9 @@ def micro_batches_per_step(cfg, dp_size: int) -> int:
 
 def deepspeed_config(cfg, dp_size: int, load_universal: bool = False) -> dict:
     """The DeepSpeed JSON config of a run (``load_universal``: to resume a checkpoint saved at
-    another data-parallel size, from its universal form)."""
+    another data-parallel size, from its universal form). ``dp_size`` is the data-parallel size
+    without context parallelism; DeepSpeed counts the context-parallel ranks as data-parallel
+    ones (they sum gradients), so its batch is ``parallel.context`` times the global batch."""
     gas = micro_batches_per_step(cfg, dp_size)
     pipelined = cfg.parallel.pipeline > 1
     o, z = cfg.optimizer, cfg.zero
@@ -82,7 +91,7 @@ def deepspeed_config(cfg, dp_size: int, load_universal: bool = False) -> dict:
     if not offload:
         params["torch_adam"] = True  # no JIT-compiled fused Adam
     return {
-        "train_batch_size": cfg.data.global_batch_size,
+        "train_batch_size": cfg.data.global_batch_size * cfg.parallel.context,
         # megatron's schedule accumulates the micro-batches when pipelining
         "train_micro_batch_size_per_gpu": cfg.data.global_batch_size // dp_size if pipelined
         else cfg.data.micro_batch_size,
@@ -226,7 +235,8 @@ def partitioned_construction(cfg):
     skip_deepspeed_shm_build()
     import deepspeed
 
-    construct = deepspeed.zero.Init(data_parallel_group=ps.get_data_parallel_group(),
+    construct = deepspeed.zero.Init(data_parallel_group=ps.get_data_parallel_group(
+                                        with_context_parallel=True),
                                     dtype=compute_dtype(cfg.train.precision))
 
     def gathered(param):

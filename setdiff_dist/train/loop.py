@@ -68,7 +68,7 @@ class Trainer:
         check_precision(cfg)
         par = cfg.parallel
         initialize_model_parallel(par.tensor, par.pipeline, par.virtual_pipeline,
-                                  seed=cfg.train.seed, backend=par.backend)
+                                  seed=cfg.train.seed, backend=par.backend, context=par.context)
         self.rank = dist.get_rank()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.device = torch.device("cuda", torch.cuda.current_device()) \
@@ -266,7 +266,8 @@ class Trainer:
         it, on every rank. A NaN or inf on any rank makes it non-finite everywhere."""
         if not ps.is_pipeline_last_stage():
             total.zero_()
-        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        # (context-parallel ranks each hold their tokens' share)
+        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
         return total
@@ -285,6 +286,10 @@ class Trainer:
         micro_batches = [b.to(self.device) for b in micro_batches]
         global_tokens = self._global_tokens(micro_batches)
         scale = (self.n_micro * self.dp / global_tokens.clamp_min(1.0)).to(torch.float32)
+        # DeepSpeed averages gradients over data x context-parallel ranks, each of which holds
+        # its share of the tokens' loss: the context-parallel size makes up for it (megatron's
+        # pipeline schedule multiplies its losses by it itself)
+        cp = self.cfg.parallel.context
         lr = engine.optimizer.param_groups[0]["lr"]
         local_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         skipped_before = getattr(engine, "skipped_steps", 0)
@@ -296,7 +301,7 @@ class Trainer:
                 out, terms = self.objective.step(engine, b)
                 total, _ = terms(out)
                 local_sum += total.detach()
-                engine.backward(total * scale)
+                engine.backward(total * (scale * cp))
                 if i == len(micro_batches) - 1:  # the boundary: DeepSpeed has reduced
                     step_sum = self._sum_from_last_stage(local_sum.reshape(1).clone())
                     finite = self._skip_if_nonfinite(step_sum)

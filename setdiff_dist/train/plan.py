@@ -68,10 +68,13 @@ class Plan:
     micro_batches: int     # per rank per optimizer step
     model_params: int      # the whole model (tied embedding counted once)
     stages: list
+    context: int = 1       # context-parallel size (``data`` counts those ranks too)
 
     def table(self, device_memory: Optional[float] = None) -> str:
-        head = (f"layout: world {self.world_size} = TP {self.tensor} x PP {self.pipeline} x DP "
-                f"{self.data}; {self.micro_batches} micro-batch(es) per rank per step\n"
+        dp = (f"DP {self.data}" if self.context == 1 else
+              f"CP {self.context} x DP {self.data // self.context} (ZeRO over {self.data})")
+        head = (f"layout: world {self.world_size} = TP {self.tensor} x PP {self.pipeline} x {dp}; "
+                f"{self.micro_batches} micro-batch(es) per rank per step\n"
                 f"model: {self.model_params / 1e6:,.1f}M parameters; per stage "
                 + " + ".join(f"{s.model_params / 1e6:,.1f}M" for s in self.stages)
                 + f" = {sum(s.model_params for s in self.stages) / 1e6:,.1f}M\n")
@@ -122,6 +125,7 @@ def _stage_model(cfg, world_size: int, stage: int):
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp,
                                      pipeline_model_parallel_size=pp,
+                                     context_parallel_size=cfg.parallel.context,
                                      create_gloo_process_groups=False)
         config = transformer_config(cfg.model, tensor=tp, pipeline=pp,
                                     sequence_parallel=cfg.parallel.sequence_parallel)
@@ -157,7 +161,8 @@ def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
     tp = par.tensor
     b = 2 if cfg.train.precision in ("bf16", "fp8") else 4
     seq = d.seq_len if cfg.order.kind == "causal" else 2 * d.seq_len
-    tokens = d.micro_batch_size * seq
+    cp = par.context
+    tokens = d.micro_batch_size * seq // cp  # (a context-parallel rank's share)
     h = m.hidden_size
     heads = m.num_attention_heads
     groups = m.num_query_groups or heads
@@ -181,6 +186,12 @@ def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
         saved = tokens * h / sp * b * layers + tokens * per_layer * b * chunk
     mask = 0 if m.attention_backend in ("flex", "permuted_causal") or cfg.order.kind == "causal" \
         else d.micro_batch_size * seq * seq    # the dense boolean mask, shared by the layers
+    if cp > 1:
+        # this rank's rows of the mask (one for all samples in the permuted form), and the
+        # whole sequence's keys and values, gathered and kept by every layer for its backward
+        mask = (1 if m.attention_backend == "permuted_causal" else d.micro_batch_size) \
+            * (seq // cp) * seq
+        saved += d.micro_batch_size * seq * 2 * kv / tp * b * layers
     if first:
         saved += tokens * h * b                # the embedding output
     if last:
@@ -234,8 +245,9 @@ def plan(cfg, world_size: int) -> Plan:
     if problems:
         raise PlanError("\n".join(f"  - {p}" for p in problems))
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    dp = world_size // (tp * pp)
-    micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp)
+    dp = world_size // (tp * pp)  # ZeRO shards over data x context-parallel ranks
+    micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size
+                                           * (dp // cfg.parallel.context))
     stages = []
     for s in range(pp):
         params, model_params, layers = _stage_model(cfg, world_size, s)
@@ -244,11 +256,12 @@ def plan(cfg, world_size: int) -> Plan:
         per_stage = world_size // pp
         stages.append(StagePlan(s, f"{s * per_stage}-{(s + 1) * per_stage - 1}", layers, params,
                                 model_params, **mem))
-    return Plan(world_size, tp, pp, dp, micro, _whole_model(cfg), stages)
+    return Plan(world_size, tp, pp, dp, micro, _whole_model(cfg), stages, cfg.parallel.context)
 
 
 def _whole_model(cfg):
     """The model's own parameter count (one rank, one stage), to check the stages against."""
     whole = dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, tensor=1, pipeline=1, sequence_parallel=False, virtual_pipeline=None))
+        cfg.parallel, tensor=1, pipeline=1, sequence_parallel=False, virtual_pipeline=None,
+        context=1))
     return _stage_model(whole, 1, 0)[1]
