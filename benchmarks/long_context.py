@@ -60,7 +60,16 @@ def main() -> None:
                     help="default: sdpa and permuted_causal (flex too on a GPU)")
     ap.add_argument("--plot", help="draw time and memory ratios against L into this PNG")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--from-json", help="only draw --plot from a --json of an earlier run")
     args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as fh:
+            saved = json.load(fh)
+        results = {int(k): v for k, v in saved["results"].items()}
+        seq_lens = sorted(results)
+        backends = [k for k in results[seq_lens[0]] if k != "causal"]
+        draw(results, seq_lens, backends, args.plot or "long_context.png", saved["device"])
+        return
 
     from setdiff_dist.quiet import quiet
 
@@ -141,22 +150,28 @@ def main() -> None:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "device": device, "results": results}, fh, indent=2)
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        draw(results, args.seq_len, backends, args.plot, device)
 
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for ax, key, title in ((axes[0], "time_ratio", "step time / causal LM"),
-                               (axes[1], "memory_ratio", "peak memory / causal LM")):
-            for k in backends:
-                ax.plot(args.seq_len, [results[n][k][key] for n in args.seq_len], "o-", label=k)
-            ax.axhline(2.0, color="grey", lw=0.8, ls="--", label="2x (FLOP floor)")
-            ax.set(xscale="log", xlabel="L (data tokens)", title=title)
-            ax.set_xticks(args.seq_len, [str(n) for n in args.seq_len])
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=90)
-        print(f"plot: {args.plot}")
+
+def draw(results: dict, seq_lens: list, backends: list, path: str, device: str) -> None:
+    """Time and peak-memory ratios to the causal LM against L, one curve per backend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "time_ratio", "step time / causal-LM step"),
+                           (axes[1], "memory_ratio", "peak live memory / causal-LM step")):
+        for k in backends:
+            ax.plot(seq_lens, [results[n][k][key] for n in seq_lens], "o-", label=k)
+        ax.axhline(2.0, color="grey", lw=0.8, ls="--", label="2x (2L tokens)")
+        ax.set(xscale="log", xlabel="L (data tokens)", title=f"{title} ({device})")
+        ax.minorticks_off()
+        ax.set_xticks(seq_lens, [str(n) for n in seq_lens])
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Context parallelism: a sequence split over 2 ranks (zigzag) gives the losses and gradients of
-the unsplit sequence, for the autoregressive and staggered orders, with the dense-mask and the
-permuted backends, on gloo."""
+the unsplit sequence, for the autoregressive and staggered orders with the dense-mask and the
+permuted backends and for the in-set orders (block, masked) with the dense mask, on gloo."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ L, B, V = 16, 2, 128
 # (GQA for the staggered cases, one key/value head per query head for the others: the
 # gathered keys' gradient arrives strided without GQA's repeat)
 CASES = [(kind, backend) for kind in ("autoregressive", "staggered")
-         for backend in ("sdpa", "permuted_causal")]
+         for backend in ("sdpa", "permuted_causal")] + [("block", "sdpa"), ("masked", "sdpa")]
 
 
 def _step(kind, backend):

@@ -21,6 +21,12 @@ def test_demo_trains_reports_the_bound_and_checks_the_ar_identity(tmp_path, shar
     assert rc == 0
     out = capsys.readouterr().out
     assert "PPL <=" in out and "AR identity" in out
+    # the reference model needs no process group: nothing of one is left in this process (a
+    # leaked MASTER_PORT made later commands collide with its still-open store)
+    import os
+
+    import torch.distributed as dist
+    assert not dist.is_initialized() and "MASTER_PORT" not in os.environ
     assert (tmp_path / "demo" / "orders.png").stat().st_size > 10_000
     lines = (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]

@@ -142,6 +142,19 @@ def test_bf16_pipeline_parallel_on_nccl(byte_shards, tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0]
 
 
+def test_context_parallel_on_nccl_follows_one_gpu(byte_shards, tmp_path):
+    """parallel.context=2 over NCCL (fp32, the gathered keys' reduce-scatter backward) against
+    one GPU; needs two GPUs (NCCL refuses two ranks on one device)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("CP=2 over NCCL needs 2 GPUs (NCCL refuses two ranks on one device)")
+    one = _train(tmp_path / "one", byte_shards, 1, "parallel.backend=nccl", "zero.stage=1",
+                 "data.global_batch_size=4")
+    two = _train(tmp_path / "two", byte_shards, 2, "parallel.backend=nccl", "zero.stage=1",
+                 "data.global_batch_size=4", "parallel.context=2")
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
+
+
 def test_te_sequence_parallel_equals_tensor_parallel(byte_shards, tmp_path):
     """TE layers with sequence parallelism at TP=2 follow TP=2 without it (bf16, within 2%).
     Needs 2 GPUs (TP=2 over NCCL)."""

@@ -151,9 +151,7 @@ def train(cfg, steps: int) -> dict:
                            f"model.vocab_size={tok.vocab_size}"])
     # the objective of setdiff-train, on the reference model (dense masks: sdpa's form)
     from setdiff_dist.objective import Objective
-    from setdiff_dist.parallel import initialize_model_parallel
 
-    initialize_model_parallel(seed=cfg.train.seed)  # (one process: the loss's vocab group)
     cfg.model.attention_backend = "sdpa"
     objective = Objective(cfg, seed=cfg.train.seed)
     schedule = objective.schedule
@@ -216,7 +214,7 @@ def train(cfg, steps: int) -> dict:
     return result
 
 
-@command("setdiff-demo", process_group=True)
+@command("setdiff-demo")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -203,7 +203,8 @@ class PermutedCausalAttention(_CoreAttention):
         m = torch.maximum(lse_prev, s_self[:, :, 1:])
         w_prev = torch.exp(lse_prev - m).unsqueeze(-1)
         w_self = torch.exp(s_self[:, :, 1:] - m).unsqueeze(-1)
-        noisy_rest = (o_prev * w_prev + vn[:, :, 1:] * w_self) / (w_prev + w_self)
+        # (the merge runs in the log-sum-exp's fp32; the result in the activations' dtype)
+        noisy_rest = ((o_prev * w_prev + vn[:, :, 1:] * w_self) / (w_prev + w_self)).to(q.dtype)
         noisy = torch.cat([vn[:, :, :1], noisy_rest], dim=2)     # query 0 sees only itself
         return _seq_first(torch.cat([clean, noisy], dim=2))
 
