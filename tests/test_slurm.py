@@ -117,7 +117,8 @@ def test_a_two_node_job_trains_and_writes_a_checkpoint(uninterrupted):
     # one RNG state and one ZeRO shard per rank: the world really was two processes
     assert sorted(f for f in os.listdir(ckpt) if f.startswith("rng")) == \
         ["rng_rank0.pt", "rng_rank1.pt"]
-    assert manifest["layout"] == {"tensor": 1, "pipeline": 1, "data": 2, "world": 2}
+    assert manifest["layout"] == {"tensor": 1, "pipeline": 1, "data": 2, "world": 2,
+                                  "context": 1}
     assert sorted(losses(d / "run")) == list(range(1, STEPS + 1))
 
 

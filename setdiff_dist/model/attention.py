@@ -229,4 +229,8 @@ def core_attention_class(backend: str):
         return PermutedCausalAttention
     if backend == "te":
         return te_attention_class()
+    if backend == "auto":
+        raise ValueError("model.attention_backend=auto is resolved by the order when the config "
+                         "is loaded (setdiff_dist.config.resolve_attention_backend); this model "
+                         "config was built without it")
     raise ValueError(f"unknown attention backend {backend!r}")

@@ -123,7 +123,8 @@ def model_config_from_hf(hf: dict, where: str = "config.json"):
         normalization="rmsnorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         activation="swiglu", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         head_dim=head_dim, qk_norm=ARCHITECTURES[arch] == "qwen3",
-        rotary_base=float(rope["rope_theta"]), rope_scaling=ROPE_TYPES.get(kind, "none"))
+        rotary_base=float(rope["rope_theta"]), rope_scaling=ROPE_TYPES.get(kind, "none"),
+        attention_backend="sdpa")  # (a causal LM: see config.resolve_attention_backend)
     if kind in ("linear", "llama3"):
         m.rope_scaling_factor = float(rope.get("factor", 1.0))
     if kind == "llama3":
