@@ -8,6 +8,7 @@ from .masks import (
                     permuted_singleton_mask_mod,
                     set_causal_mask,
                     set_causal_mask_mod,
+                    set_causal_rule,
                     to_reveal_order,
 )
 from .nelbo import Nelbo, nelbo, noisy_copy, perplexity_bound, token_nll, two_copy_inputs
@@ -31,6 +32,7 @@ __all__ = [
     "OrderSchedule", "StaggeredSchedule", "causal_mask", "from_reveal_order", "make_schedule",
     "nelbo", "noisy_copy", "permuted_singleton_mask", "permuted_singleton_mask_mod",
     "perplexity_bound", "sample_generator", "sample_orders", "sample_seed",
-    "schedule_from_config", "set_causal_mask", "set_causal_mask_mod", "staggered_parameters",
+    "schedule_from_config", "set_causal_mask", "set_causal_mask_mod", "set_causal_rule",
+    "staggered_parameters",
     "to_reveal_order", "token_nll", "two_copy_inputs",
 ]

@@ -28,7 +28,10 @@ def set_causal_mask(set_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([clean_rows, noisy_rows], dim=1)
 
 
-def _set_causal_rule(q_idx, kv_idx, s_q, s_k, L):
+def set_causal_rule(q_idx, kv_idx, s_q, s_k, L):
+    """The set-causal mask (True = may attend) of query / key indices into ``[clean ; noisy]``
+    (``L`` tokens a half) whose sets are ``s_q`` / ``s_k``; broadcasts (FlexAttention's
+    ``mask_mod``, context parallelism's rows)."""
     q_noisy = q_idx >= L
     k_noisy = kv_idx >= L
     return ((~q_noisy & ~k_noisy & (s_k <= s_q)) | (q_noisy & ~k_noisy & (s_k < s_q))
@@ -47,7 +50,7 @@ def set_causal_mask_mod(set_ids: torch.Tensor):
     def mask_mod(b, h, q_idx, kv_idx):
         s_q = set_ids[b, _half_index(q_idx, L)]
         s_k = set_ids[b, _half_index(kv_idx, L)]
-        return _set_causal_rule(q_idx, kv_idx, s_q, s_k, L)
+        return set_causal_rule(q_idx, kv_idx, s_q, s_k, L)
 
     return mask_mod
 
@@ -64,7 +67,7 @@ def permuted_singleton_mask_mod(seq_len: int):
     L = seq_len
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return _set_causal_rule(q_idx, kv_idx, _half_index(q_idx, L), _half_index(kv_idx, L), L)
+        return set_causal_rule(q_idx, kv_idx, _half_index(q_idx, L), _half_index(kv_idx, L), L)
 
     return mask_mod
 

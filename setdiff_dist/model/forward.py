@@ -26,6 +26,7 @@ from setdiff_dist.diffusion import (
     from_reveal_order,
     set_causal_mask,
     set_causal_mask_mod,
+    set_causal_rule,
     two_copy_inputs,
 )
 
@@ -102,11 +103,8 @@ def _context_parallel_inputs(both, positions, sample, backend: str) -> ModelInpu
         set_ids = torch.arange(L, device=both.device)[None]  # a set per token, in order
     else:
         set_ids = sample.set_ids
-    s_q = set_ids[:, local % L, None]
-    s_k = set_ids[:, None, keys % L]
-    q_noisy, k_noisy = (local >= L)[None, :, None], (keys >= L)[None, None, :]
-    rows = ((~q_noisy & ~k_noisy & (s_k <= s_q)) | (q_noisy & ~k_noisy & (s_k < s_q))
-            | (q_noisy & k_noisy & (s_k == s_q)))
+    rows = set_causal_rule(local[None, :, None], keys[None, None, :],
+                           set_ids[:, local % L, None], set_ids[:, None, keys % L], L)
     return ModelInputs(both[:, local], positions[:, local], context.ContextMask(rows[:, None]),
                        local.numel() // 2, order, context=part.half)
 
