@@ -1,7 +1,8 @@
 """The objective, in one place: the set-diffusion NELBO of an order schedule or the plain
 causal-LM loss (docs/method.md §4), for training (:mod:`setdiff_dist.train.loop`, through
-megatron's schedules in :mod:`setdiff_dist.model.pipeline`), evaluation (``setdiff-eval ppl``,
-the trainer's validation, the demo's bound: :meth:`Objective.evaluate`) and the per-token
+megatron's schedules in :mod:`setdiff_dist.model.pipeline`), evaluation (``setdiff-eval ppl``
+and the demo's bound: :meth:`Objective.evaluate`; the trainer's validation calls
+:meth:`Objective.step` through its pipelined, data-parallel loop) and the per-token
 log-likelihoods that benchmarks score (:func:`token_scores`, lm-evaluation-harness).
 
 :class:`Objective` turns a loader :class:`~setdiff_dist.data.loader.Batch` into model inputs and a
