@@ -97,10 +97,24 @@ def _save(path: str, obj) -> None:
 
 # -- data ------------------------------------------------------------------------------------------
 
+def write_corpus(d: str, budget: Budget) -> tuple[list[dict], str]:
+    """The offline corpus (KJV chapters, then Shakespeare) as ``d/corpus.jsonl``."""
+    from data_prep.corpus import kjv, shakespeare
+
+    docs = []
+    for reader in (kjv, shakespeare):
+        part = [doc for doc in reader() if doc["text"].strip()]
+        docs += part[:budget.corpus_docs] if budget.corpus_docs else part
+    corpus = os.path.join(d, "corpus.jsonl")
+    with open(corpus, "w", encoding="utf-8") as fh:
+        for doc in docs:
+            fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
+    return docs, corpus
+
+
 def prepare_data(out: str, budget: Budget) -> dict:
     """The corpus with every 20th document held out, BPE shards (L = 128) and held-out infilling
     windows that fit the context."""
-    from data_prep.corpus import kjv, shakespeare
     from data_prep.prep import prepare
     from data_prep.tasks import infill
     from setdiff_dist.data.tokenizers import load_tokenizer
@@ -112,14 +126,7 @@ def prepare_data(out: str, budget: Budget) -> dict:
         return json.load(open(done))
     os.makedirs(d, exist_ok=True)
     t0 = time.perf_counter()
-    docs = []
-    for reader in (kjv, shakespeare):
-        part = [doc for doc in reader() if doc["text"].strip()]
-        docs += part[:budget.corpus_docs] if budget.corpus_docs else part
-    corpus = os.path.join(d, "corpus.jsonl")
-    with open(corpus, "w", encoding="utf-8") as fh:
-        for doc in docs:
-            fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
+    docs, corpus = write_corpus(d, budget)
     shards = os.path.join(d, "shards")
     # setdiff-prep sends document i to the validation split when i % 20 == 19
     manifest = prepare([corpus], f"bpe:{budget.vocab}", 128, shards, valid_every=20, workers=2,
@@ -150,7 +157,9 @@ def prepare_data(out: str, budget: Budget) -> dict:
 
 # -- training --------------------------------------------------------------------------------------
 
-def train(out: str, m: Model, data: dict, budget: Budget) -> dict:
+def train(out: str, m: Model, data: dict, budget: Budget, extra: tuple = ()) -> dict:
+    """Train ``m`` with ``setdiff-train`` (2 ranks) on ``data['shards']``; ``extra``: more
+    overrides, after the budget's. A completed run is reused."""
     run_dir = os.path.join(out, "runs", m.name)
     status = os.path.join(run_dir, "exit_status.json")
     if os.path.exists(status) and json.load(open(status))["outcome"] == "completed":
@@ -158,7 +167,7 @@ def train(out: str, m: Model, data: dict, budget: Budget) -> dict:
     cmd = [sys.executable, "-m", "setdiff_dist.cli.train", "--nproc-per-node", "2", "--config",
            os.path.join(ROOT, "configs", "paper-mini", m.config), f"run_dir={run_dir}",
            f"data.train_shards={data['shards']}", f"data.valid_shards={data['shards']}",
-           f"model.vocab_size={budget.vocab}", "train.tensorboard=true", *budget.train]
+           f"model.vocab_size={budget.vocab}", "train.tensorboard=true", *budget.train, *extra]
     os.makedirs(run_dir, exist_ok=True)
     t0 = time.perf_counter()
     with open(os.path.join(out, "runs", f"{m.name}.log"), "w") as logf:
@@ -500,22 +509,29 @@ def machine() -> str:
             f"torch {torch.__version__}, no GPU")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "paper-mini"))
+def study_dir(ap: argparse.ArgumentParser, argv, name: str):
+    """Parse a study's command line (``--out``, ``--quick``, ``--redo`` and what ``ap`` has)
+    and make its output directory; ``--redo`` empties it first."""
+    ap.add_argument("--out", default=os.path.join(ROOT, "runs", name))
     ap.add_argument("--quick", action="store_true", help="a trivial budget, same pipeline")
-    ap.add_argument("--models", nargs="+", default=[m.name for m in MODELS],
-                    choices=[m.name for m in MODELS])
     ap.add_argument("--redo", action="store_true", help="ignore finished stages")
     args = ap.parse_args(argv)
-    budget = QUICK if args.quick else FULL
     out = os.path.abspath(args.out)
     if args.redo and os.path.isdir(out):
         import shutil
 
         shutil.rmtree(out)
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    return args, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=[m.name for m in MODELS],
+                    choices=[m.name for m in MODELS])
+    args, out = study_dir(ap, argv, "paper-mini")
+    budget = QUICK if args.quick else FULL
     models = [m for m in MODELS if m.name in args.models]
     if "ar" not in args.models:
         raise SystemExit("the AR model is needed: it scores every model's samples")

@@ -1,6 +1,7 @@
 """``setdiff-tasks``: evaluation and fine-tuning task sets, made offline.
 
     setdiff-tasks gsm    --out gsm.jsonl    --size 2000 --seed 0
+    setdiff-tasks chain  --out chain.jsonl  --size 2000 --seed 0 [--terms 2-5] [--digits 1]
     setdiff-tasks infill --out infill.jsonl [--size 2000] [--seed 0]
 
 - ``gsm``: GSM8K-style grade-school problems with numeric answers, from reasoning-gym's
@@ -8,6 +9,11 @@
   (``"Question: ...\\nAnswer: "``), ``completion`` (the worked solution ending in ``#### N``),
   ``answer``. Prepare them for fine-tuning with
   ``setdiff-prep --mode padded --prompt-field prompt --text-field completion``.
+- ``chain``: chains of small additions and subtractions (reasoning-gym's ``chain_sum``, the
+  arithmetic family; ``--terms 2-5 --digits 1`` by default) with a worked solution that keeps
+  a running total, one line per operation (``4 - 1 = 3`` / ``3 - 7 = -4`` / ``#### -4``).
+  The same record fields as ``gsm``, so ``setdiff-eval --task gsm`` scores them. A model of a
+  few million parameters learns it on a CPU; its solution text is formulaic, as GSM8K's is.
 - ``infill``: ROCStories-style infilling on real prose: windows of five consecutive KJV verses
   (within a chapter), or with ``--unit clause`` five clauses (sentence-sized, so that a window
   fits L = 128), the middle one or three to fill. Records: ``left``, ``middle``, ``right``,
@@ -45,6 +51,34 @@ def gsm(size: int, seed: int) -> list[dict]:
             cot = f"{cot}\n#### {answer}".strip()
         out.append({"prompt": f"Question: {item['question'].strip()}\nAnswer: ",
                     "completion": cot, "answer": answer})
+    return out
+
+
+def chain(size: int, seed: int, terms: tuple = (2, 5), digits: int = 1) -> list[dict]:
+    """``size`` chain sums of ``terms`` operands of ``digits`` digits, with a running-total
+    solution; the answer is reasoning-gym's."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise CorpusError("the chain task needs reasoning-gym (pip install -e '.[tasks]')") \
+            from None
+    if not 2 <= terms[0] <= terms[1]:
+        raise CorpusError(f"--terms {terms[0]}-{terms[1]}: give LO-HI with 2 <= LO <= HI")
+    out = []
+    for item in reasoning_gym.create_dataset("chain_sum", size=size, seed=seed,
+                                             min_terms=terms[0], max_terms=terms[1],
+                                             min_digits=digits, max_digits=digits):
+        expr = item["metadata"]["expression"].split()
+        total, lines = int(expr[0]), []
+        for op, x in zip(expr[1::2], expr[2::2]):
+            new = total + int(x) if op == "+" else total - int(x)
+            lines.append(f"{total} {op} {x} = {new}")
+            total = new
+        if str(total) != str(item["answer"]).strip():
+            raise CorpusError(f"chain_sum item {expr}: the worked total {total} is not the "
+                              f"generator's answer {item['answer']}")
+        out.append({"prompt": f"Question: {' '.join(expr)} =\nAnswer: ",
+                    "completion": "\n".join(lines) + f"\n#### {total}", "answer": str(total)})
     return out
 
 
@@ -101,15 +135,24 @@ def infill(size: int, seed: int, chapters: Optional[set] = None,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-tasks", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("task", choices=("gsm", "infill"))
+    ap.add_argument("task", choices=("gsm", "chain", "infill"))
     ap.add_argument("--out", required=True, help="output .jsonl")
     ap.add_argument("--size", type=count(), default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--unit", choices=("verse", "clause"), default="verse",
                     help="infill: five verses, or five clauses (sentence-sized; fit L = 128)")
+    ap.add_argument("--terms", default="2-5", help="chain: operands per problem, LO-HI")
+    ap.add_argument("--digits", type=count(), default=1, help="chain: digits per operand")
     args = ap.parse_args(argv)
     if args.task == "gsm":
         records = gsm(args.size, args.seed)
+    elif args.task == "chain":
+        try:
+            lo, _, hi = args.terms.partition("-")
+            terms = (int(lo), int(hi or lo))
+        except ValueError:
+            ap.error(f"--terms {args.terms!r}: give LO-HI, e.g. 2-5")
+        records = chain(args.size, args.seed, terms, args.digits)
     else:
         records = infill(args.size, args.seed, unit=args.unit)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -38,3 +38,27 @@ def test_task_sets(tmp_path):
     assert all(len(r["middle"].split()) >= 3 * r["n_middle"] for r in clauses)
     assert len(clauses) > 1.4 * len(tasks.infill(10 ** 6, seed=0, chapters={"Genesis 1",
                                                                            "John 3"}))
+
+
+def test_chain_sums_have_a_checked_running_total(tmp_path, capsys):
+    rows = tasks.chain(50, seed=3, terms=(2, 5))
+    assert tasks.chain(50, seed=3, terms=(2, 5)) == rows  # deterministic
+    for r in rows:
+        expr = r["prompt"].removeprefix("Question: ").removesuffix(" =\nAnswer: ").split()
+        lines = r["completion"].split("\n")
+        assert 2 <= (len(expr) + 1) // 2 <= 5 and len(lines) == (len(expr) + 1) // 2
+        assert lines[-1] == f"#### {r['answer']}" and int(r["answer"]) == eval(" ".join(expr))
+        total = int(expr[0])
+        for line, op, x in zip(lines, expr[1::2], expr[2::2]):
+            total = total + int(x) if op == "+" else total - int(x)
+            assert line.endswith(f"{op} {x} = {total}")
+    # the CLI writes the same records; a bad range is a message and exit code 2
+    out = tmp_path / "chain.jsonl"
+    assert tasks.main(["chain", "--out", str(out), "--size", "50", "--seed", "3"]) == 0
+    assert [json.loads(x) for x in out.read_text().splitlines()] == rows
+    try:
+        code = tasks.main(["chain", "--out", str(out), "--terms", "1-3"])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2 and "2 <= LO <= HI" in capsys.readouterr().err
+    assert [json.loads(x) for x in out.read_text().splitlines()] == rows  # left as it was

@@ -304,10 +304,18 @@ def test_block_and_mdlm_baselines_decode_through_the_same_model(tmp_path):
     # with block size 1 the block decoder is AR decoding (each pass caches the previous token
     # and queries the next): equal to the cached set decoder
     assert r["block1"] == r["ar"]
+    # blocks lie on the training grid: after 5 prompt tokens the blocks are [5, 8), [8, 12),
+    # [12, 13), each one step at tau = 0 (a grid from the prompt's end would take 2)
+    assert r["grid_steps"] == 3 and len(r["grid"]) == 8
+    # stop criteria end block decoding on the committed prefix (a run of 1 stops at once)
+    assert r["stopped"] == r["block"][:1] and r["stopped_steps"] == 1
+    # a batch of prompts of different lengths (each on its own grid, padded into one forward
+    # per step) decodes what each prompt decodes alone
+    assert r["batched"] == r["alone"] and r["batched_steps"] == r["alone_steps"]
 
 
 def _baselines(rank, out):
-    from setdiff_dist.inference.decoder import BaselineDecoder, Sampling
+    from setdiff_dist.inference.decoder import BaselineDecoder, Sampling, StopCriteria
     from setdiff_dist.parallel import initialize_model_parallel
 
     initialize_model_parallel(seed=0)
@@ -324,7 +332,18 @@ def _baselines(rank, out):
     m_empty = dec.mdlm(prompt, 8, sampling=greedy, right=[])
     m_infill = dec.mdlm(prompt, 3, sampling=greedy, right=[4, 4, 6])
     ar = dec.generate([prompt], 8, window=1, sampling=greedy)[0]
-    torch.save({"block": b.tokens, "block_steps": b.steps, "mdlm": m.tokens,
+    grid = dec.block(prompt + [3], 8, block_size=4, threshold=0.0, sampling=greedy)
+    stopped = dec.block(prompt, 8, block_size=4, sampling=greedy,
+                        stop=StopCriteria(max_repeat_run=1))
+    many = [prompt, prompt + [3, 1], prompt[:1], prompt + [3]]
+    alone = [dec.block(p, 7, block_size=4, threshold=0.5, sampling=greedy) for p in many]
+    batched = dec.blocks(many, 7, block_size=4, threshold=0.5, sampling=greedy)
+    torch.save({"alone": [a.tokens for a in alone], "batched": [b.tokens for b in batched],
+                "alone_steps": [a.steps for a in alone],
+                "batched_steps": [b.steps for b in batched], "grid": grid.tokens,
+                "grid_steps": grid.steps, "stopped": stopped.tokens,
+                "stopped_steps": stopped.steps, "block": b.tokens, "block_steps": b.steps,
+                "mdlm": m.tokens,
                 "mdlm_steps": m.steps, "mdlm_fast_steps": fast.steps, "block1": b1.tokens,
                 "ar": ar.tokens, "mdlm_empty": m_empty.tokens, "mdlm_infill": len(m_infill.tokens),
                 "mdlm_infill_steps": m_infill.steps}, out / "baselines.pt")

@@ -44,3 +44,48 @@ def test_quick_study_runs_end_to_end(tmp_path):
                             str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "trained in" in again.stdout
     assert json.loads((tmp_path / "results.json").read_text())["eval"] == ev
+
+
+def test_quick_task_study_runs_end_to_end(tmp_path):
+    """benchmarks/paper_mini_task.py --quick: one pretraining run, three fine-tunes from it,
+    the tau sweep on held-out problems, the verdicts, plots and report."""
+    res = subprocess.run([sys.executable, "benchmarks/paper_mini_task.py", "--quick", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["train"]) == {"pretrain", "ft-ar", "ft-setdlm-d4", "ft-bd3lm-4"}
+    # the three fine-tunes had one budget and started from the pretrained weights
+    ft = [t for n, t in results["train"].items() if n.startswith("ft-")]
+    assert len({t["steps"] for t in ft}) == 1
+    for name in ("ar", "setdlm-d4", "bd3lm-4"):
+        log = (tmp_path / "runs" / f"ft-{name}.log").read_text()
+        assert "runs/pretrain" in log, log[-2000:]
+    # held-out problems: none of the test questions is a training question
+    data = tmp_path / "data"
+    train = (data / "task-train.jsonl").read_text().splitlines()
+    seen = {json.loads(x)["prompt"] for x in train}
+    test = [json.loads(x) for x in (data / "task-test.jsonl").read_text().splitlines()]
+    assert test and not seen & {r["prompt"] for r in test}
+    ev = results["eval"]
+    assert [r["tau"] for r in ev["ar"]["sweep"]] == [math.inf]
+    for name in ("setdlm-d4", "bd3lm-4"):
+        assert [r["tau"] for r in ev[name]["sweep"]] == [math.inf, 0.99, 0.95, 0.9, 0.8, 0.7,
+                                                         0.6]
+        assert ev[name]["sweep"][0]["tokens_per_step"] <= 1.0 + 1e-9
+    for name, e in ev.items():
+        for r in e["sweep"]:
+            assert 0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0
+            assert 0 <= r["batch_accuracy"] <= 1 and r["batch_tokens_per_s"] > 0
+    assert len(results["claims"]) == 4
+    for png in ("pareto.png", "steps.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    assert "## Claims" in (tmp_path / "report.md").read_text()
+
+
+def test_the_frontier_compares_best_accuracy_at_least_as_fast():
+    sys.path.insert(0, "benchmarks")
+    import paper_mini_task as t
+
+    pts = [(10.0, 0.9), (20.0, 0.8), (30.0, 0.5)]
+    assert t.frontier(pts, 5) == 0.9 and t.frontier(pts, 15) == 0.8
+    assert t.frontier(pts, 30) == 0.5 and t.frontier(pts, 31) == -math.inf

@@ -468,17 +468,17 @@ class SetDecoder:
 
 
 class BaselineDecoder(SetDecoder):
-    """The two diffusion baselines, through the same model, sampling and acceptance rule (batch
-    of one, as the papers measure):
+    """The two diffusion baselines, through the same model, sampling and acceptance rule:
 
-    - :meth:`block` (BD3LM): blocks of ``block_size`` left to right; inside a block every step
-      re-runs the whole block as the noisy copy (decoded tokens as ids, the rest [MASK]) over the
-      cache, bidirectionally. A finished block enters the cache as clean tokens inside the next
+    - :meth:`blocks` (BD3LM; a batch, :meth:`block` for one prompt): blocks of
+      ``block_size`` on the training grid, left to right; inside a block every step re-runs the
+      whole block as the noisy copy (decoded tokens as ids, the rest [MASK]) over the cache,
+      bidirectionally. A finished block enters the cache as clean tokens inside the next
       block's first pass (and the prompt inside the first block's), as the reference code does:
       one forward per denoising step, no pass of its own. The cache grows once per block, not
       per step.
-    - :meth:`mdlm` (MDLM): no cache; every step runs the clean prompt and the whole noisy
-      continuation again.
+    - :meth:`mdlm` (MDLM, a batch of one): no cache; every step runs the clean prompt and the
+      whole noisy continuation again.
     """
 
     def _forward(self, cache, tokens, positions, own, commit):
@@ -497,41 +497,100 @@ class BaselineDecoder(SetDecoder):
         return self._full_vocab(logits)[:, 0].float().cpu()  # [n, V]
 
     def block(self, prompt: list[int], max_new_tokens: int, block_size: int,
-              threshold: float = math.inf, sampling: Sampling = Sampling()) -> Result:
-        if not prompt:
-            raise DecodeError("the prompt is empty")
+              threshold: float = math.inf, sampling: Sampling = Sampling(),
+              stop: StopCriteria = StopCriteria()) -> Result:
+        """:meth:`blocks` for one prompt."""
+        return self.blocks([prompt], max_new_tokens, block_size, threshold, sampling, stop)[0]
+
+    def blocks(self, prompts: list[list[int]], max_new_tokens: int, block_size: int,
+               threshold: float = math.inf, sampling: Sampling = Sampling(),
+               stop: StopCriteria = StopCriteria()) -> list[Result]:
+        """Block decoding of a batch. Blocks lie on the training grid, ``[k B, (k + 1) B)`` in
+        absolute positions (the block order's sets): after a prompt of ``P`` tokens the first
+        block is ``[P, ceil(P / B) B)``, the rest of the block the prompt occupies. Each row
+        keeps its own blocks (prompts may differ in length); one forward per step serves all
+        rows, padded. Stop criteria are checked on each row's committed prefix after every
+        step; a stopped row idles while the others finish."""
+        N, bs = max_new_tokens, block_size
+        if N < 1 or bs < 1:
+            raise DecodeError(f"max_new_tokens ({N}) and block_size ({bs}) must be at least 1")
+        samples, plan = [], []
+        for i, p in enumerate(prompts):
+            if not p:
+                raise DecodeError(f"prompt {i} is empty")
+            P = len(p)
+            if P + N > self.context:
+                raise DecodeError(f"prompt {i}: {P} + {N} tokens exceed the model's context of "
+                                  f"{self.context}")
+            samples.append(_Sample(tokens=list(p) + [None] * N, region=list(range(P, P + N)),
+                                   prompt_len=P))
+            first = -(-P // bs) * bs
+            starts = ([P] if first > P else []) + list(range(first, P + N, bs))
+            # clean tokens waiting to enter the cache, with their own attention pattern: the
+            # prompt (causal), then each finished block (a set)
+            plan.append({"blocks": [list(range(b0, min((b0 // bs + 1) * bs, P + N)))
+                                    for b0 in starts], "k": 0, "pending": list(range(P)),
+                         "own": torch.ones(P, P).tril().bool()})
+        B = len(samples)
         gen = torch.Generator().manual_seed(sampling.seed)
-        s = _Sample(tokens=list(prompt) + [None] * max_new_tokens,
-                    region=list(range(len(prompt), len(prompt) + max_new_tokens)),
-                    prompt_len=len(prompt))
-        cache = KVCache(self.model.config.num_layers, 1, self.device)
+        cache = KVCache(self.model.config.num_layers, B, self.device)
         start = time.perf_counter()
-        P = len(prompt)
-        # clean tokens waiting to enter the cache, with their own attention pattern: the prompt
-        # (causal), then each finished block (in-block attention: a set)
-        pending, pending_own = list(range(P)), torch.ones(P, P).tril().bool()
-        for b0 in range(P, P + max_new_tokens, block_size):
-            block = list(range(b0, min(b0 + block_size, P + max_new_tokens)))
-            n = len(block)
-            while any(s.tokens[p] is None for p in block):
-                ids = [self.mask_id if s.tokens[p] is None else s.tokens[p] for p in block]
-                c = len(pending)
+        while not all(s.done for s in samples):
+            rows = [([], torch.ones(0, 0, dtype=torch.bool), []) if s.done else
+                    (st["pending"], st["own"], st["blocks"][st["k"]])
+                    for s, st in zip(samples, plan)]
+            C = max(len(r[0]) for r in rows)
+            Q = max(len(r[2]) for r in rows)
+            n = C + Q
+            tok_rows, pos_rows, val_rows = [], [], []
+            own = torch.zeros(B, n, n, dtype=torch.bool)
+            for b, (s, (pend, pend_own, block)) in enumerate(zip(samples, rows)):
+                c, q = len(pend), len(block)
+                tok_rows.append([s.tokens[p] for p in pend] + [self.mask_id] * (C - c)
+                                + [self.mask_id if s.tokens[p] is None else s.tokens[p]
+                                   for p in block] + [self.mask_id] * (Q - q))
+                pos_rows.append(pend + [0] * (C - c) + block + [0] * (Q - q))
+                val_rows.append([True] * c + [False] * (C - c) + [True] * q + [False] * (Q - q))
                 # the pending clean tokens see the cache and their own pattern; the noisy block
                 # sees them and itself, bidirectionally; only the clean ones are cached
-                own = torch.zeros(c + n, c + n, dtype=torch.bool)
-                own[:c, :c] = pending_own
-                own[c:, :] = True
-                logits = self._forward(cache, [s.tokens[p] for p in pending] + ids,
-                                       pending + block, own, [True] * c + [False] * n)[c:]
-                pending, pending_own = [], torch.ones(0, 0, dtype=torch.bool)
+                own[b, :c, :c] = pend_own
+                own[b, C:C + q, :c] = True
+                own[b, C:C + q, C:C + q] = True
+            own |= torch.eye(n, dtype=torch.bool)  # (a padded slot attends itself: no empty row)
+            dev = self.device
+            tokens = torch.tensor(tok_rows, dtype=torch.long, device=dev)
+            positions = torch.tensor(pos_rows, dtype=torch.long, device=dev)
+            valid = torch.tensor(val_rows, dtype=torch.bool, device=dev)
+            cache.reserve(n)
+            allowed = torch.cat([cache.valid[:, None, :].expand(B, n, cache.length)
+                                 & valid[:, :, None], own.to(dev)], dim=2)
+            with torch.no_grad(), decode_step(cache, allowed):
+                logits = self.model(tokens, positions, None, logits_from=C)
+            cache.commit(valid[:, :C], positions[:, :C], leading=True)
+            logits = self._full_vocab(logits).transpose(0, 1).float().cpu()  # [B, Q, V]
+            for b, (s, st) in enumerate(zip(samples, plan)):
+                if s.done:
+                    continue
+                block = st["blocks"][st["k"]]
+                st["pending"], st["own"] = [], torch.ones(0, 0, dtype=torch.bool)
                 masked = [j for j, p in enumerate(block) if s.tokens[p] is None]
-                picks = self._choose(logits[masked], [block[j] for j in masked], s, sampling,
+                picks = self._choose(logits[b, masked], [block[j] for j in masked], s, sampling,
                                      gen, threshold)
                 s.commit([(p, t) for p, t, _ in picks])
                 s.steps += 1
-            pending, pending_own = block, torch.ones(n, n, dtype=torch.bool)
-        ids = [s.tokens[p] for p in s.region]
-        return Result(ids, self.tok.decode(ids), s.steps, time.perf_counter() - start)
+                self._check_stop(s, stop)
+                if all(s.tokens[p] is not None for p in block):
+                    st["k"] += 1
+                    st["pending"], st["own"] = block, torch.ones(len(block), len(block),
+                                                                 dtype=torch.bool)
+                    s.done = s.done or st["k"] == len(st["blocks"])
+        seconds = time.perf_counter() - start
+        out = []
+        for s in samples:
+            end = s.end if s.end is not None else s.region[-1] + 1
+            ids = [s.tokens[p] for p in s.region if p < end]
+            out.append(Result(ids, self.tok.decode(ids), s.steps, seconds))
+        return out
 
     def mdlm(self, prompt: list[int], max_new_tokens: int, threshold: float = math.inf,
              sampling: Sampling = Sampling(), right: Optional[list[int]] = None) -> Result:
