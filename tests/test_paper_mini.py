@@ -72,7 +72,7 @@ def test_quick_task_study_runs_end_to_end(tmp_path):
         assert [r["tau"] for r in ev[name]["sweep"]] == [math.inf, 0.99, 0.95, 0.9, 0.8, 0.7,
                                                          0.6]
         assert ev[name]["sweep"][0]["tokens_per_step"] <= 1.0 + 1e-9
-    for name, e in ev.items():
+    for e in ev.values():
         for r in e["sweep"]:
             assert 0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0
             assert 0 <= r["batch_accuracy"] <= 1 and r["batch_tokens_per_s"] > 0
