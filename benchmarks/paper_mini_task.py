@@ -219,6 +219,45 @@ def evaluate(out: str, m: pm.Model, task: dict, budget: TaskBudget) -> dict:
     return res
 
 
+def breakdown(out: str, task: dict, budget: TaskBudget) -> dict:
+    """Where the models fail: accuracy by operand count and the first wrong solution line, for
+    AR, SetDLM (tau = inf and 0.9) and BD3LM (tau = inf). Greedy decoding is deterministic, so
+    these are the study's outputs (the totals equal its accuracies); batch 8."""
+    from setdiff_dist.eval.tasks import GSM_STOP, _answer
+    from setdiff_dist.inference.decoder import BaselineDecoder, SetDecoder, StopCriteria
+    from setdiff_dist.inference.weights import build_inference_model
+
+    problems = [json.loads(x) for x in open(task["test"])]
+    res = {}
+    for m, tau in ((MODELS[0], math.inf), (MODELS[1], math.inf), (MODELS[1], 0.9),
+                   (MODELS[2], math.inf)):
+        model, _, tok = build_inference_model(os.path.join(out, "runs", f"ft-{m.name}"))
+        dec = (SetDecoder(model, tok, context=2 * budget.seq_len, mode="causal")
+               if m.decoder == "causal" else SetDecoder(model, tok, context=2 * budget.seq_len)
+               if m.decoder == "set" else BaselineDecoder(model, tok, context=2 * budget.seq_len))
+        stop = StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
+        prompts = [tok.encode(p["prompt"]) for p in problems]
+        outs = []
+        for i in range(0, len(prompts), budget.batch):
+            outs += _generate(dec, m, prompts[i:i + budget.batch],
+                              task["solution_tokens_max"] + 8, tau, stop)
+        by, first = {}, {}
+        for p, r in zip(problems, outs):
+            ref, got = p["completion"].split("\n"), r.text.split("\n")
+            ok = _answer(r.text) == p["answer"]
+            n = str(len(ref))  # operands (one line per operation, and the answer line)
+            by.setdefault(n, [0, 0])[0] += ok
+            by[n][1] += 1
+            if not ok:
+                k = next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref) - 1)
+                key = "answer line" if k >= len(ref) - 1 else f"operation {k + 1}"
+                first[key] = first.get(key, 0) + 1
+        res[f"{m.name} tau={tau:g}"] = {"correct_by_operands": by, "first_wrong_line": first}
+        log(f"breakdown {m.name} tau={tau:g}: {by} {first}")
+    pm._save(os.path.join(out, "breakdown.json"), res)
+    return res
+
+
 # -- verdicts, plots, report -----------------------------------------------------------------------
 
 def frontier(points: list[tuple[float, float]], x: float) -> float:
@@ -354,6 +393,8 @@ def report(out: str, results: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also: accuracy by operand count and the first wrong line")
     args, out = pm.study_dir(ap, argv, "paper-mini-task")
     budget = QUICK if args.quick else FULL
     start, timings = time.perf_counter(), {}
@@ -376,6 +417,8 @@ def main(argv=None) -> int:
     for m in MODELS:
         evaluated[m.name] = evaluate(out, m, task, budget)
         timings[f"eval {m.name}"] = evaluated[m.name]["seconds"]
+    if args.breakdown:
+        breakdown(out, task, budget)
     destroy_model_parallel()
     results = {"mode": "quick" if args.quick else "full", "machine": pm.machine(),
                "budget": asdict(budget), "task": task, "train": trained, "eval": evaluated,

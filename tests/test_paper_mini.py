@@ -49,8 +49,9 @@ def test_quick_study_runs_end_to_end(tmp_path):
 def test_quick_task_study_runs_end_to_end(tmp_path):
     """benchmarks/paper_mini_task.py --quick: one pretraining run, three fine-tunes from it,
     the tau sweep on held-out problems, the verdicts, plots and report."""
-    res = subprocess.run([sys.executable, "benchmarks/paper_mini_task.py", "--quick", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=900)
+    res = subprocess.run([sys.executable, "benchmarks/paper_mini_task.py", "--quick",
+                          "--breakdown", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["train"]) == {"pretrain", "ft-ar", "ft-setdlm-d4", "ft-bd3lm-4"}
@@ -80,6 +81,12 @@ def test_quick_task_study_runs_end_to_end(tmp_path):
     for png in ("pareto.png", "steps.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     assert "## Claims" in (tmp_path / "report.md").read_text()
+    # the breakdown counts the same greedy outputs: its totals are the sweep's accuracies
+    parts = json.loads((tmp_path / "breakdown.json").read_text())
+    for key, name, i in (("ar tau=inf", "ar", 0), ("setdlm-d4 tau=0.9", "setdlm-d4", 3),
+                         ("bd3lm-4 tau=inf", "bd3lm-4", 0)):
+        by = parts[key]["correct_by_operands"].values()
+        assert sum(n for n, _ in by) / sum(t for _, t in by) == ev[name]["sweep"][i]["accuracy"]
 
 
 def test_the_frontier_compares_best_accuracy_at_least_as_fast():
