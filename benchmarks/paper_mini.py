@@ -217,12 +217,12 @@ def distinct(samples: list[list[int]], n: int) -> float:
     return len(grams) / max(sum(grams.values()), 1)
 
 
-def _decoders(model, tok, m: Model):
+def _decoders(model, tok, m: Model, context: int = 128):
     from setdiff_dist.inference.decoder import BaselineDecoder, SetDecoder
 
     if m.decoder == "causal":
-        return SetDecoder(model, tok, context=128, mode="causal")
-    return BaselineDecoder(model, tok, context=128)
+        return SetDecoder(model, tok, context=context, mode="causal")
+    return BaselineDecoder(model, tok, context=context)  # (a SetDecoder too: set decoding)
 
 
 def _decode(dec, m: Model, prompt, n, tau, sampling, right=None):

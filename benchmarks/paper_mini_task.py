@@ -165,7 +165,7 @@ def _generate(dec, m: pm.Model, prompts, n, tau, stop):
 
 def evaluate(out: str, m: pm.Model, task: dict, budget: TaskBudget) -> dict:
     from setdiff_dist.eval.tasks import GSM_STOP, _answer
-    from setdiff_dist.inference.decoder import BaselineDecoder, SetDecoder, StopCriteria
+    from setdiff_dist.inference.decoder import StopCriteria
     from setdiff_dist.inference.weights import build_inference_model
 
     path = os.path.join(out, "runs", f"ft-{m.name}.eval.json")
@@ -173,10 +173,7 @@ def evaluate(out: str, m: pm.Model, task: dict, budget: TaskBudget) -> dict:
         return json.load(open(path))
     t0 = time.perf_counter()
     model, cfg, tok = build_inference_model(os.path.join(out, "runs", f"ft-{m.name}"))
-    context = 2 * budget.seq_len
-    dec = (SetDecoder(model, tok, context=context, mode="causal") if m.decoder == "causal"
-           else SetDecoder(model, tok, context=context) if m.decoder == "set"
-           else BaselineDecoder(model, tok, context=context))
+    dec = pm._decoders(model, tok, m, context=2 * budget.seq_len)
     stop = StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
     problems = [json.loads(x) for x in open(task["test"])]
     prompts = [tok.encode(p["prompt"]) for p in problems]
@@ -224,7 +221,7 @@ def breakdown(out: str, task: dict, budget: TaskBudget) -> dict:
     AR, SetDLM (tau = inf and 0.9) and BD3LM (tau = inf). Greedy decoding is deterministic, so
     these are the study's outputs (the totals equal its accuracies); batch 8."""
     from setdiff_dist.eval.tasks import GSM_STOP, _answer
-    from setdiff_dist.inference.decoder import BaselineDecoder, SetDecoder, StopCriteria
+    from setdiff_dist.inference.decoder import StopCriteria
     from setdiff_dist.inference.weights import build_inference_model
 
     problems = [json.loads(x) for x in open(task["test"])]
@@ -232,9 +229,7 @@ def breakdown(out: str, task: dict, budget: TaskBudget) -> dict:
     for m, tau in ((MODELS[0], math.inf), (MODELS[1], math.inf), (MODELS[1], 0.9),
                    (MODELS[2], math.inf)):
         model, _, tok = build_inference_model(os.path.join(out, "runs", f"ft-{m.name}"))
-        dec = (SetDecoder(model, tok, context=2 * budget.seq_len, mode="causal")
-               if m.decoder == "causal" else SetDecoder(model, tok, context=2 * budget.seq_len)
-               if m.decoder == "set" else BaselineDecoder(model, tok, context=2 * budget.seq_len))
+        dec = pm._decoders(model, tok, m, context=2 * budget.seq_len)
         stop = StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
         prompts = [tok.encode(p["prompt"]) for p in problems]
         outs = []

@@ -27,6 +27,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Optional, Sequence
 
 import torch
@@ -154,6 +155,11 @@ class _Sample:
             self.tokens[pos] = tok
         self.committed += len(picks)
 
+    def output(self) -> list:
+        """The generated token ids, up to a stop (the stop marker excluded)."""
+        end = self.end if self.end is not None else self.region[-1] + 1
+        return [self.tokens[p] for p in self.region if p < end and self.tokens[p] is not None]
+
 
 @dataclass
 class Result:
@@ -254,8 +260,7 @@ class SetDecoder:
         seconds = time.perf_counter() - start
         results = []
         for s in samples:
-            end = s.end if s.end is not None else s.region[-1] + 1
-            ids = [s.tokens[p] for p in s.region if p < end and s.tokens[p] is not None]
+            ids = s.output()
             results.append(Result(ids, self.tok.decode(ids), s.steps, seconds,
                                   trace=[[p for p, _ in step] for step in s.trace],
                                   trace_confidence=[[c for _, c in step] for step in s.trace]))
@@ -524,12 +529,12 @@ class BaselineDecoder(SetDecoder):
                                   f"{self.context}")
             samples.append(_Sample(tokens=list(p) + [None] * N, region=list(range(P, P + N)),
                                    prompt_len=P))
-            first = -(-P // bs) * bs
-            starts = ([P] if first > P else []) + list(range(first, P + N, bs))
-            # clean tokens waiting to enter the cache, with their own attention pattern: the
-            # prompt (causal), then each finished block (a set)
-            plan.append({"blocks": [list(range(b0, min((b0 // bs + 1) * bs, P + N)))
-                                    for b0 in starts], "k": 0, "pending": list(range(P)),
+            # the region's positions grouped by their block k = p // B; and the clean tokens
+            # waiting to enter the cache, with their own attention pattern: the prompt
+            # (causal), then each finished block (a set)
+            plan.append({"blocks": [list(g) for _, g in groupby(range(P, P + N),
+                                                                 key=lambda p: p // bs)],
+                         "k": 0, "pending": list(range(P)),
                          "own": torch.ones(P, P).tril().bool()})
         B = len(samples)
         gen = torch.Generator().manual_seed(sampling.seed)
@@ -587,8 +592,7 @@ class BaselineDecoder(SetDecoder):
         seconds = time.perf_counter() - start
         out = []
         for s in samples:
-            end = s.end if s.end is not None else s.region[-1] + 1
-            ids = [s.tokens[p] for p in s.region if p < end]
+            ids = s.output()
             out.append(Result(ids, self.tok.decode(ids), s.steps, seconds))
         return out
 
