@@ -13,8 +13,9 @@ DATA=data/tiny-cpu
 #    metrics, tensorboard and checkpoints go to runs/tiny-cpu (resume=auto continues a run)
 setdiff-train --nproc-per-node 2 --config configs/tiny-cpu.yaml "$@"
 RUN=$(setdiff-config --config configs/tiny-cpu.yaml "$@" | sed -n 's/^run_dir: //p')
-# 4. decode from the checkpoint with the KV-cached set decoder (window 8, threshold 0.5)
+# 4. decode from the checkpoint as its order trained: the KV-cached set decoder with the
+#    config's window (decode.window: 8), threshold 0.5; a block model decodes its own blocks
 setdiff-generate --checkpoint "$RUN" --prompt "Shall I compare thee" --max-new-tokens 48 \
-    --window 8 --threshold 0.5 --temperature 0.8 --top-p 0.9 --seed 0
+    --threshold 0.5 --temperature 0.8 --top-p 0.9 --seed 0
 setdiff-eval --checkpoint "$RUN" --task ppl --out "$RUN/eval_ppl.json" > /dev/null
 echo "[main] checkpoint: $RUN/checkpoints/$(cat "$RUN/checkpoints/latest"); metrics: $RUN/metrics.jsonl; tensorboard --logdir $RUN/tensorboard" >&2

@@ -312,6 +312,21 @@ def test_block_and_mdlm_baselines_decode_through_the_same_model(tmp_path):
     # a batch of prompts of different lengths (each on its own grid, padded into one forward
     # per step) decodes what each prompt decodes alone
     assert r["batched"] == r["alone"] and r["batched_steps"] == r["alone_steps"]
+    # a checkpoint decodes as its order trained (decoder_for: what setdiff-generate, -eval and
+    # the harness use): a block model's generate() is blocks(), its window must be the block,
+    # and it cannot infill; an MDLM's generate() and infill() are the MDLM sampler, its stop
+    # criteria applied to the decoded span
+    assert r["kinds"] == {"causal": "causal", "staggered": "set", "autoregressive": "set",
+                          "block": "block", "masked": "mdlm"}
+    assert r["block_generate"] == r["batched"] and r["block_generate_steps"] == r["batched_steps"]
+    assert "order.block_size = 4" in r["block_window_error"]
+    assert "cannot condition on the right context" in r["block_infill_error"]
+    assert r["mdlm_generate"] == [r["mdlm"], r["mdlm2"]] and r["mdlm_infill_generic"] == \
+        r["mdlm_infill_tokens"]
+    assert r["mdlm_stopped"] == r["mdlm"][:1]
+    # the baselines record which positions each step committed, as set decoding does
+    assert all(sorted(p for step in t for p in step) == list(range(4, 12)) and len(t) == 8
+               for t in r["traces"])
 
 
 def _baselines(rank, out):
@@ -338,7 +353,37 @@ def _baselines(rank, out):
     many = [prompt, prompt + [3, 1], prompt[:1], prompt + [3]]
     alone = [dec.block(p, 7, block_size=4, threshold=0.5, sampling=greedy) for p in many]
     batched = dec.blocks(many, 7, block_size=4, threshold=0.5, sampling=greedy)
-    torch.save({"alone": [a.tokens for a in alone], "batched": [b.tokens for b in batched],
+    from setdiff_dist.config import load_config
+    from setdiff_dist.inference.decoder import DecodeError, decoder_for
+
+    kinds = {k: decoder_for(block_model, Chars(), load_config(None, [
+        f"order.kind={k}", f"data.seq_len={L}"])).decoding
+        for k in ("causal", "staggered", "autoregressive", "block", "masked")}
+    blk = decoder_for(block_model, Chars(), load_config(None, [
+        "order.kind=block", "order.block_size=4", f"data.seq_len={L}"]))
+    block_generate = blk.generate(many, 7, window=4, threshold=0.5, sampling=greedy)
+    errors = {}
+    for name, call in (("window", lambda: blk.generate([prompt], 8, window=2)),
+                       ("infill", lambda: blk.infill([prompt], [[4]], [2], window=2))):
+        try:
+            call()
+        except DecodeError as exc:
+            errors[name] = str(exc)
+    mdl = decoder_for(block_model, Chars(), load_config(None, ["order.kind=masked",
+                                                               f"data.seq_len={L}"]))
+    mdlm_generate = mdl.generate([prompt, prompt + [3]], 8, window=None, sampling=greedy)
+    mdlm_stopped = mdl.generate([prompt], 8, window=None, sampling=greedy,
+                                stop=StopCriteria(max_repeat_run=1))[0]
+    mdlm_infill = mdl.infill([prompt], [[4, 4, 6]], [3], window=None, sampling=greedy)[0]
+    torch.save({"kinds": kinds, "block_generate": [r.tokens for r in block_generate],
+                "block_generate_steps": [r.steps for r in block_generate],
+                "block_window_error": errors.get("window", ""),
+                "block_infill_error": errors.get("infill", ""),
+                "mdlm_generate": [r.tokens for r in mdlm_generate],
+                "mdlm2": dec.mdlm(prompt + [3], 8, sampling=greedy).tokens,
+                "mdlm_stopped": mdlm_stopped.tokens, "mdlm_infill_generic": mdlm_infill.tokens,
+                "mdlm_infill_tokens": m_infill.tokens, "traces": [b.trace, m.trace],
+                "alone": [a.tokens for a in alone], "batched": [b.tokens for b in batched],
                 "alone_steps": [a.steps for a in alone],
                 "batched_steps": [b.steps for b in batched], "grid": grid.tokens,
                 "grid_steps": grid.steps, "stopped": stopped.tokens,

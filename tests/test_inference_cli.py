@@ -69,6 +69,28 @@ def test_same_greedy_output_at_any_tp_and_after_export(trained, tmp_path):
                             "--greedy", "--no-eos-stop"], capture_output=True, text=True)
     assert plain.returncode == 0 and "tokens/s" in plain.stderr and "tokens/step" in plain.stderr
     assert "tokens/s" not in plain.stdout
+    # a checkpoint decodes as its order trained: the same weights labelled a block model
+    # (order.kind=block, B = 4) decode blocks on the training grid, [4k, 4k + 4)
+    import yaml
+
+    block = tmp_path / "as-block"
+    shutil.copytree(export, block)
+    cfg = yaml.safe_load((block / "config.yaml").read_text())
+    cfg["order"].update(kind="block", block_size=4)
+    (block / "config.yaml").write_text(yaml.safe_dump(cfg))
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
+                          str(block), "--prompt", "Shall I compare thee", "--max-new-tokens",
+                          "12", "--threshold", "0.2", "--greedy", "--json", "--no-eos-stop"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["mode"] == "block" and out["window"] == 4 and len(out["tokens"][0]) == 12
+    assert all(len({p // 4 for p in step}) == 1 for step in out["trace"][0])
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
+                          str(block), "--prompt", "Love", "--window", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "its own blocks of order.block_size = 4" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_bad_checkpoints_are_named(trained, tmp_path):

@@ -148,6 +148,19 @@ def test_decode_defaults_come_from_the_checkpoint_config_then_the_preset_then_th
     args = ap.parse_args(["--preset", "gsm", "--window", "2", "--no-greedy", "--stop", "b"])
     d = decode_settings(cfg, args.preset, stop=args.stop, **decode_flags(args))
     assert d["window"] == 2 and d["greedy"] is False and d["stop"] == ["a", "b"]
+    # a block checkpoint decodes its own blocks (a preset's W is set decoding's); MDLM has no
+    # window; a flag that asks for another is refused
+    from setdiff_dist.inference.decoder import DecodeError
+
+    block = load_config(None, ["order.kind=block", "order.block_size=8", "data.seq_len=64"])
+    assert decode_settings(block, "infill")["window"] == 8
+    assert decode_settings(block, window=8)["window"] == 8
+    with pytest.raises(DecodeError, match="its own blocks of order.block_size = 8"):
+        decode_settings(block, window=4)
+    masked = load_config(None, ["order.kind=masked"])
+    assert decode_settings(masked)["window"] is None
+    with pytest.raises(DecodeError, match="has no window"):
+        decode_settings(masked, "gsm", window=4)
     assert decode_flags(ap.parse_args([]))["greedy"] is None  # not given: the config decides
 
 

@@ -16,6 +16,9 @@ perplexity for ``causal`` and ``autoregressive``); the shards default to the tra
 (``pip install 'setdiff-dist[eval]'``) through our lm_eval model class; its log-likelihoods are
 exact for causal LMs and, for set-diffusion models, the autoregressive order's (exact for W = 1
 decoding, a bound otherwise: the results say which); generation uses the decode flags.
+Generation decodes as the checkpoint's order trained: set decoding for staggered and
+autoregressive orders, cached AR for ``causal``, blocks of ``order.block_size`` on the training
+grid for ``block`` (BD3LM; it cannot infill) and MDLM's sampler for ``masked``.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from setdiff_dist.eval import tasks
-    from setdiff_dist.inference.decoder import Sampling, SetDecoder, check_text
+    from setdiff_dist.inference.decoder import DecodeError, Sampling, check_text, decoder_for
     from setdiff_dist.inference.settings import decode_settings
     from setdiff_dist.inference.weights import build_inference_model
 
@@ -102,8 +105,12 @@ def main(argv=None) -> int:
     model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
                                             dtype=inference_dtype(args.dtype),
                                             raw=args.raw_weights)
-    mode = "causal" if cfg.order.kind == "causal" else "set"
-    decoder = SetDecoder(model, tok, context=cfg.data.seq_len, mode=mode)
+    decoder = decoder_for(model, tok, cfg)
+    mode = decoder.decoding
+    if args.task == "infill" and mode == "block":
+        raise DecodeError("--task infill: a block-diffusion (BD3LM) checkpoint decodes left to "
+                          "right and cannot condition on the right context; infilling needs a "
+                          "staggered (SetDLM) or masked (MDLM) checkpoint")
     # each task's operating point from the paper, unless --preset says otherwise; evaluation
     # decodes greedily unless --no-greedy (reproducible numbers)
     flags = dict(decode_flags(args), greedy=True if args.greedy is None else args.greedy)
@@ -133,8 +140,8 @@ def main(argv=None) -> int:
     else:
         prompts = args.prompt or ["Shall I compare thee", "In the beginning", "O Romeo"]
         w = d["window"]
-        settings = [(1, math.inf), (w, math.inf), (w, 0.9), (w, 0.5)] if mode == "set" \
-            else [(1, math.inf)]
+        settings = {"set": [(1, math.inf), (w, math.inf), (w, 0.9), (w, 0.5)],
+                    "causal": [(1, math.inf)]}.get(mode, [(w, math.inf), (w, 0.9), (w, 0.5)])
         result = tasks.throughput(decoder, tok, prompts, d["max_new_tokens"], settings,
                                   sampling)
     import torch.distributed as dist

@@ -5,6 +5,10 @@
     setdiff-generate --checkpoint DIR --infill-left "..." --infill-right "..." --infill-length 12
     setdiff-generate --checkpoint DIR                      # unconditional (from end-of-text)
 
+A checkpoint decodes as its order trained (``inference.decoder.decoder_for``): set decoding,
+cached AR for ``order.kind=causal``, blocks of ``order.block_size`` on the training grid for
+``block`` (BD3LM, which cannot infill), MDLM's sampler for ``masked`` (no window).
+
 Decoding settings default to the checkpoint's ``decode`` section (its window, when unset, to the
 order's mean set size D); ``--preset gsm|infill`` applies the paper's operating points on top,
 and each flag overrides both.
@@ -63,9 +67,9 @@ def main(argv=None) -> int:
     from setdiff_dist.inference.decoder import (
         DecodeError,
         Sampling,
-        SetDecoder,
         StopCriteria,
         check_text,
+        decoder_for,
     )
     from setdiff_dist.inference.settings import decode_settings
     from setdiff_dist.inference.weights import build_inference_model
@@ -86,12 +90,13 @@ def main(argv=None) -> int:
     sampling = Sampling(greedy=d["greedy"], temperature=d["temperature"], top_p=d["top_p"],
                         repetition_penalty=d["repetition_penalty"], seed=args.seed)
     stop = StopCriteria(eos_id=None, stop=d["stop"], max_repeat_run=d["max_repeat_run"])
-    mode = "causal" if cfg.order.kind == "causal" else "set"
-    decoder = SetDecoder(model, tok, context=cfg.data.seq_len, mode=mode)
+    decoder = decoder_for(model, tok, cfg)
+    mode = decoder.decoding
     if args.infill_left is not None or args.infill_right is not None:
         results = decoder.infill([tok.encode(args.infill_left or "")],
                                  [tok.encode(args.infill_right or "")], [args.infill_length],
-                                 window=min(d["window"], args.infill_length),
+                                 window=min(d["window"] or args.infill_length,
+                                            args.infill_length),
                                  threshold=d["threshold"], sampling=sampling)
         prompts = [args.infill_left or ""]
     else:

@@ -7,10 +7,11 @@ request types on the inference engine, at any tensor-parallel size:
 - ``loglikelihood`` and ``loglikelihood_rolling``: :class:`setdiff_dist.eval.likelihood.Scorer`
   (exact for causal LMs; for set-diffusion models the autoregressive-order likelihood, exact for
   ``W = 1`` decoding and a bound otherwise: the results say which);
-- ``generate_until``: the set decoder (:class:`setdiff_dist.inference.decoder.SetDecoder`) with
-  the run's decode settings (window, threshold, ...: model arguments, or setdiff-eval's decode
-  flags), stopping at each request's ``until`` strings (cut from the text, as the harness
-  expects) or at ``max_gen_toks``.
+- ``generate_until``: the checkpoint's own decoder (``inference.decoder.decoder_for``: set
+  decoding, cached AR, BD3LM blocks or MDLM's sampler) with the run's decode settings (window,
+  threshold, ...: model arguments, or setdiff-eval's decode flags), stopping at each
+  request's ``until`` strings (cut from the text, as the harness expects) or at
+  ``max_gen_toks``.
 
 Under tensor parallelism every rank runs the same harness over the same requests (the harness
 sees one process: ranks split the model, not the data), and rank 0 reports. Offline use: a task
@@ -42,7 +43,7 @@ class SetdiffLM(TemplateLM):
         ``decode`` section and ``preset`` (window, threshold, greedy, temperature, top_p,
         repetition_penalty, max_new_tokens, max_repeat_run)."""
         super().__init__()
-        from setdiff_dist.inference.decoder import SetDecoder
+        from setdiff_dist.inference.decoder import decoder_for
         from setdiff_dist.inference.settings import DECODE_KEYS, decode_settings
 
         unknown = sorted(set(decode) - set(DECODE_KEYS))
@@ -62,8 +63,7 @@ class SetdiffLM(TemplateLM):
         self.scorer = Scorer(model, cfg, tok, int(batch_size))
         self.tok = tok
         self.decode = decode_settings(cfg, preset, **decode)
-        self.decoder = SetDecoder(model, tok, context=cfg.data.seq_len,
-                                  mode="causal" if cfg.order.kind == "causal" else "set")
+        self.decoder = decoder_for(model, tok, cfg)
 
     # -- what the harness asks of a token-level model ------------------------------------------
     @property
@@ -135,7 +135,13 @@ class SetdiffLM(TemplateLM):
                              "supported (until, max_gen_toks, do_sample, temperature, top_p "
                              "are); remove them from the task's generation_kwargs")
         window = d["window"]
-        keep = self.max_length - window  # a prompt and the first window fit the context
+        # a prompt and the first window fit the context (set decoding crops its cache past
+        # it); block and MDLM decoding need the whole continuation to fit as well
+        keep = self.max_length - (max_new if self.decoder.decoding in ("block", "mdlm")
+                                  else window)
+        if keep < 1:
+            raise ScoreError(f"max_gen_toks={max_new} leaves no room for a prompt in this "
+                             f"{self.decoder.decoding} model's context of {self.max_length}")
         prompts = [(self.tok.encode(c) or [self.tok.eos_id])[-keep:] for c in contexts]
         sampling = Sampling(greedy=greedy, temperature=temperature if not greedy else 1.0,
                             top_p=top_p, repetition_penalty=d["repetition_penalty"])

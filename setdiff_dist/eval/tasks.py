@@ -183,8 +183,8 @@ def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, thre
         left, middle, right = infill_window(tok, rec)
         n = len(middle)
         try:
-            r = decoder.infill([left], [right], [n], window=min(window, n), threshold=threshold,
-                               sampling=sampling)[0]
+            r = decoder.infill([left], [right], [n], window=min(window or n, n),
+                               threshold=threshold, sampling=sampling)[0]
         except DecodeError:  # longer than the model's context
             skipped += 1
             continue

@@ -160,6 +160,12 @@ class _Sample:
         end = self.end if self.end is not None else self.region[-1] + 1
         return [self.tokens[p] for p in self.region if p < end and self.tokens[p] is not None]
 
+    def result(self, tok, seconds: float) -> "Result":
+        ids = self.output()
+        return Result(ids, tok.decode(ids), self.steps, seconds,
+                      trace=[[p for p, _ in step] for step in self.trace],
+                      trace_confidence=[[c for _, c in step] for step in self.trace])
+
 
 @dataclass
 class Result:
@@ -188,6 +194,11 @@ class SetDecoder:
         self._last_logits: dict = {}  # position -> logits of the last call (keep_logits=True)
         self._patterns: dict = {}  # (commits, tokens) -> a step's own-token mask pattern
         self.vocab = model.vocab_size
+
+    @property
+    def decoding(self) -> str:
+        """What :meth:`generate` runs: "set", "causal" (AR), "block" (BD3LM) or "mdlm"."""
+        return self.mode
 
     # -- the public calls ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, window: int = 16,
@@ -258,13 +269,7 @@ class SetDecoder:
         while not all(s.done for s in samples):
             self._step(samples, cache, window, threshold, sampling, stop, order, gen, infill)
         seconds = time.perf_counter() - start
-        results = []
-        for s in samples:
-            ids = s.output()
-            results.append(Result(ids, self.tok.decode(ids), s.steps, seconds,
-                                  trace=[[p for p, _ in step] for step in s.trace],
-                                  trace_confidence=[[c for _, c in step] for step in s.trace]))
-        return results
+        return [s.result(self.tok, seconds) for s in samples]
 
     def _candidates(self, s, window, order, b):
         if s.finished():
@@ -484,7 +489,58 @@ class BaselineDecoder(SetDecoder):
       per step.
     - :meth:`mdlm` (MDLM, a batch of one): no cache; every step runs the clean prompt and the
       whole noisy continuation again.
+
+    With ``trained_as`` ("block" or "masked": the checkpoint's ``order.kind``), :meth:`generate`
+    and :meth:`infill` decode as that order trained (:func:`decoder_for`): blocks of
+    ``block_size`` on the grid, or MDLM's sampler; without it they are set decoding.
     """
+
+    def __init__(self, model, tokenizer, *, context: int, trained_as: Optional[str] = None,
+                 block_size: int = 4, keep_logits: bool = False):
+        super().__init__(model, tokenizer, context=context, keep_logits=keep_logits)
+        if trained_as not in (None, "block", "masked"):
+            raise ValueError(f"unknown baseline {trained_as!r}")
+        self.trained_as, self.block_size = trained_as, block_size
+
+    @property
+    def decoding(self) -> str:
+        return {"block": "block", "masked": "mdlm"}.get(self.trained_as, self.mode)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, window: int = 16,
+                 threshold: float = math.inf, sampling: Sampling = Sampling(),
+                 stop: StopCriteria = StopCriteria(), order: Optional[list[list[int]]] = None
+                 ) -> list[Result]:
+        """As the checkpoint's order decodes: ``window`` must be the block size for a block
+        model (its blocks are its sets) and is unused by MDLM (every masked position is a
+        candidate at every step)."""
+        if self.trained_as is None or order is not None:
+            return super().generate(prompts, max_new_tokens, window, threshold, sampling, stop,
+                                    order)
+        if self.trained_as == "block":
+            if window != self.block_size:
+                raise DecodeError(f"window {window}: a block-diffusion (BD3LM) checkpoint "
+                                  f"decodes its own blocks of order.block_size = "
+                                  f"{self.block_size}; use --window {self.block_size} or leave "
+                                  "it unset")
+            return self.blocks(prompts, max_new_tokens, self.block_size, threshold, sampling,
+                               stop)
+        return [self.mdlm(p, max_new_tokens, threshold, sampling, stop=stop) for p in prompts]
+
+    def infill(self, left: list[list[int]], right: list[list[int]], middle_len: list[int],
+               window: int = 16, threshold: float = math.inf, sampling: Sampling = Sampling(),
+               order=None) -> list[Result]:
+        """MDLM fills the span seeing both contexts; a block model cannot see the right one."""
+        if self.trained_as is None or order is not None:
+            return super().infill(left, right, middle_len, window, threshold, sampling, order)
+        if self.trained_as == "block":
+            raise DecodeError("a block-diffusion (BD3LM) checkpoint decodes left to right and "
+                              "cannot condition on the right context: infilling needs a "
+                              "staggered (SetDLM) or masked (MDLM) checkpoint")
+        for i, n in enumerate(middle_len):
+            if n < 1:
+                raise DecodeError(f"infill {i}: the middle must have at least one token")
+        return [self.mdlm(lt, n, threshold, sampling, right=rt)
+                for lt, rt, n in zip(left, right, middle_len)]
 
     def _forward(self, cache, tokens, positions, own, commit):
         """One pass over ``tokens``; ``commit``: whether the cache keeps them (a bool, or one
@@ -582,6 +638,7 @@ class BaselineDecoder(SetDecoder):
                 picks = self._choose(logits[b, masked], [block[j] for j in masked], s, sampling,
                                      gen, threshold)
                 s.commit([(p, t) for p, t, _ in picks])
+                s.trace.append(sorted((p, c) for p, _, c in picks))
                 s.steps += 1
                 self._check_stop(s, stop)
                 if all(s.tokens[p] is not None for p in block):
@@ -590,17 +647,16 @@ class BaselineDecoder(SetDecoder):
                                                                  dtype=torch.bool)
                     s.done = s.done or st["k"] == len(st["blocks"])
         seconds = time.perf_counter() - start
-        out = []
-        for s in samples:
-            ids = s.output()
-            out.append(Result(ids, self.tok.decode(ids), s.steps, seconds))
-        return out
+        return [s.result(self.tok, seconds) for s in samples]
 
     def mdlm(self, prompt: list[int], max_new_tokens: int, threshold: float = math.inf,
-             sampling: Sampling = Sampling(), right: Optional[list[int]] = None) -> Result:
+             sampling: Sampling = Sampling(), right: Optional[list[int]] = None,
+             stop: StopCriteria = StopCriteria()) -> Result:
         """MDLM's sampler; with ``right`` it infills ``max_new_tokens`` between ``prompt`` and
         ``right``, both given as context (revealed first, causal in position order, as the
-        training order treats context), which the masked span sees in full."""
+        training order treats context), which the masked span sees in full. The whole span is
+        decoded before ``stop`` is applied to it (MDLM has no left-to-right prefix to check
+        earlier)."""
         if not prompt:
             raise DecodeError("the prompt is empty")
         gen = torch.Generator().manual_seed(sampling.seed)
@@ -625,6 +681,19 @@ class BaselineDecoder(SetDecoder):
             masked = s.masked()
             picks = self._choose(logits[masked], masked, s, sampling, gen, threshold)
             s.commit([(p, t) for p, t, _ in picks])
+            s.trace.append(sorted((p, c) for p, _, c in picks))
             s.steps += 1
-        ids = [s.tokens[p] for p in s.region]
-        return Result(ids, self.tok.decode(ids), s.steps, time.perf_counter() - start)
+        self._check_stop(s, stop)
+        return s.result(self.tok, time.perf_counter() - start)
+
+
+def decoder_for(model, tokenizer, cfg, keep_logits: bool = False) -> SetDecoder:
+    """The decoder of the order a checkpoint trained with (``cfg.order.kind``): cached AR for
+    ``causal``, blocks on the training grid for ``block`` (BD3LM), MDLM's sampler for
+    ``masked``, set decoding for the set orders (staggered, autoregressive)."""
+    kind, context = cfg.order.kind, cfg.data.seq_len
+    if kind in ("block", "masked"):
+        return BaselineDecoder(model, tokenizer, context=context, trained_as=kind,
+                               block_size=cfg.order.block_size, keep_logits=keep_logits)
+    return SetDecoder(model, tokenizer, context=context, keep_logits=keep_logits,
+                      mode="causal" if kind == "causal" else "set")

@@ -15,15 +15,16 @@ DECODE_KEYS = ("window", "threshold", "greedy", "temperature", "top_p", "repetit
                "max_new_tokens", "max_repeat_run")
 
 
-def default_window(order_cfg) -> int:
+def default_window(order_cfg) -> Optional[int]:
     """W when neither the config nor a flag sets it: the mean set size D for staggered orders
-    (the paper's GSM point), the block size for block, 1 for AR and causal, 16 for masked."""
+    (the paper's GSM point), the block size for block, 1 for AR and causal, and None for
+    masked (MDLM's sampler has no window: every masked position is a candidate)."""
     kind = order_cfg.kind
     if kind == "staggered":
         return max(1, round(order_cfg.mean_set_size))
     if kind == "block":
         return order_cfg.block_size
-    return 16 if kind == "masked" else 1
+    return None if kind == "masked" else 1
 
 
 def largest_set(order_cfg) -> Optional[float]:
@@ -36,7 +37,9 @@ def largest_set(order_cfg) -> Optional[float]:
 def decode_settings(cfg, preset: Optional[str] = None, **flags) -> dict:
     """The decoding settings of a run: the checkpoint's ``decode`` section, then ``preset``
     (:data:`PRESETS`), then every flag that is not None; an unset window follows the order
-    (:func:`default_window`). A window past the order's S_max is allowed, with a note."""
+    (:func:`default_window`). A window past the order's S_max is allowed, with a note. A block
+    checkpoint's window is its block and an MDLM's is None, whatever the config or a preset
+    says (a ``--window`` flag that asks for another is an error)."""
     out = {k: getattr(cfg.decode, k) for k in DECODE_KEYS}
     out["stop"] = list(cfg.decode.stop)
     if preset is not None:
@@ -48,10 +51,22 @@ def decode_settings(cfg, preset: Optional[str] = None, **flags) -> dict:
     for k, v in flags.items():
         if v is not None:
             out[k] = out["stop"] + list(v) if k == "stop" else v
-    if out["window"] is None:
-        out["window"] = default_window(cfg.order)
     from setdiff_dist.errors import rank_and_world
-    from setdiff_dist.inference.decoder import check_threshold
+    from setdiff_dist.inference.decoder import DecodeError, check_threshold
+
+    # block and masked checkpoints decode as they trained (inference.decoder.decoder_for):
+    # a block model's window is its block, MDLM has none; only a flag can ask otherwise
+    kind, asked = cfg.order.kind, flags.get("window")
+    if kind == "block" and asked is not None and asked != cfg.order.block_size:
+        raise DecodeError(f"--window {asked}: a block-diffusion (BD3LM) checkpoint decodes its "
+                          f"own blocks of order.block_size = {cfg.order.block_size}; drop "
+                          "--window")
+    if kind == "masked" and asked is not None:
+        raise DecodeError(f"--window {asked}: an MDLM (order.kind=masked) checkpoint has no "
+                          "window (every masked position is a candidate at every step); drop "
+                          "--window")
+    if out["window"] is None or kind in ("block", "masked"):
+        out["window"] = default_window(cfg.order)
 
     check_threshold(out["threshold"])
     s_max = largest_set(cfg.order)
