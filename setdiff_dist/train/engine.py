@@ -235,9 +235,13 @@ def partitioned_construction(cfg):
     skip_deepspeed_shm_build()
     import deepspeed
 
+    dtype = compute_dtype(cfg.train.precision)
     construct = deepspeed.zero.Init(data_parallel_group=ps.get_data_parallel_group(
-                                        with_context_parallel=True),
-                                    dtype=compute_dtype(cfg.train.precision))
+                                        with_context_parallel=True), dtype=dtype)
+    # DeepSpeed 0.19's Init._set_dtype reads `dtype or fp16 if fp16_supported() else bf16 ...`,
+    # which drops the dtype we pass on an accelerator without fp16 (a CPU without AVX512-FP16):
+    # fp32 runs were built in bf16 there. Keep the dtype asked for.
+    construct.dtype = dtype
 
     def gathered(param):
         return deepspeed.zero.GatheredParameters([param], modifier_rank=0)
