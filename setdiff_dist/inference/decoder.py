@@ -200,6 +200,12 @@ class SetDecoder:
         """What :meth:`generate` runs: "set", "causal" (AR), "block" (BD3LM) or "mdlm"."""
         return self.mode
 
+    def check_infill(self) -> None:
+        """Raise if this model cannot condition on a right context (before any decoding)."""
+        if self.mode == "causal":
+            raise DecodeError("a causal LM cannot condition on the right context: infilling "
+                              "needs a set-diffusion model")
+
     # -- the public calls ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, window: int = 16,
                  threshold: float = math.inf, sampling: Sampling = Sampling(),
@@ -226,9 +232,7 @@ class SetDecoder:
                order=None) -> list[Result]:
         """Fill ``middle_len`` masked tokens between ``left`` and ``right``; both contexts are
         in the cache before the first step, and given tokens are never overwritten."""
-        if self.mode == "causal":
-            raise DecodeError("a causal LM cannot condition on the right context: infilling "
-                              "needs a set-diffusion model")
+        self.check_infill()
         samples, prefill = [], []
         for i, (lt, rt, n) in enumerate(zip(left, right, middle_len)):
             if n < 1:
@@ -506,6 +510,13 @@ class BaselineDecoder(SetDecoder):
     def decoding(self) -> str:
         return {"block": "block", "masked": "mdlm"}.get(self.trained_as, self.mode)
 
+    def check_infill(self) -> None:
+        if self.trained_as == "block":
+            raise DecodeError("a block-diffusion (BD3LM) checkpoint decodes left to right and "
+                              "cannot condition on the right context: infilling needs a "
+                              "staggered (SetDLM) or masked (MDLM) checkpoint")
+        super().check_infill()
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, window: int = 16,
                  threshold: float = math.inf, sampling: Sampling = Sampling(),
                  stop: StopCriteria = StopCriteria(), order: Optional[list[list[int]]] = None
@@ -532,10 +543,7 @@ class BaselineDecoder(SetDecoder):
         """MDLM fills the span seeing both contexts; a block model cannot see the right one."""
         if self.trained_as is None or order is not None:
             return super().infill(left, right, middle_len, window, threshold, sampling, order)
-        if self.trained_as == "block":
-            raise DecodeError("a block-diffusion (BD3LM) checkpoint decodes left to right and "
-                              "cannot condition on the right context: infilling needs a "
-                              "staggered (SetDLM) or masked (MDLM) checkpoint")
+        self.check_infill()
         for i, n in enumerate(middle_len):
             if n < 1:
                 raise DecodeError(f"infill {i}: the middle must have at least one token")
