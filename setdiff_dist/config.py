@@ -178,7 +178,9 @@ class TrainConfig:
                          choices=("delayed", "current"))
     log_interval: int = _f(10, "steps between metric lines", min=1)
     eval_interval: int = _f(0, "steps between validation NELBO runs; 0 = only at the end", min=0)
-    eval_batches: int = _f(8, "validation batches per evaluation", min=1)
+    eval_batches: int = _f(8, "validation global batches per evaluation: the first "
+                           "eval_batches x data.global_batch_size samples of the validation "
+                           "split (all of it when smaller), the same on every layout", min=1)
     ema_decay: float = _f(0.0, "keep an exponential moving average of the weights with this "
                           "decay (0.9999 in the paper's recipe; 0 = none): saved with each "
                           "checkpoint (weights_ema/) and what setdiff-generate / -eval / "
@@ -203,7 +205,8 @@ class CheckpointConfig:
                            "save)")
     checksums: bool = _f(True, "write each file's SHA-256 into the checkpoint's manifest and "
                          "check them at resume (the ranks share the hashing, about 1 GB/s "
-                         "each); false: sizes only")
+                         "each); false: sizes only (every other read of a checkpoint, "
+                         "init_from and inference, checks the SHA-256 of what it reads)")
     init_from_hf: str = _f("", "a local Hugging Face Llama / Qwen3 checkpoint directory "
                            "(config.json + safetensors) whose weights start the run when there is "
                            "no checkpoint to resume (resume takes precedence); the model.* keys "

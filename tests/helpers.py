@@ -23,6 +23,17 @@ def sonnet_shards(directory, tokenizer="bytes", seq_len=32, valid_every=4):
     return out
 
 
+def copy_run(run, where):
+    """A copy of a shared run directory (``where/run``, without its lock) that a test may
+    change."""
+    import shutil
+    from pathlib import Path
+
+    out = Path(where) / "run"
+    shutil.copytree(run, out, ignore=shutil.ignore_patterns(".setdiff.lock"))
+    return out
+
+
 def tree_hash(directory) -> str:
     """One SHA-256 over every file under ``directory``, names and contents: equal before and
     after a command that must write nothing."""

@@ -83,7 +83,8 @@ def test_a_blend_takes_each_corpus_in_its_proportion_and_each_sample_once_per_ep
         part = picks[window:window + 1000]
         assert abs(sum(1 for c, _ in part if c == 0) / 1000 - 0.3) < 0.01
     # weights that do not sum to 1 (the valid splits of some of the corpora) keep their ratio
-    assert Blend(blend.sets, [3.0, 7.0], blend.specs).counts == blend.counts == [3000, 7000]
+    assert Blend(blend.sets, [3.0, 7.0], blend.specs).counts == blend.counts == [3, 7]
+    assert blend.period == 10
     for c, s in enumerate(blend.sets):  # every sample of a corpus once before any repeats
         n = len(s)
         mine = [i for cc, i in picks if cc == c][:n]

@@ -89,7 +89,10 @@ def test_generation_is_the_same_at_tp1_and_tp2(runs, tmp_path):
     assert texts == [s["resps"][0][0] for s in two["samples"]["setdiff_gen"]]
     # `until` cuts the text (as the harness expects) and max_gen_toks bounds it
     assert not any("\n" in t or "." in t for t in texts)
-    assert one["decode"]["greedy"] is True
+    # the results report what the requests decoded with: the task's max_gen_toks and until
+    assert [{k: g[k] for k in ("max_new_tokens", "until", "greedy", "requests")}
+            for g in one["generation"]] == [{"max_new_tokens": 12, "until": ["\n", "."],
+                                             "greedy": True, "requests": 5}]
 
 
 def test_causal_export_scores_the_same_through_lm_evals_hf_model(runs, tmp_path):
@@ -172,6 +175,10 @@ def test_bad_harness_requests_are_one_line_errors(runs, tmp_path):
     res = evaluate(runs, runs["staggered"], "--task", "harness", "--harness-tasks", "nope",
                    "--include-path", TASKS)
     assert res.returncode == 2 and "unknown harness task(s) nope" in res.stderr
+    # a hub task whose dataset is not here (offline): one line, before any model is loaded
+    res = evaluate(runs, runs["staggered"], "--task", "harness", "--harness-tasks", "hellaswag")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "harness task(s) hellaswag: the dataset could not be loaded" in res.stderr
     assert "Traceback" not in res.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "gold": 2}) + "\n")

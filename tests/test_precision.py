@@ -205,9 +205,10 @@ def test_transformer_engine_first_microbatch_flag_is_set_once_per_step(shards, t
 
     spawn(_first_microbatch_events, 2, str(shards), str(tmp_path / "runs"), tmp_path)
     events = torch.load(tmp_path / "events0.pt")
-    # DP2: 2 micro-batches per rank and step, each step starts with the flag
+    # DP2: 2 micro-batches per rank and step, each step starts with the flag; validation (one
+    # global batch: 2 micro-batches per rank) starts with it too
     assert events["dp2"] == ["step", "first", "forward", "forward"] * 2 + \
-        ["eval", "first", "forward"]
+        ["eval", "first", "forward", "forward"]
     # PP2: megatron's 1F1B sets it before the first of the 4 micro-batches of each step
     pp = events["pp2"]
     steps = " ".join(pp).split("step ")[1:]

@@ -100,9 +100,14 @@ class RunLock:
         import socket
         import time
 
-        os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, self.NAME)
-        self._fh = open(self.path, "a+")
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            self._fh = open(self.path, "a+")
+        except OSError as exc:
+            raise CheckpointError(f"cannot write to run_dir={run_dir} ({exc.strerror}: "
+                                  f"{exc.filename}): a run keeps its checkpoints, metrics and "
+                                  "logs there; give a writable run_dir") from None
         try:
             fcntl.flock(self._fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -196,14 +201,19 @@ def file_problems(directory: str, table: dict, names: Iterable[str],
     return problems
 
 
-def damaged(path: str, problems: list[str]) -> CheckpointError:
+def damaged(path: str, problems: list[str], reading: bool = False) -> CheckpointError:
     """The error for a checkpoint whose files fail their checks: names them and the previous
-    complete checkpoint to go back to."""
+    complete checkpoint to go back to (``reading``: to read, rather than to resume from)."""
     root, tag = os.path.split(os.path.normpath(path))
     older = [d for d in sorted(os.listdir(root)) if d.startswith("step_") and d < tag and
              os.path.isfile(os.path.join(root, d, "manifest.json"))] if os.path.isdir(root) else []
-    hint = (f"resume from the previous complete checkpoint: resume={os.path.join(root, older[-1])}"
-            if older else "there is no earlier complete checkpoint in this run")
+    if not older:
+        hint = "there is no earlier complete checkpoint in this run"
+    elif reading:
+        hint = f"the previous complete checkpoint is {os.path.join(root, older[-1])}"
+    else:
+        hint = ("resume from the previous complete checkpoint: "
+                f"resume={os.path.join(root, older[-1])}")
     return CheckpointError(f"checkpoint {path} is damaged:\n  - " + "\n  - ".join(problems[:8])
                            + (f"\n  - ... {len(problems) - 8} more" if len(problems) > 8 else "")
                            + f"\n{hint}")

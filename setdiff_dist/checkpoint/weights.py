@@ -17,7 +17,7 @@ from setdiff_dist.config import config_from_dict
 from setdiff_dist.data.tokenizers import Tokenizer, load_shipped_tokenizer
 from setdiff_dist.errors import SetdiffError
 
-from .files import damaged, file_problems, read_manifest, step_directory
+from .files import damaged, describe_files, file_problems, read_manifest, step_directory
 from .sharding import merge_shards
 
 EXPORT_FORMAT = "setdiff-export/1"
@@ -28,15 +28,16 @@ class LoadError(SetdiffError, ValueError):
     """A checkpoint or export that cannot be loaded; the message names what is wrong."""
 
 
-def resolve(path: str) -> tuple[str, str]:
+def resolve(path: str, what: str = "--checkpoint") -> tuple[str, str]:
     """``("export" | "checkpoint", directory)`` for a run dir, a checkpoints dir, a step dir or an
-    export."""
+    export; errors name the path as ``what`` gave it (a flag, a config key)."""
+    sep = "=" if what.endswith(("init_from", "init_from_hf")) else " "
     if not os.path.isdir(path):
-        raise LoadError(f"--checkpoint {path}: no such directory")
+        raise LoadError(f"{what}{sep}{path}: no such directory")
     if os.path.isfile(os.path.join(path, "export.json")):
         return "export", path
     if _is_shard_directory(path):
-        raise LoadError(f"--checkpoint {path} is a shard directory (setdiff-prep's output), "
+        raise LoadError(f"{what}{sep}{path} is a shard directory (setdiff-prep's output), "
                         "not a checkpoint: give a training run directory, a checkpoints/step_* "
                         "directory or a setdiff-convert export")
     path = step_directory(path)
@@ -250,21 +251,84 @@ def weights_dir(directory: str, raw: bool) -> str:
     return "weights" if raw or not os.path.isdir(ema) else EMA_WEIGHTS
 
 
-def open_weights(path: str, raw: bool = False, which: Optional[str] = None):
+def _export_meta(directory: str) -> dict:
+    try:
+        with open(os.path.join(directory, "export.json")) as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise LoadError(f"{directory}/export.json is damaged ({exc}): export it again with "
+                        "setdiff-convert") from None
+    if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
+        raise LoadError(f"{directory}/export.json: format "
+                        f"{meta.get('format') if isinstance(meta, dict) else None!r}, expected "
+                        f"{EXPORT_FORMAT!r}")
+    return meta
+
+
+def weight_files(path: str, raw: bool = False, which: Optional[str] = None,
+                 what: str = "--checkpoint"):
+    """``(kind, directory, table, names)``: the weight files :func:`open_weights` reads from
+    the checkpoint or export at ``path`` (the weights directory read, with its tensor lists; an
+    export's ``model.safetensors``) and the table of their sizes and SHA-256 checksums (a
+    checkpoint's manifest, an export's ``export.json``; an export written before exports
+    listed their files has an empty table). The config and the tokenizer are text a user may
+    edit (an export relabelled, decoding defaults): their readers check them."""
+    kind, directory = resolve(path, what)
+    if kind == "export":
+        table = _export_meta(directory).get("files", {})
+        return kind, directory, table, sorted(n for n in table if n == "model.safetensors")
+    manifest = read_manifest(directory)
+    sub = which or weights_dir(directory, raw)
+    table = manifest.get("files", {})
+    return kind, directory, table, sorted(n for n in table if n.startswith(sub + "/"))
+
+
+def check_weight_files(path: str, raw: bool = False, which: Optional[str] = None,
+                       checksums: bool = True, group=None, what: str = "--checkpoint") -> None:
+    """Check what :func:`open_weights` reads against its table: present, of its size and,
+    with ``checksums``, of its SHA-256 (about 1 GB/s on one core); a :class:`LoadError`
+    naming every damaged file. With ``group`` (a torch.distributed process group whose ranks
+    all call this together) the ranks share the hashing and raise alike."""
+    kind, directory, table, names = weight_files(path, raw, which, what)
+    from setdiff_dist.paths import inside
+
+    for name in names:  # (a manifest names files inside its own directory)
+        inside(directory, name, "the manifest's file", LoadError)
+    rank, world = 0, 1
+    if group is not None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    problems = file_problems(directory, table, names[rank::world], hashes=checksums)
+    if world > 1:
+        import torch.distributed as dist
+
+        every = [None] * world
+        dist.all_gather_object(every, problems, group=group)
+        problems = sorted(p for mine in every for p in mine)
+    if not problems:
+        return
+    if kind == "export":
+        raise LoadError(f"export {directory} is damaged:\n  - " + "\n  - ".join(problems)
+                        + "\nexport it again with setdiff-convert")
+    raise LoadError(str(damaged(directory, problems, reading=True)))
+
+
+def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
+                 checksums: bool = True, group=None, what: str = "--checkpoint"):
     """``(TensorSource, config, tokenizer, source directory)`` of a checkpoint (any training
     layout) or an export; tensors are read when asked for. A checkpoint's EMA of the weights
     is read when it has one, unless ``raw`` (``which`` names the directory outright). Every
-    file is checked first: present, complete (not truncated) and holding the tensors its
-    list names."""
-    kind, directory = resolve(path)
+    file read is checked first against the manifest (:func:`check_weight_files`: its size and,
+    unless ``checksums`` is False, its SHA-256; ``group``: the ranks that share the hashing),
+    then complete and holding the tensors its list names. Errors name ``path`` as ``what``
+    gave it."""
+    check_weight_files(path, raw, which, checksums, group, what)
+    kind, directory = resolve(path, what)
     cfg = _config_of(directory)
     rows = cfg.model.vocab_size + 1
     if kind == "export":
-        with open(os.path.join(directory, "export.json")) as fh:
-            meta = json.load(fh)
-        if meta.get("format") != EXPORT_FORMAT:
-            raise LoadError(f"{directory}/export.json: format {meta.get('format')!r}, expected "
-                            f"{EXPORT_FORMAT!r}")
+        meta = _export_meta(directory)
         file = os.path.join(directory, "model.safetensors")
         if not os.path.isfile(file):
             raise LoadError(f"{file} is missing: the export is incomplete")
@@ -273,11 +337,6 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None):
         return source, cfg, _tokenizer_of(directory, meta["tokenizer"]), directory
     manifest = read_manifest(directory)
     sub = which or weights_dir(directory, raw)
-    table = manifest.get("files", {})  # sizes only: a truncated file is named here, cheaply
-    problems = file_problems(directory, table, [n for n in table if n.startswith(sub + "/")],
-                             hashes=False)
-    if problems:
-        raise damaged(directory, problems)
     layout = manifest["layout"]
     files: dict[str, list] = {}
     for pp in range(layout["pipeline"]):
@@ -342,6 +401,17 @@ def read_full_state_dict(path: str, raw: bool = False):
     return {name: source[name] for name in source}, cfg, tok, directory
 
 
+def check_new_directory(out: str, flag: str = "--out") -> None:
+    """Refuse an output directory that exists as a file or holds files (a write never mixes
+    with what is there)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise LoadError(f"{flag} {out} is a file, not a directory: give a new (or empty) "
+                        "directory for the export")
+    if os.path.isdir(out) and os.listdir(out):
+        raise LoadError(f"{flag} {out} exists and is not empty: give a new (or empty) "
+                        "directory")
+
+
 def write_export(out: str, state: dict, cfg, tok, source: str, extra_meta: Optional[dict] = None,
                  extra_files: Optional[dict] = None) -> dict:
     """Write an export directory (``model.safetensors`` of full tensors, ``config.yaml``, the
@@ -349,8 +419,7 @@ def write_export(out: str, state: dict, cfg, tok, source: str, extra_meta: Optio
     directory, so that a failure leaves nothing half-written at ``out``."""
     from safetensors.torch import save_file
 
-    if os.path.exists(out) and os.listdir(out):
-        raise LoadError(f"{out} exists and is not empty")
+    check_new_directory(out)
     tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()},
@@ -365,9 +434,12 @@ def write_export(out: str, state: dict, cfg, tok, source: str, extra_meta: Optio
         step = provenance(source)["step"]
     except (SetdiffError, OSError, ValueError):
         step = None
+    # every file's size and SHA-256, checked by every read (as a checkpoint's manifest)
+    files = describe_files(tmp, sorted(os.listdir(tmp)))
     meta = {"format": EXPORT_FORMAT, "source": os.path.abspath(source), "tokenizer": identity,
             "step": step, "weights": "raw",
-            "parameters": int(sum(v.numel() for v in state.values())), **(extra_meta or {})}
+            "parameters": int(sum(v.numel() for v in state.values())), **(extra_meta or {}),
+            "files": files}
     with open(os.path.join(tmp, "export.json"), "w") as fh:
         json.dump(meta, fh, indent=2)
     if os.path.exists(out):

@@ -56,6 +56,10 @@ def main(argv=None) -> int:
         ap.error("--out is required")
     if not (args.max_shard_size > 0 and args.max_shard_size < float("inf")):
         ap.error(f"--max-shard-size must be a positive number of GB, got {args.max_shard_size}")
+    if args.out:  # before anything is read: a file, or a directory with files, is refused
+        from setdiff_dist.checkpoint.weights import check_new_directory
+
+        check_new_directory(args.out)
     if args.from_hf:
         from setdiff_dist.model.hf import HFCheckpoint, import_hf, model_yaml
 

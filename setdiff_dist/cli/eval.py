@@ -53,7 +53,7 @@ def main(argv=None) -> int:
                                    "records {context, choices, gold}")
     ap.add_argument("--harness-tasks", help="harness: lm-eval task names, comma-separated")
     ap.add_argument("--include-path", help="harness: a directory of task YAMLs of your own")
-    ap.add_argument("--num-fewshot", type=int, help="harness: few-shot examples per prompt")
+    ap.add_argument("--num-fewshot", type=count(0), help="harness: few-shot examples per prompt")
     ap.add_argument("--log-samples", action="store_true",
                     help="harness: every request's arguments and answers in the results")
     ap.add_argument("--limit", type=count(), default=None,
@@ -78,6 +78,13 @@ def main(argv=None) -> int:
     for text in args.prompt or []:
         check_text("--prompt", text)
     limit = args.limit if args.limit is not None or args.task == "harness" else 100
+    harness_flags = [f for f, v in (("--harness-tasks", args.harness_tasks),
+                                    ("--include-path", args.include_path),
+                                    ("--num-fewshot", args.num_fewshot),
+                                    ("--log-samples", args.log_samples)) if v not in (None, False)]
+    if harness_flags and args.task != "harness":
+        raise tasks.EvalError(f"{', '.join(harness_flags)} go with --task harness, not --task "
+                              f"{args.task}: remove them, or run --task harness")
     if args.task in ("infill", "gsm", "choice"):
         if not args.data:
             raise tasks.EvalError(f"--task {args.task} needs --data FILE.jsonl "
@@ -97,6 +104,7 @@ def main(argv=None) -> int:
                                   "with: pip install 'setdiff-dist[eval]'") from None
         harness_tasks = [t.strip() for t in harness_tasks]
         manager = harness.task_manager(harness_tasks, args.include_path)
+        harness_tasks = harness.load_tasks(harness_tasks, manager)  # (their datasets, now)
     if args.out:  # where the result goes is checked before the evaluation, not after it
         parent = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
@@ -149,9 +157,11 @@ def main(argv=None) -> int:
     from setdiff_dist.checkpoint.weights import provenance
 
     result = {"task": args.task, **provenance(args.checkpoint, args.raw_weights), **result}
-    if args.task not in ("ppl", "choice"):
+    if args.task not in ("ppl", "choice", "harness"):
         result["decode"] = {k: d[k] for k in ("window", "threshold", "greedy", "temperature",
                                               "top_p", "repetition_penalty", "max_new_tokens")}
+    # (harness: each task's requests carry their own max_gen_toks and until; the results'
+    # "generation" lists what the requests decoded with)
     text = json_text(result, indent=2)
     if args.out:
         from setdiff_dist.checkpoint.files import write_atomic

@@ -112,7 +112,8 @@ def _parse(argv):
                          "nothing")
     ap.add_argument("--world-size", type=count(), default=None,
                     help="with --dry-run: the number of ranks (GPUs) to plan for "
-                         "(default: parallel.tensor x parallel.pipeline)")
+                         "(default: parallel.tensor x pipeline x context, one data-parallel "
+                         "replica)")
     ap.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                     help="with --dry-run: memory per device, to flag stages that do not fit")
     ap.add_argument("--force", action="store_true",
@@ -133,19 +134,6 @@ def dry_run(cfg, world_size: int, device_memory) -> int:
     return 0 if fits else 2
 
 
-def _child_setup():
-    """Runs in each child before exec: a process group of its own (a terminal's Ctrl-C reaches
-    the launcher alone, which forwards it once), and death with the launcher, even if it is
-    SIGKILLed."""
-    os.setpgid(0, 0)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def launch(nproc: int, argv: list[str], grace_s: float = 10.0) -> int:
     """Start ``nproc`` ranks of this command on this machine, forward SIGTERM / SIGUSR1 / SIGINT
     to them, and return the first non-zero exit code (or 0). A rank that dies with a failure
@@ -153,6 +141,7 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0) -> int:
     to stop on SIGTERM, then kills them, instead of leaving them waiting in a collective for
     the process group's timeout."""
     from setdiff_dist.parallel import free_port
+    from setdiff_dist.processes import own_group_and_die_with_parent
 
     if SIGNALS.got:  # stopped before any rank started: start none
         return 128 + SIGNALS.got[0]
@@ -163,7 +152,7 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0) -> int:
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    SETDIFF_LAUNCHED="1")
         children.append(subprocess.Popen([sys.executable, "-m", "setdiff_dist.cli.train"] + argv,
-                                         env=env, preexec_fn=_child_setup))
+                                         env=env, preexec_fn=own_group_and_die_with_parent))
 
     def forward(signum):
         for c in children:
@@ -216,19 +205,78 @@ _RUN_LOCK = None  # rank 0's hold on the run directory, for the life of the proc
 def _claim_run_dir(cfg, force: bool):
     """Rank 0: lock the run directory; the reason to refuse this run, or None."""
     global _RUN_LOCK
-    from setdiff_dist.checkpoint.files import RunDirBusy, RunLock, complete_checkpoints
+    from setdiff_dist.checkpoint.files import CheckpointError, RunLock, complete_checkpoints
 
     try:
         _RUN_LOCK = RunLock(cfg.run_dir)
-    except RunDirBusy as exc:
+    except CheckpointError as exc:  # (another trainer holds it; or it cannot be written)
         return str(exc)
     existing = complete_checkpoints(cfg.run_dir)
+    refusal = None
     if cfg.resume == "never" and existing and not force:
+        refusal = (f"resume=never would train over the {len(existing)} checkpoint(s) in "
+                   f"{cfg.run_dir}/checkpoints (newest {os.path.basename(existing[-1])}): give "
+                   "a new run_dir, resume (resume=auto), or add --force to overwrite them")
+    elif cfg.resume not in ("auto", "never") and existing and not force:
+        newer = _newer_checkpoints(cfg.resume, existing)
+        if newer:
+            refusal = (f"resume={cfg.resume} goes back to an earlier step, and training on "
+                       f"would overwrite the {len(newer)} newer checkpoint(s) in "
+                       f"{cfg.run_dir}/checkpoints ({', '.join(newer[:3])}"
+                       f"{' ...' if len(newer) > 3 else ''}): give the rewound run a new "
+                       "run_dir, resume=auto to go on from the newest, or add --force to "
+                       "train over them")
+    if refusal:
         _RUN_LOCK.release()
-        return (f"resume=never would train over the {len(existing)} checkpoint(s) in "
-                f"{cfg.run_dir}/checkpoints (newest {os.path.basename(existing[-1])}): give a "
-                "new run_dir, resume (resume=auto), or add --force to overwrite them")
-    return None
+    else:
+        _clean_leftovers(cfg.run_dir)
+    return refusal
+
+
+def _newer_checkpoints(resume: str, existing: list[str]) -> list[str]:
+    """The complete checkpoints of ``existing`` past the step ``resume`` points at (which a run
+    resumed from it would overwrite as it saves); [] when it cannot tell (the trainer then
+    says what is wrong with ``resume``)."""
+    from setdiff_dist.checkpoint.files import CheckpointError, read_manifest, step_directory
+
+    try:
+        step = read_manifest(step_directory(resume))["step"]
+        return [os.path.basename(p) for p in existing if read_manifest(p)["step"] > step]
+    except (CheckpointError, KeyError, TypeError):
+        return []
+
+
+def _clean_leftovers(run_dir: str) -> None:
+    """Remove what interrupted saves and conversions left in the run's checkpoints (this
+    process holds the run directory, so nothing else writes there): step directories without
+    a manifest (a save that crashed or found the disk full), a layout-changing conversion's
+    ``universal.tmp/`` and the converter's ``latest_universal`` (never used; as large as the
+    optimizer state), temporary ``latest`` files. Says what it removed."""
+    import shutil
+
+    from setdiff_dist.checkpoint.files import LATEST, checkpoint_root
+
+    root = checkpoint_root(run_dir)
+    if not os.path.isdir(root):
+        return
+    removed = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.startswith("step_") and os.path.isdir(path):
+            if not os.path.isfile(os.path.join(path, "manifest.json")):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(f"{name} (an incomplete save)")
+                continue
+            for junk in ("universal.tmp", "latest_universal"):
+                where = os.path.join(path, junk)
+                if os.path.exists(where):
+                    shutil.rmtree(where) if os.path.isdir(where) else os.remove(where)
+                    removed.append(f"{name}/{junk} (an interrupted conversion)")
+        elif name.startswith(f"{LATEST}.tmp-"):
+            os.remove(path)
+    if removed:
+        print(f"note: removed what interrupted work left in {root}: {', '.join(removed)}",
+              flush=True)
 
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crash",
@@ -314,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                           "the flags")
     if args.dry_run:
         SIGNALS.restore(STOP_SIGNALS)  # (nothing to checkpoint: Ctrl-C just stops it)
-        return dry_run(cfg, args.world_size or cfg.parallel.tensor * cfg.parallel.pipeline,
+        p = cfg.parallel
+        return dry_run(cfg, args.world_size or p.tensor * p.pipeline * p.context,
                        args.device_memory)
     if args.world_size or args.device_memory:
         raise ConfigError(["--world-size and --device-memory go with --dry-run"], "the flags")

@@ -22,6 +22,7 @@ import torch
 
 from setdiff_dist.diffusion.orders import sample_seed
 
+from .blend import SCHEME as BLEND_SCHEME
 from .blend import Blend
 from .permutation import Permutation
 from .shards import ShardError, ShardSet
@@ -128,6 +129,67 @@ def _from_worker(exc: ShardError) -> ShardError:
     return ShardError(text, every_rank=False)  # (one rank's data: that rank reports it)
 
 
+def fixed_batches(shards: ShardSet | Blend, samples: int, micro_batch: int, dp_rank: int = 0,
+                  dp_size: int = 1) -> list[Batch]:
+    """The first ``samples`` samples of ``shards`` in stream order (unshuffled): a validation
+    set that does not depend on the layout. Data-parallel rank ``r`` takes the ``r``-th of
+    ``dp_size`` contiguous parts of ``ceil(samples / dp_size)`` positions, in micro-batches of
+    ``micro_batch``; positions past ``samples`` are empty samples (no target),
+    so every rank runs the same number of micro-batches and each sample counts once. A
+    sample's index is its stream position, so the orders seeded by it are the same on every
+    layout too."""
+    blend = shards if isinstance(shards, Blend) else Blend.single(shards)
+    samples = min(samples, len(blend))
+    per_rank = -(-samples // dp_size)
+    lo = dp_rank * per_rank
+    stream = _StreamSamples(blend, seed=0, shuffle=False)
+    L = blend.sets[0].seq_len
+    empty = np.zeros(L, dtype=np.int32)
+    out = []
+    for start in range(lo, lo + per_rank, micro_batch):
+        # (an empty sample: one token, the first, which is context and never a target)
+        out.append(_collate([stream[p] if p < samples else (empty, 1, 0, p)
+                             for p in range(start, start + micro_batch)]))
+    return out
+
+
+def check_stream(saved: dict, ours: dict) -> None:
+    """Refuse to resume the data stream of a checkpoint (``saved``: a loader's state) on
+    another one (``ours``): another seed, batch, shuffle or ordering, another blend scheme,
+    other corpora or weights, or other data under the same names (each corpus's manifest
+    digest, which covers every shard's SHA-256)."""
+    fresh = ("start a new run from its weights (checkpoint.init_from=CHECKPOINT, new run_dir)")
+    if saved.get("order") != ORDER:
+        raise ShardError("cannot resume the data stream exactly: the checkpoint's samples "
+                         f"were ordered by an earlier version of the loader; {fresh}")
+    for key in ("seed", "global_batch", "shuffle", "samples"):
+        if saved.get(key) != ours[key]:
+            raise ShardError(f"cannot resume the data stream: the checkpoint has {key}="
+                             f"{saved.get(key)!r}, this run has {ours[key]!r}")
+    mine, theirs = ours["corpora"], saved.get("corpora") or []
+    names = [c["corpus"] for c in theirs], [c["corpus"] for c in mine]
+    if len(mine) != len(theirs) or names[0] != names[1]:
+        raise ShardError(f"cannot resume the data stream: the checkpoint was trained on "
+                         f"{', '.join(names[0])}, this run reads {', '.join(names[1])}")
+    if len(mine) > 1 and saved.get("blend") != ours.get("blend"):
+        earlier = saved.get("blend") or "blocks of 10,000 positions"
+        raise ShardError("cannot resume the data stream exactly: the checkpoint's blend was "
+                         f"drawn by an earlier scheme ({earlier}), this version draws "
+                         f"{ours.get('blend')}; {fresh}")
+    for old, new in zip(theirs, mine):
+        for key in ("weight", "share", "samples"):
+            if key in old and old[key] != new[key]:
+                raise ShardError(f"cannot resume the data stream: corpus {new['corpus']} has "
+                                 f"{key} {old[key]!r} in the checkpoint, {new[key]!r} in this "
+                                 "run")
+        if "manifest_sha256" in old and old["manifest_sha256"] != new["manifest_sha256"]:
+            raise ShardError(f"cannot resume the data stream: corpus {new['corpus']} holds other "
+                             f"data than the checkpoint's (the same name and size, another "
+                             f"manifest: sha256 {new['manifest_sha256'][:12]}, the checkpoint's "
+                             f"{old['manifest_sha256'][:12]}); point data.train_shards at the "
+                             f"shards the run trained on, or {fresh}")
+
+
 class TokenLoader:
     """Per-rank micro-batches for each optimizer step, resumable at any step.
 
@@ -148,20 +210,15 @@ class TokenLoader:
 
     def state_dict(self) -> dict:
         """What a checkpoint needs to resume exactly: the next step and the stream settings."""
-        return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch,
-                "shuffle": self.shuffle, "samples": len(self.blend), "order": ORDER,
-                "corpora": self.blend.identity()}
+        state = {"step": self.step, "seed": self.seed, "global_batch": self.global_batch,
+                 "shuffle": self.shuffle, "samples": len(self.blend), "order": ORDER,
+                 "corpora": self.blend.identity()}
+        if len(self.blend.sets) > 1:
+            state["blend"] = BLEND_SCHEME
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        ours = self.state_dict()
-        if state.get("order") != ORDER:
-            raise ShardError("cannot resume the data stream exactly: the checkpoint's samples "
-                             "were ordered by an earlier version of the loader; start a new "
-                             "run from its weights (checkpoint.init_from=CHECKPOINT, new run_dir)")
-        for key in ("seed", "global_batch", "shuffle", "samples", "corpora"):
-            if state.get(key) != ours[key]:
-                raise ShardError(f"cannot resume the data stream: the checkpoint has {key}="
-                                 f"{state.get(key)!r}, this run has {ours[key]!r}")
+        check_stream(state, self.state_dict())
         self.step = int(state["step"])
 
     def __iter__(self) -> Iterator[list[Batch]]:

@@ -64,6 +64,9 @@ class SetdiffLM(TemplateLM):
         self.tok = tok
         self.decode = decode_settings(cfg, preset, **decode)
         self.decoder = decoder_for(model, tok, cfg)
+        # the settings generation requests decoded with -> how many (a task's own
+        # max_gen_toks and until override the defaults): what results report
+        self.generated: dict[str, int] = {}
 
     # -- what the harness asks of a token-level model ------------------------------------------
     @property
@@ -147,6 +150,11 @@ class SetdiffLM(TemplateLM):
                             top_p=top_p, repetition_penalty=d["repetition_penalty"])
         stop = StopCriteria(eos_id=self.tok.eos_id, stop=tuple(u for u in until if u),
                             max_repeat_run=d["max_repeat_run"])
+        used = json.dumps({"max_new_tokens": max_new, "until": until, "greedy": greedy,
+                           "temperature": sampling.temperature, "top_p": top_p,
+                           "window": window, "threshold": d["threshold"],
+                           "repetition_penalty": d["repetition_penalty"]}, default=str)
+        self.generated[used] = self.generated.get(used, 0) + len(contexts)
         results = self.decoder.generate(prompts, max_new, window=window,
                                         threshold=d["threshold"], sampling=sampling, stop=stop)
         texts = []
@@ -179,9 +187,30 @@ def task_manager(tasks: list[str], include_path: Optional[str]):
     return manager
 
 
-def run(lm: SetdiffLM, manager, tasks: list[str], limit: Optional[int],
+def load_tasks(tasks: list[str], manager) -> list:
+    """The harness's task (and group) objects of ``tasks``, their datasets loaded: done before
+    any model is loaded, so that a dataset that cannot be had (offline, no such dataset) is
+    said at once, in a line, rather than as a traceback after the load."""
+    try:
+        loaded = manager.load(list(tasks))
+    except Exception as exc:  # (the datasets library and the hub raise many kinds)
+        text = str(exc).strip().splitlines()
+        raise ScoreError(
+            f"harness task(s) {', '.join(tasks)}: the dataset could not be loaded "
+            f"({type(exc).__name__}: {text[-1][:300] if text else ''}). lm-eval downloads a "
+            "task's dataset from the Hugging Face hub on first use, which this machine may not "
+            "reach: download it where the hub is reachable into the datasets cache "
+            "(HF_DATASETS_CACHE; then HF_DATASETS_OFFLINE=1 here), or run a task of your own on "
+            "local files (--include-path DIR; tests/harness/ has examples)") from None
+    # the requested objects (a tag, which expands to tasks, is loaded again by name)
+    return [loaded["groups"].get(t) or loaded["tasks"].get(t) or t for t in tasks]
+
+
+def run(lm: SetdiffLM, manager, tasks: list, limit: Optional[int],
         num_fewshot: Optional[int] = None, log_samples: bool = False, seed: int = 0) -> dict:
-    """Run the harness's ``tasks`` on ``lm``; the harness's results, reduced to JSON."""
+    """Run the harness's ``tasks`` (names, or :func:`load_tasks`' objects) on ``lm``; the
+    harness's results, reduced to JSON, with the generation settings each task's requests
+    actually decoded with (``generation``)."""
     import lm_eval
 
     out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
@@ -193,6 +222,8 @@ def run(lm: SetdiffLM, manager, tasks: list[str], limit: Optional[int],
     result = {"results": out["results"], "n_samples": out.get("n-samples"),
               "versions": out.get("versions"), "likelihood": lm.scorer.likelihood,
               "exact_likelihood": lm.scorer.exact}
+    if lm.generated:
+        result["generation"] = [dict(json.loads(k), requests=n) for k, n in lm.generated.items()]
     if log_samples:
         result["samples"] = {task: [{k: s[k] for k in ("doc_id", "doc", "target", "arguments",
                                                        "resps", "filtered_resps") if k in s}

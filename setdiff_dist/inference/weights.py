@@ -15,6 +15,7 @@ from setdiff_dist.checkpoint.weights import (
     LoadError,
     open_weights,
     read_full_state_dict,
+    resolve,
     write_export,
 )
 
@@ -38,17 +39,21 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
     rank reads only the tensors it needs, one at a time. On the CPU in fp32, ``pack`` (default:
     for set-diffusion models, whose steps carry several rows) hands the large weights to oneDNN
     (see :data:`setdiff_dist.inference.lean._PACK_MIN`)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from setdiff_dist.parallel import initialize_model_parallel
 
     from .lean import LeanError, LeanTransformer
 
-    # tensors are read one at a time, as needed; the EMA of the weights unless ``raw``
-    state, cfg, tok, _ = open_weights(path, raw=raw)
+    # tensors are read one at a time, as needed; the EMA of the weights unless ``raw``; the
+    # ranks of a tensor-parallel model share the checksums of the files
+    resolve(path)  # (a wrong path is said before any process group is set up)
     if not ps.model_parallel_is_initialized() or \
             ps.get_tensor_model_parallel_world_size() != tensor:
         initialize_model_parallel(tensor=tensor, seed=0)
+    group = dist.group.WORLD if dist.get_world_size() > 1 else None
+    state, cfg, tok, _ = open_weights(path, raw=raw, group=group)
     # the lean model takes dense masks: scoring (setdiff-eval ppl) builds them for sdpa
     cfg.model.attention_backend = "sdpa"
     cfg.model.attention_dropout = cfg.model.hidden_dropout = 0.0

@@ -506,7 +506,7 @@ def import_hf(directory: str, out: str, tokenizer: Optional[str] = None) -> dict
     original ``config.json`` as ``hf_config.json`` for the way back). ``setdiff-generate`` and
     ``setdiff-eval`` read it directly; training starts from the HF directory itself
     (``checkpoint.init_from_hf``), sharded per rank."""
-    from setdiff_dist.checkpoint.weights import write_export
+    from setdiff_dist.checkpoint.weights import check_new_directory, write_export
     from setdiff_dist.config import Config
     from setdiff_dist.data.tokenizers import TokenizerError, load_tokenizer
 
@@ -519,8 +519,7 @@ def import_hf(directory: str, out: str, tokenizer: Optional[str] = None) -> dict
     if tok.vocab_size > model_cfg.vocab_size:
         raise HFCheckpointError(f"the tokenizer has {tok.vocab_size} tokens, more than "
                                 f"vocab_size={model_cfg.vocab_size} of {directory}/config.json")
-    if os.path.exists(out) and os.listdir(out):
-        raise HFCheckpointError(f"{out} exists and is not empty")
+    check_new_directory(out)
     cfg = Config(model=model_cfg)
     cfg.order.kind = "causal"  # what the weights are until fine-tuned: decode them as an LM
     cfg.data.seq_len = min(int(ckpt.hf.get("max_position_embeddings") or 4096), 4096)

@@ -159,10 +159,13 @@ def make_universal(path: str) -> str:
     if dist.get_rank() == 0 and not os.path.isdir(out):
         tmp = out + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        from setdiff_dist.processes import die_with_parent
+
+        # (the converter dies with this rank: a killed job leaves no process writing)
         res = subprocess.run([sys.executable, "-m", "setdiff_dist.train.universal",
                               "--input_folder", path, "--output_folder", tmp,
                               "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, preexec_fn=die_with_parent)
         if res.returncode:
             shutil.rmtree(tmp, ignore_errors=True)
             tail = "\n".join(res.stderr.strip().splitlines()[-5:])
@@ -259,12 +262,15 @@ def save_weights(engine, directory: str, zero_stage: int, ema=None) -> None:
 
 
 def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
-         tokenizer_dir: Optional[str] = None, ema=None) -> str:
-    """Save on every rank; returns the checkpoint directory."""
+         tokenizer_dir: Optional[str] = None, ema=None, data: Optional[dict] = None) -> str:
+    """Save on every rank; returns the checkpoint directory. ``data``: the data stream's
+    identity (the loader's state without its step), which the manifest records so that a
+    resume on other data is refused before any model is built."""
     root = checkpoint_root(cfg.run_dir)
     tag = tag_of(step)
     path = os.path.join(root, tag)
     rank = dist.get_rank()
+    need = _check_space(root, tag)  # (collective: every rank refuses, or none)
     if rank == 0 and os.path.isdir(path):  # an earlier save of this step (a crash, or resume=never)
         pointer = os.path.join(root, LATEST)
         if os.path.isfile(pointer) and open(pointer).read().strip() == tag:
@@ -274,39 +280,142 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
     client_state = dict(client_state, **{UNIVERSAL_CHECKPOINT_INFO: universal_info(engine.module)})
-    engine.save_checkpoint(root, tag=tag, client_state=client_state,
-                           save_latest=False)
-    save_weights(engine, os.path.join(path, "weights"), cfg.zero.stage)
-    if ema is not None:
-        save_weights(engine, os.path.join(path, EMA_WEIGHTS), cfg.zero.stage, ema=ema)
-    torch.save(_rng_state(), os.path.join(path, f"rng_rank{rank}.pt"))
-    if rank == 0:
-        with open(os.path.join(path, "config.yaml"), "w") as fh:
-            fh.write(cfg.to_yaml())
-        if tokenizer_identity.get("file") and tokenizer_dir:
-            from setdiff_dist.paths import inside
+    try:
+        engine.save_checkpoint(root, tag=tag, client_state=client_state,
+                               save_latest=False)
+        save_weights(engine, os.path.join(path, "weights"), cfg.zero.stage)
+        if ema is not None:
+            save_weights(engine, os.path.join(path, EMA_WEIGHTS), cfg.zero.stage, ema=ema)
+        torch.save(_rng_state(), os.path.join(path, f"rng_rank{rank}.pt"))
+        if rank == 0:
+            with open(os.path.join(path, "config.yaml"), "w") as fh:
+                fh.write(cfg.to_yaml())
+            if tokenizer_identity.get("file") and tokenizer_dir:
+                from setdiff_dist.paths import inside
 
-            name = tokenizer_identity["file"]
-            shutil.copyfile(inside(tokenizer_dir, name, "the tokenizer file", CheckpointError),
-                            inside(path, name, "the tokenizer file", CheckpointError))
-    _fault_point("after_shards", step)
-    dist.barrier()  # every rank's files are on disk
-    world = dist.get_world_size()
-    mine = describe_files(path, checkpoint_files(path)[rank::world], cfg.checkpoint.checksums)
-    tables = [None] * world
-    dist.all_gather_object(tables, mine)
+                name = tokenizer_identity["file"]
+                shutil.copyfile(inside(tokenizer_dir, name, "the tokenizer file",
+                                       CheckpointError),
+                                inside(path, name, "the tokenizer file", CheckpointError))
+        _fault_point("after_shards", step)
+        dist.barrier()  # every rank's files are on disk
+        world = dist.get_world_size()
+        mine = describe_files(path, checkpoint_files(path)[rank::world], cfg.checkpoint.checksums)
+        tables = [None] * world
+        dist.all_gather_object(tables, mine)
+        if rank == 0:
+            files = {k: v for t in tables for k, v in t.items()}
+            manifest = {"format": FORMAT, "step": step, "layout": layout(),
+                        "zero_stage": cfg.zero.stage, "model": cfg.to_dict()["model"],
+                        "order": cfg.to_dict()["order"], "seq_len": cfg.data.seq_len,
+                        "seed": cfg.train.seed,
+                        "tokenizer": tokenizer_identity, "files": dict(sorted(files.items()))}
+            if data is not None:
+                manifest["data"] = data
+            write_atomic(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=2))
+            write_atomic(os.path.join(root, LATEST), tag + "\n")
+    except (OSError, RuntimeError) as exc:
+        if not _write_failure(exc):
+            raise
+        raise _save_failed(exc, root, tag, need) from None
     if rank == 0:
-        files = {k: v for t in tables for k, v in t.items()}
-        manifest = {"format": FORMAT, "step": step, "layout": layout(),
-                    "zero_stage": cfg.zero.stage, "model": cfg.to_dict()["model"],
-                    "order": cfg.to_dict()["order"], "seq_len": cfg.data.seq_len,
-                    "seed": cfg.train.seed,
-                    "tokenizer": tokenizer_identity, "files": dict(sorted(files.items()))}
-        write_atomic(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=2))
-        write_atomic(os.path.join(root, LATEST), tag + "\n")
         prune(root, cfg.checkpoint.keep_last, keep=tag)
     dist.barrier()
     return path
+
+
+# how torch's checkpoint writer reports a write the OS refused (its errno is lost on the way)
+_WRITE_FAILURES = ("PytorchStreamWriter", "unexpected pos", "file write failed",
+                   "inline_container", "iostream error", "basic_ios")
+
+
+def _write_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed write (an OSError, or torch's writer failing under one),
+    not a collective that lost a peer."""
+    return isinstance(exc, OSError) or any(s in str(exc) for s in _WRITE_FAILURES)
+
+
+def _previous_size(root: str, tag: str) -> Optional[int]:
+    """Bytes of the newest complete checkpoint before ``tag`` (what this save will take,
+    give or take a few bytes of metadata), or None without one."""
+    from setdiff_dist.checkpoint.files import complete_checkpoints
+
+    older = [p for p in complete_checkpoints(os.path.dirname(root)) if os.path.basename(p) < tag]
+    if not older:
+        return None
+    try:
+        return sum(f["bytes"] for f in read_manifest(older[-1]).get("files", {}).values()) or None
+    except (CheckpointError, KeyError, TypeError):
+        return None
+
+
+def _free_bytes(path: str) -> int:
+    """Free bytes on the filesystem of ``path`` (or of its nearest existing parent)."""
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def _check_space(root: str, tag: str) -> Optional[int]:
+    """Refuse a save that cannot fit, before anything is written: the previous checkpoint's
+    size against the least free space any rank sees (all ranks agree). Returns the size (None
+    before the first save: the save itself then says it if the disk fills)."""
+    box = [_previous_size(root, tag) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    need = box[0]
+    free = torch.tensor([float(_free_bytes(root))], dtype=torch.float64)
+    dist.all_reduce(free, op=dist.ReduceOp.MIN)
+    free = free.item()
+    if need is not None and free < need:
+        raise CheckpointError(
+            f"not enough disk space to save {tag}: it needs about {need / 2**20:,.1f} MiB (the "
+            f"size of the previous checkpoint) and {root} has {free / 2**20:,.1f} MiB free"
+            f"{' on one of the ranks' if dist.get_world_size() > 1 else ''}. Nothing was "
+            f"written; {_resumable(root)}. Free space (or lower checkpoint.keep_last) and run "
+            "the same command again")
+    return need
+
+
+def _resumable(root: str) -> str:
+    from setdiff_dist.checkpoint.files import pointed
+
+    latest = pointed(root)
+    return (f"{LATEST} still points at {os.path.basename(latest)}, and resume=auto goes on "
+            "from it (the steps since are lost)" if latest else
+            "there is no earlier checkpoint: the run starts over")
+
+
+def _save_failed(exc: BaseException, root: str, tag: str, need: Optional[int]) -> CheckpointError:
+    """The error for a save that failed to write (removing its partial directory, so that the
+    space comes back and nothing half-written remains): the disk full, a file-size limit, or
+    the OS error as it came."""
+    import errno
+    import resource
+
+    code = getattr(exc, "errno", None)
+    free = _free_bytes(root)  # (before the partial save is removed)
+    path = os.path.join(root, tag)
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        shutil.rmtree(path, ignore_errors=True)
+    for f in os.listdir(root) if os.path.isdir(root) else []:
+        if f.startswith(f"{LATEST}.tmp-"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(root, f))
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    size = f"about {need / 2**20:,.1f} MiB" if need else \
+        "about the size of the weights and the optimizer state"
+    if code in (errno.ENOSPC, errno.EDQUOT) or (code is None and free < 16 * 2**20):
+        cause = (f"the disk is full ({free / 2**20:,.1f} MiB free in {root}; the save needs "
+                 f"{size})")
+    elif code == errno.EFBIG or (code is None and limit != resource.RLIM_INFINITY):
+        cause = (f"a file of the save is larger than this process may write (ulimit -f: "
+                 f"{limit / 1024:,.0f} KiB; the save needs {size} in all)")
+    else:
+        cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+    return CheckpointError(f"cannot save checkpoint {tag}: {cause}. The partial save is "
+                           f"removed (what another rank still wrote, by the next start); "
+                           f"{_resumable(root)}. Fix it and run the same command again",
+                           every_rank=False)
 
 
 def _fault_point(name: str, step: int) -> None:
@@ -330,6 +439,18 @@ def resolve(cfg) -> Optional[str]:
     return path
 
 
+def saved_config(path: str) -> dict:
+    """The config a checkpoint was saved with, as a dict (``{}`` when it has none)."""
+    import yaml
+
+    try:
+        with open(os.path.join(path, "config.yaml")) as fh:
+            saved = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
 # model keys a run may change against its checkpoint: kernels and dropout
 RUN_FREE = ("attention_backend", "attention_dropout", "hidden_dropout")
 
@@ -350,7 +471,9 @@ def init_from_weights(model, cfg, path: str, gathered=None) -> None:
     from setdiff_dist.checkpoint.weights import open_weights
     from setdiff_dist.model.transformer import global_name
 
-    state, saved, _, _ = open_weights(path, raw=True)  # (the weights training left, not the EMA)
+    # (the weights training left, not the EMA; every rank hashes its share of the files)
+    state, saved, _, _ = open_weights(path, raw=True, group=dist.group.WORLD,
+                                      what="checkpoint.init_from")
     # (the weights are read by layout-free names: the layer spec may change too)
     diffs = model_differences(cfg.to_dict()["model"], saved.to_dict()["model"],
                               RUN_FREE + ("layer_spec",))
@@ -401,7 +524,7 @@ def load_ema(ema, model, path: str) -> bool:
 
     if not os.path.isdir(os.path.join(path, EMA_WEIGHTS)):
         return False
-    state = open_weights(path, which=EMA_WEIGHTS)[0]
+    state = open_weights(path, which=EMA_WEIGHTS, checksums=False)[0]  # (verified at resume)
     for name, p in model.named_parameters():
         shape = list(getattr(p, "ds_shape", p.shape))
         ema.load(name, _local_tensor(state, global_name(model, name), p, shape,
@@ -490,7 +613,10 @@ def load(engine, path: str, universal: bool = False) -> dict:
     comes from ``path/universal``, re-partitioned for this data-parallel size."""
     root, tag = (path, UNIVERSAL) if universal else os.path.split(os.path.normpath(path))
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch AdamW
-    decay = [g["weight_decay"] for g in inner.param_groups]
+    # this run's hyperparameters, which the checkpoint's optimizer state would replace (the
+    # caller puts the LR back on this run's schedule: train.engine.follow_schedule)
+    hyper = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g}
+             for g in inner.param_groups]
     with no_unpickling():
         loaded, client = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
@@ -506,13 +632,15 @@ def load(engine, path: str, universal: bool = False) -> dict:
                               f"({', '.join(bad[:3]) or 'on another rank'}"
                               f"{' ...' if len(bad) > 3 else ''}): the run diverged before it; "
                               "resume from an earlier checkpoint (resume=<step dir>)")
+    # the optimizer state keeps the checkpoint's betas, eps and weight decay (and DeepSpeed's
+    # universal load gives every group the first one's: the no-decay group would decay): this
+    # run's config says what they are
+    for group, values in zip(inner.param_groups, hyper):
+        group.update(values)
     if universal:
-        # DeepSpeed's universal load gives every parameter group the hyperparameters of the
-        # first (the no-decay group would decay), and under ZeRO-3 every sub-group one shared
-        # AdamW step tensor, which each sub-group's step then increments (the bias correction
-        # would count steps several times over): undo both
-        for group, wd in zip(inner.param_groups, decay):
-            group["weight_decay"] = wd
+        # under ZeRO-3 DeepSpeed's universal load gives every sub-group one shared AdamW step
+        # tensor, which each sub-group's step then increments (the bias correction would count
+        # steps several times over): undo it
         for flat in getattr(engine.optimizer, "fp32_partitioned_groups_flat", []):
             state = inner.state.get(flat, {})
             if torch.is_tensor(state.get("step")):

@@ -182,6 +182,45 @@ def lr_multiplier(opt_cfg, total_steps: int):
     return f
 
 
+# the optimizer settings that define the LR of every step, and the other hyperparameters a
+# checkpoint's optimizer state carries: on resume both come from this run's config
+SCHEDULE_KEYS = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_steps",
+                 "optimizer.schedule", "train.steps")
+HYPER_KEYS = ("optimizer.betas", "optimizer.eps", "optimizer.weight_decay")
+
+
+def follow_schedule(scheduler, cfg, step: int) -> list[float]:
+    """Put ``scheduler`` (the ``LambdaLR`` over :func:`lr_multiplier`) and its optimizer's
+    groups on this run's schedule at ``step`` (optimizer steps done): the LR of the next step
+    is ``optimizer.lr x lr_multiplier(step)``, as in a fresh run with this config, whatever the
+    checkpoint loaded into them (its base LR, its last LR). Computed as ``LambdaLR`` computes
+    it, so that an unchanged schedule resumes bit-exactly. Returns the groups' new LRs."""
+    f = lr_multiplier(cfg.optimizer, cfg.train.steps)
+    n = len(scheduler.base_lrs)
+    scheduler.lr_lambdas = [f] * n
+    scheduler.base_lrs = [cfg.optimizer.lr] * n
+    scheduler.last_epoch = step
+    lrs = [base * lam(step) for base, lam in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["initial_lr"], group["lr"] = cfg.optimizer.lr, lr
+    scheduler._last_lr = list(lrs)
+    return lrs
+
+
+def schedule_changes(saved: dict, cfg) -> list[str]:
+    """``key: old -> new`` for the schedule and optimizer keys of :data:`SCHEDULE_KEYS` and
+    :data:`HYPER_KEYS` that differ between a checkpoint's config (``saved``, a dict) and
+    ``cfg``."""
+    here = cfg.to_dict()
+    out = []
+    for key in SCHEDULE_KEYS + HYPER_KEYS:
+        section, name = key.split(".")
+        old, new = saved.get(section, {}).get(name), here[section][name]
+        if old is not None and old != new:
+            out.append(f"{key} {old} -> {new}")
+    return out
+
+
 def param_groups(model, weight_decay: float) -> list[dict]:
     """Weight decay on matrices; none on norms, biases or embeddings (Megatron-LM's rule)."""
     decay, no_decay = [], []

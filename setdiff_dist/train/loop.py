@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from setdiff_dist.data.blend import Blend
-from setdiff_dist.data.loader import Batch, TokenLoader
+from setdiff_dist.data.loader import Batch, TokenLoader, check_stream, fixed_batches
 from setdiff_dist.data.shards import ShardSet
 from setdiff_dist.data.tokenizers import load_shipped_tokenizer, load_tokenizer
 from setdiff_dist.errors import SetdiffError
@@ -40,9 +40,11 @@ from .engine import (
     check_precision,
     compute_dtype,
     drop_gradients,
+    follow_schedule,
     main_grad,
     micro_batches_per_step,
     partitioned_construction,
+    schedule_changes,
 )
 from .metrics import MetricsLogger
 
@@ -113,7 +115,7 @@ class Trainer:
         if d.valid_shards:
             valid = Blend.open(d.valid_shards, "valid", **opts)
         else:  # the valid splits of the training corpora that have one, in the same proportions
-            have = [(w, s.directory) for w, s in zip(train.weights, train.sets)
+            have = [(w, s.directory) for w, s in zip(train.shares, train.sets)
                     if "valid" in s.manifest["splits"]]
             if have:
                 valid = Blend([ShardSet(s, "valid", **opts) for _, s in have],
@@ -170,11 +172,19 @@ class Trainer:
         if self.cfg.resume == "auto" and self.rank == 0 and pointed(root) is None:
             print(f"note: {root}/{LATEST} is missing; resuming from the newest complete "
                   f"checkpoint, {path}", flush=True)
+        ck = self.cfg.checkpoint
+        for key, source in (("init_from", ck.init_from), ("init_from_hf", ck.init_from_hf)):
+            if source and self.rank == 0:
+                print(f"note: resuming from {path}; checkpoint.{key}={source} only starts a "
+                      "new run and is not used (give a new run_dir to start from it)",
+                      flush=True)
         manifest = checkpoint.check_compatible(path, self.cfg, self.tokenizer_identity)
         if manifest["step"] > self.cfg.train.steps:
             raise TrainingError(f"{path} is at step {manifest['step']}, past train.steps="
                                 f"{self.cfg.train.steps}: raise train.steps to train on, or "
                                 "give a new run_dir (resume=never) to start over")
+        if "data" in manifest:  # (the same data stream: checked again when it is loaded)
+            check_stream(manifest["data"], self.loader(0).state_dict())
         checkpoint.verify(path, manifest, self.cfg.checkpoint.checksums)
         checkpoint.check_no_code(path)  # (DeepSpeed's files are pickles)
 
@@ -186,6 +196,7 @@ class Trainer:
             checkpoint.make_universal(path)
         state = checkpoint.load(self.engine, path, universal=self.universal)["setdiff"]
         self.step, self.samples_seen = state["step"], state["samples_seen"]
+        self._follow_schedule(path)
         self.skipped_steps = state["nonfinite_skipped_steps"]
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.loader(0).load_state_dict(state["loader"])  # same data stream, or a clear error
@@ -196,18 +207,32 @@ class Trainer:
                       flush=True)
         return path
 
+    def _follow_schedule(self, path: str) -> None:
+        """The LR of every step after a resume is this run's schedule at that step, as in a
+        fresh run with this config (the optimizer state and the scheduler's state in the
+        checkpoint hold the old one's); a changed schedule is said in one line."""
+        old_lr = self.engine.lr_scheduler.get_last_lr()[0]
+        new_lr = follow_schedule(self.engine.lr_scheduler, self.cfg, self.step)[0]
+        changes = schedule_changes(checkpoint.saved_config(path), self.cfg)
+        if changes and self.rank == 0:
+            print(f"note: the optimizer settings differ from {path}'s ({'; '.join(changes)}): "
+                  f"from step {self.step + 1} on they are this run's, LR {old_lr:.4g} -> "
+                  f"{new_lr:.4g} at step {self.step + 1}", flush=True)
+
     @property
     def tokenizer_identity(self) -> dict:
         return self.train_set.manifest["tokenizer"]
 
     def save(self) -> str:
         # one key of our own: DeepSpeed reserves names such as "skipped_steps" in client state
+        stream = self.loader(self.step).state_dict()
         state = {"setdiff": {"step": self.step, "samples_seen": self.samples_seen,
                              "nonfinite_skipped_steps": self.skipped_steps,
                              "nonfinite_in_a_row": self.nonfinite_in_a_row,
-                             "loader": self.loader(self.step).state_dict()}}
+                             "loader": stream}}
         return checkpoint.save(self.engine, self.cfg, self.step, state, self.tokenizer_identity,
-                               tokenizer_dir=self.train_set.directory, ema=self.ema)
+                               tokenizer_dir=self.train_set.directory, ema=self.ema,
+                               data={k: v for k, v in stream.items() if k != "step"})
 
     def request_stop(self, signum: int) -> None:
         """Stop at the next step boundary, with a checkpoint: ``"paused"`` on SIGINT,
@@ -353,31 +378,31 @@ class Trainer:
     # -- validation ------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """NELBO per token and the PPL bound on the first ``train.eval_batches`` validation
-        batches, over fixed seeded orders (the same numbers on every run and layout)."""
+        """NELBO per token and the PPL bound on the validation set: the first
+        ``train.eval_batches x data.global_batch_size`` samples of the validation split (all of
+        it when smaller), split over the data-parallel ranks, under fixed orders seeded by each
+        sample's index: the same samples, orders and numbers on every layout (summed in
+        float64)."""
         if self.valid_set is None:
             return {}
         d = self.cfg.data
-        loader = TokenLoader(self.valid_set, global_batch=d.micro_batch_size * self.dp,
-                             micro_batch=d.micro_batch_size, dp_rank=self.dp_rank,
-                             dp_size=self.dp, shuffle=False, num_workers=0)
-        n_batches = min(self.cfg.train.eval_batches,
-                        max(1, len(self.valid_set) // (d.micro_batch_size * self.dp)))
+        batches = fixed_batches(self.valid_set, self.cfg.train.eval_batches * d.global_batch_size,
+                                d.micro_batch_size, self.dp_rank, self.dp)
         was_training = self.engine.module.training
         self.engine.module.eval()
         self.engine.module.set_is_first_microbatch()  # the weights changed since the last cast
-        total = torch.zeros(2, device=self.device)
-        for _, (batch,) in zip(range(n_batches), self._steps(loader)):
-            batch = batch.to(self.device)
-            if self.cfg.parallel.pipeline == 1:
+        total = torch.zeros(2, device=self.device, dtype=torch.float64)
+        batches = [b.to(self.device) for b in batches]
+        if self.cfg.parallel.pipeline == 1:
+            for batch in batches:
                 out, terms = self.eval_objective.step(self.engine.module, batch)
                 s, n = terms(out)
-                total += torch.stack([s.float(), n.float()])
-            else:
-                for st in forward_backward(self.engine.module, [batch],
-                                           self.objective.model_seq_len, d.micro_batch_size,
-                                           self.eval_objective.step, forward_only=True):
-                    total += torch.stack([st["nll_sum"].float(), st["tokens"].float()])
+                total += torch.stack([s.double(), n.double()])
+        else:
+            for st in forward_backward(self.engine.module, batches, self.objective.model_seq_len,
+                                       d.micro_batch_size, self.eval_objective.step,
+                                       forward_only=True):
+                total += torch.stack([st["nll_sum"].double(), st["tokens"].double()])
         self.engine.module.train(was_training)
         self._sum_from_last_stage(total)
         per_token = float(total[0] / total[1].clamp_min(1))

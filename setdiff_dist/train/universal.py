@@ -9,6 +9,7 @@ those entries are left out of what it reads. Everything else is DeepSpeed's conv
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -38,6 +39,11 @@ def main(argv=None) -> int:
         except CheckpointError as exc:
             print(exc, file=sys.stderr)
             return 2
+    # the converter points a `latest_universal` file at its output, inside the checkpoint: we
+    # never read it (the trainer knows where the universal form is), so it is not left there
+    stray = os.path.join(os.path.dirname(os.path.normpath(args.output_folder)), "latest_universal")
+    if os.path.isfile(stray):
+        os.remove(stray)
     return 0
 
 

@@ -1,0 +1,25 @@
+"""Child processes that never outlive their parent: the launcher's ranks, the checkpoint
+converter. Imports nothing heavy."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def die_with_parent() -> None:
+    """In a child (``preexec_fn``): SIGKILL when the parent dies, even by SIGKILL (Linux's
+    ``PR_SET_PDEATHSIG``), so that a killed job leaves no process behind to keep writing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def own_group_and_die_with_parent() -> None:
+    """In a child: a process group of its own (a terminal's Ctrl-C reaches the parent alone,
+    which forwards it once) and :func:`die_with_parent`."""
+    os.setpgid(0, 0)
+    die_with_parent()
