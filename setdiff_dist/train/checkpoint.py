@@ -534,30 +534,66 @@ def load_ema(ema, model, path: str) -> bool:
 
 def verify(path: str, manifest: dict, hashes: bool = True) -> None:
     """Check every file of the checkpoint against its manifest (size, and SHA-256 with
-    ``hashes``), the ranks sharing the work; all ranks raise the same
+    ``hashes``), the ranks of the process group (if any) sharing the work; all ranks raise the same
     :class:`CheckpointError`, naming the damaged files and the checkpoint to go back to.
     A checkpoint written before the manifest listed its files passes unchecked."""
     table = manifest.get("files")
     if table is None:
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     problems = file_problems(path, table, sorted(table)[rank::world], hashes)
-    every = [None] * world
-    dist.all_gather_object(every, problems)
-    problems = sorted(p for ps_ in every for p in ps_)
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, problems)
+        problems = sorted(p for ps_ in every for p in ps_)
     if problems:
         raise damaged(path, problems)
 
 
-def check_compatible(path: str, cfg, tokenizer_identity: dict) -> dict:
-    """The manifest of ``path``, or a CheckpointError listing every difference with this run."""
+def check_resume(path: str, cfg, tokenizer_identity: dict, here: dict, stream: dict,
+                 say: bool = True) -> dict:
+    """Everything that decides, before any model is built, whether this run (``cfg``, its
+    tokenizer, its ``here`` layout as :func:`layout` gives it, its data ``stream``: a loader's
+    state) can go on from the checkpoint at ``path``: the manifest against the run, the data
+    stream, every file's size and checksum, and no pickled code. Returns the manifest or raises
+    a :class:`CheckpointError` (or the data's ShardError) naming what differs. ``say``: print
+    the notes (rank 0). No model, and no process group unless one is initialized (the ranks
+    then share the hashing)."""
+    from setdiff_dist.checkpoint.files import checkpoint_root, pointed
+    from setdiff_dist.data.loader import check_stream
+
+    root = checkpoint_root(cfg.run_dir)
+    if say and cfg.resume == "auto" and pointed(root) is None:
+        print(f"note: {root}/{LATEST} is missing; resuming from the newest complete "
+              f"checkpoint, {path}", flush=True)
+    ck = cfg.checkpoint
+    for key, source in (("init_from", ck.init_from), ("init_from_hf", ck.init_from_hf)):
+        if source and say:
+            print(f"note: resuming from {path}; checkpoint.{key}={source} only starts a "
+                  "new run and is not used (give a new run_dir to start from it)", flush=True)
+    manifest = check_compatible(path, cfg, tokenizer_identity, here)
+    if manifest["step"] > cfg.train.steps:
+        raise CheckpointError(f"{path} is at step {manifest['step']}, past train.steps="
+                              f"{cfg.train.steps}: raise train.steps to train on, or give a new "
+                              "run_dir (resume=never) to start over")
+    if "data" in manifest:  # (the same data stream: checked again when it is loaded)
+        check_stream(manifest["data"], stream)
+    verify(path, manifest, cfg.checkpoint.checksums)
+    check_no_code(path)  # (DeepSpeed's files are pickles)
+    return manifest
+
+
+def check_compatible(path: str, cfg, tokenizer_identity: dict,
+                     here: Optional[dict] = None) -> dict:
+    """The manifest of ``path``, or a CheckpointError listing every difference with this run
+    (``here``: this run's layout, by default :func:`layout`)."""
     m = read_manifest(path)
     if m.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
     # a key added after the checkpoint was written has its default there (e.g. model.head_dim)
     diffs = model_differences(cfg.to_dict()["model"],
                               dict(dataclasses.asdict(type(cfg.model)()), **m["model"]))
-    here, saved = layout(), m["layout"]
+    here, saved = here or layout(), m["layout"]
     if saved.get("context", 1) != here["context"]:
         diffs.append(f"parallel.context: checkpoint {saved.get('context', 1)}, this run "
                      f"{here['context']} (a checkpoint resumes at its own context-parallel size; "

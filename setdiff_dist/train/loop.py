@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from setdiff_dist.data.blend import Blend
-from setdiff_dist.data.loader import Batch, TokenLoader, check_stream, fixed_batches
+from setdiff_dist.data.loader import Batch, TokenLoader, fixed_batches
 from setdiff_dist.data.shards import ShardSet
 from setdiff_dist.data.tokenizers import load_shipped_tokenizer, load_tokenizer
 from setdiff_dist.errors import SetdiffError
@@ -64,6 +64,31 @@ class Diverged(TrainingError):
     exit_code = 1
 
 
+def open_data(cfg):
+    """``(train blend, validation blend or None, tokenizer)`` of a run, each checked against
+    the config (sequence length, tokenizer, vocabulary): no process group, no model."""
+    d = cfg.data
+    want_sha = load_tokenizer(d.tokenizer).sha256 if d.tokenizer else None
+    opts = {"seq_len": d.seq_len, "verify": d.verify, "max_open": d.max_open_shards}
+    train = Blend.open(d.train_shards, "train", tokenizer_sha256=want_sha, **opts)
+    tok = load_shipped_tokenizer(train.directory, train.manifest["tokenizer"])
+    opts["tokenizer_sha256"] = tok.sha256
+    valid = None
+    if d.valid_shards:
+        valid = Blend.open(d.valid_shards, "valid", **opts)
+    else:  # the valid splits of the training corpora that have one, in the same proportions
+        have = [(w, s.directory) for w, s in zip(train.shares, train.sets)
+                if "valid" in s.manifest["splits"]]
+        if have:
+            valid = Blend([ShardSet(s, "valid", **opts) for _, s in have],
+                          [w for w, _ in have], [s for _, s in have])
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise TrainingError(f"the shards' tokenizer has {tok.vocab_size} tokens but "
+                            f"model.vocab_size={cfg.model.vocab_size}; set "
+                            f"model.vocab_size={tok.vocab_size}")
+    return train, valid, tok
+
+
 class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
@@ -75,7 +100,7 @@ class Trainer:
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
-        self.train_set, self.valid_set, self.tokenizer = self._data()
+        self.train_set, self.valid_set, self.tokenizer = open_data(cfg)
         self.resume_path = checkpoint.resolve(cfg)  # None: a fresh run
         self._check_resume()  # before any model is built: a refusal costs seconds, not minutes
         config = transformer_config(cfg.model, par.tensor, par.pipeline,
@@ -104,28 +129,6 @@ class Trainer:
         self.resumed_from = self._resume()
 
     # -- set-up ------------------------------------------------------------------------------
-    def _data(self):
-        d = self.cfg.data
-        want_sha = load_tokenizer(d.tokenizer).sha256 if d.tokenizer else None
-        opts = {"seq_len": d.seq_len, "verify": d.verify, "max_open": d.max_open_shards}
-        train = Blend.open(d.train_shards, "train", tokenizer_sha256=want_sha, **opts)
-        tok = load_shipped_tokenizer(train.directory, train.manifest["tokenizer"])
-        opts["tokenizer_sha256"] = tok.sha256
-        valid = None
-        if d.valid_shards:
-            valid = Blend.open(d.valid_shards, "valid", **opts)
-        else:  # the valid splits of the training corpora that have one, in the same proportions
-            have = [(w, s.directory) for w, s in zip(train.shares, train.sets)
-                    if "valid" in s.manifest["splits"]]
-            if have:
-                valid = Blend([ShardSet(s, "valid", **opts) for _, s in have],
-                              [w for w, _ in have], [s for _, s in have])
-        if tok.vocab_size > self.cfg.model.vocab_size:
-            raise TrainingError(f"the shards' tokenizer has {tok.vocab_size} tokens but "
-                                f"model.vocab_size={self.cfg.model.vocab_size}; set "
-                                f"model.vocab_size={tok.vocab_size}")
-        return train, valid, tok
-
     def _initial_model(self, config):
         """Weights drawn from the seed, or those of a Hugging Face checkpoint
         (``checkpoint.init_from_hf``, read per rank in this layout) when there is no checkpoint
@@ -163,30 +166,10 @@ class Trainer:
 
     def _check_resume(self) -> None:
         """Refuse, before building anything, a checkpoint this run cannot go on from."""
-        path = self.resume_path
-        if path is None:
-            return
-        from setdiff_dist.checkpoint.files import LATEST, checkpoint_root, pointed
-
-        root = checkpoint_root(self.cfg.run_dir)
-        if self.cfg.resume == "auto" and self.rank == 0 and pointed(root) is None:
-            print(f"note: {root}/{LATEST} is missing; resuming from the newest complete "
-                  f"checkpoint, {path}", flush=True)
-        ck = self.cfg.checkpoint
-        for key, source in (("init_from", ck.init_from), ("init_from_hf", ck.init_from_hf)):
-            if source and self.rank == 0:
-                print(f"note: resuming from {path}; checkpoint.{key}={source} only starts a "
-                      "new run and is not used (give a new run_dir to start from it)",
-                      flush=True)
-        manifest = checkpoint.check_compatible(path, self.cfg, self.tokenizer_identity)
-        if manifest["step"] > self.cfg.train.steps:
-            raise TrainingError(f"{path} is at step {manifest['step']}, past train.steps="
-                                f"{self.cfg.train.steps}: raise train.steps to train on, or "
-                                "give a new run_dir (resume=never) to start over")
-        if "data" in manifest:  # (the same data stream: checked again when it is loaded)
-            check_stream(manifest["data"], self.loader(0).state_dict())
-        checkpoint.verify(path, manifest, self.cfg.checkpoint.checksums)
-        checkpoint.check_no_code(path)  # (DeepSpeed's files are pickles)
+        if self.resume_path is not None:
+            checkpoint.check_resume(self.resume_path, self.cfg, self.tokenizer_identity,
+                                    checkpoint.layout(), self.loader(0).state_dict(),
+                                    say=self.rank == 0)
 
     def _resume(self):
         path = self.resume_path
