@@ -1,10 +1,19 @@
-"""Child processes that never outlive their parent: the launcher's ranks, the checkpoint
-converter. Imports nothing heavy."""
+"""Child processes that never outlive their parent (the launcher's ranks, the checkpoint
+converter) and a free port for their rendezvous. Imports nothing heavy: the launcher of
+``setdiff-train --nproc-per-node`` starts its ranks without importing torch."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def die_with_parent() -> None:

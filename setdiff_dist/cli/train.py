@@ -140,8 +140,7 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0) -> int:
     (a crash, a kill) ends the job: the launcher names it, gives the others ``grace_s`` seconds
     to stop on SIGTERM, then kills them, instead of leaving them waiting in a collective for
     the process group's timeout."""
-    from setdiff_dist.parallel import free_port
-    from setdiff_dist.processes import own_group_and_die_with_parent
+    from setdiff_dist.processes import free_port, own_group_and_die_with_parent
 
     if SIGNALS.got:  # stopped before any rank started: start none
         return 128 + SIGNALS.got[0]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import socket
 import sys
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from setdiff_dist.errors import SetdiffError
+from setdiff_dist.processes import free_port  # noqa: F401 (re-exported)
 
 from . import cpu_compat
 
@@ -30,12 +30,6 @@ class LaunchEnv:
     local_rank: int
     master_addr: str
     master_port: int
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LaunchError(SetdiffError, RuntimeError):
