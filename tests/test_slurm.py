@@ -58,15 +58,55 @@ def _job(jid, env):
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
 
+def _daemons():
+    """{daemon: alive?} from the cluster's pid files (slurmctld, slurmd-n1, ...)."""
+    import glob
+
+    out = {}
+    for pidfile in sorted(glob.glob(os.path.join(BASE, "run", "*.pid"))):
+        name = os.path.basename(pidfile)[:-len(".pid")]
+        try:
+            with open(pidfile) as fh:
+                os.kill(int(fh.read().strip()), 0)
+            out[name] = True
+        except (OSError, ValueError):
+            out[name] = False
+    return out
+
+
+def _cluster_report(why):
+    """An AssertionError saying ``why`` with what the daemons say: which died, and the end of
+    each one's log (a daemon that dies under load is the cluster's failure, not the job's)."""
+    import glob
+
+    lines = [why, f"daemons alive: {_daemons()}"]
+    for log in sorted(glob.glob(os.path.join(BASE, "log", "*"))):
+        with open(log, errors="replace") as fh:
+            tail = fh.read()[-1500:]
+        lines.append(f"--- {log} (last lines)\n{tail}")
+    cores = glob.glob(os.path.join(BASE, "core*"))
+    if cores:
+        lines.append(f"core files: {cores}")
+    return AssertionError("\n".join(lines))
+
+
 def _wait(jid, env, timeout=300):
+    """The job's final record; fails at once, with the daemons' logs, if a daemon died."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         job = _job(jid, env)
         if job.get("JobState") in DONE:
             return job
+        dead = [d for d, alive in _daemons().items() if not alive]
+        if dead:
+            subprocess.run(["scancel", str(jid)], env=env)
+            raise _cluster_report(f"job {jid} ({job.get('JobState')}): the Slurm daemon(s) "
+                                  f"{', '.join(dead)} died under the job (not a failure of "
+                                  "setdiff-dist; restart the cluster: bash "
+                                  f"{CLUSTER} stop; bash {CLUSTER} start 2)")
         time.sleep(0.5)
     subprocess.run(["scancel", str(jid)], env=env)
-    raise AssertionError(f"job {jid} did not finish in {timeout} s: {_job(jid, env)}")
+    raise _cluster_report(f"job {jid} did not finish in {timeout} s: {_job(jid, env)}")
 
 
 def _sbatch(env, log, *args):

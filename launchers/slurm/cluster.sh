@@ -119,10 +119,12 @@ start() {
     start_munge
     write_conf "$n"
     add_hosts
-    setsid nohup slurmctld -D -i -f "$CONF" >>"$BASE/log/slurmctld.out" 2>&1 </dev/null &
+    # (from $BASE: a daemon that dumps core leaves it there, not in the caller's directory)
+    (cd "$BASE" && setsid nohup slurmctld -D -i -f "$CONF" >>"$BASE/log/slurmctld.out" 2>&1 \
+        </dev/null &)
     for node in $(node_names); do
-        setsid nohup slurmd -D -N "$node" -f "$CONF" >>"$BASE/log/slurmd-$node.out" 2>&1 \
-            </dev/null &
+        (cd "$BASE" && setsid nohup slurmd -D -N "$node" -f "$CONF" \
+            >>"$BASE/log/slurmd-$node.out" 2>&1 </dev/null &)
     done
     wait_idle
     log "up: $n nodes; run: export SLURM_CONF=$CONF"
