@@ -58,7 +58,10 @@ setup(
                  "transformers==5.24.0",
                  # the harness adapter's tests (accelerate: lm-eval's own `hf` model, the
                  # reference), and the linter CI runs (pyproject.toml)
-                 "lm_eval==0.4.13", "accelerate==1.15.0", "ruff==0.17.6"],
+                 "lm_eval==0.4.13", "accelerate==1.15.0", "ruff==0.17.6",
+                 # line coverage of the suite, subprocesses and spawned ranks included
+                 # (pyproject.toml's [tool.coverage.run]): pytest --cov=setdiff_dist
+                 "pytest-cov==7.1.0", "coverage==7.17.5"],
     },
     entry_points={
         "console_scripts": [

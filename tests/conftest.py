@@ -1,5 +1,7 @@
 """Shared test set-up: tests run from the repository root, so config paths read as in the README;
-one shard set and a cache of trained runs serve the whole session."""
+shard sets and trained runs are made once per session and shared (``shards_of``, ``sonnets``,
+``trained``): a test that changes a run works on a copy (``helpers.copy_run``,
+``helpers.rewound``)."""
 
 import os
 from pathlib import Path
@@ -17,37 +19,74 @@ def _repository_root():
     os.chdir(old)
 
 
+@pytest.fixture(autouse=True)
+def _no_launch_variables_leak():
+    """A test that joins a process group in this process (init_distributed sets RANK,
+    MASTER_PORT...) must not leave them to the next one: a child started later would take
+    itself for a rank of a group that is gone."""
+    from helpers import LAUNCH_VARIABLES
+
+    before = {k: os.environ.get(k) for k in LAUNCH_VARIABLES}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
-def sonnets(tmp_path_factory):
-    """The sonnets as shards (bytes tokenizer, L = 32, a valid split), made once a session."""
+def shards_of(tmp_path_factory):
+    """``shards_of(tokenizer="bytes")``: the sonnets as shards (L = 32, a valid split of every
+    fourth stanza) with that tokenizer, made once a session."""
     from helpers import sonnet_shards
 
-    return sonnet_shards(tmp_path_factory.mktemp("sonnets"))
+    made = {}
 
+    def get(tokenizer="bytes"):
+        if tokenizer not in made:
+            made[tokenizer] = sonnet_shards(tmp_path_factory.mktemp("sonnets"), tokenizer)
+        return made[tokenizer]
 
-# The reference run that tests share: the tiny model on the sonnets, 6 steps on 2 ranks (ZeRO-1),
-# checkpoints at steps 3 and 6 (helpers.train_command's settings otherwise).
-REFERENCE_STEPS = 6
-REFERENCE = ("checkpoint.interval=3",)
+    return get
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory, sonnets):
-    """``trained(*overrides, nproc=2)`` -> the run directory of the reference run with those
-    overrides, trained once per distinct configuration in the session and shared: a test that
-    changes the run works on ``helpers.copy_run(run, tmp_path)``."""
-    from helpers import run_train
+def sonnets(shards_of):
+    """The sonnets as byte-level shards (``shards_of("bytes")``)."""
+    return shards_of("bytes")
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, shards_of):
+    """``trained(*overrides, nproc=2, tokenizer="bytes")`` -> the run directory of the
+    session's reference run with those overrides: the tiny model on the sonnets, the same steps
+    and schedule for every one (``helpers.REFERENCE_STEPS`` steps, checkpoints every
+    ``REFERENCE_INTERVAL``; helpers.train_command's settings otherwise), trained once per
+    distinct configuration and shared. Tests copy it before changing it."""
+    from helpers import REFERENCE, REFERENCE_STEPS, VOCAB, run_train
 
     cache = {}
 
-    def get(*overrides, nproc=2):
-        key = (tuple(overrides), nproc)
+    def get(*overrides, nproc=2, tokenizer="bytes"):
+        key = (tuple(overrides), nproc, tokenizer)
         if key not in cache:
             run = tmp_path_factory.mktemp("trained")
-            res = run_train(run, sonnets, *REFERENCE, *overrides, nproc=nproc,
-                            steps=REFERENCE_STEPS)
+            res = run_train(run, shards_of(tokenizer), *REFERENCE, *overrides, nproc=nproc,
+                            steps=REFERENCE_STEPS, vocab=VOCAB[tokenizer])
             assert res.returncode == 0, res.stderr[-3000:]
             cache[key] = run
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def layouts(sonnets, tmp_path_factory):
+    """Every layout of ``helpers.LAYOUTS`` trained once a session, in-process, one spawn per
+    world size: ``({name: (losses, validation rows) or (error, message)}, {name: stderr},
+    the directory of their run dirs)``."""
+    from helpers import run_layouts
+
+    root = tmp_path_factory.mktemp("layouts")
+    return (*run_layouts(sonnets, root), root)

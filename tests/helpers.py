@@ -23,6 +23,41 @@ def sonnet_shards(directory, tokenizer="bytes", seq_len=32, valid_every=4):
     return out
 
 
+# the session's reference runs (conftest.trained): one step count and schedule for all, so that
+# every test that needs a trained checkpoint can share one
+REFERENCE_STEPS = 6
+REFERENCE_INTERVAL = 3
+REFERENCE = (f"checkpoint.interval={REFERENCE_INTERVAL}",)
+VOCAB = {"bytes": 257, "bpe:300": 300}
+# the reference run that keeps an EMA of the weights, under ZeRO-3, with a checkpoint every step
+# (all of them kept)
+EMA_RUN = ("zero.stage=3", "train.ema_decay=0.5", "checkpoint.interval=1",
+           "checkpoint.keep_last=0", "optimizer.warmup_steps=0")
+
+
+def rewound(run, where, step=REFERENCE_INTERVAL):
+    """A copy of a shared run (``where/run``) as it was after ``step``: its later checkpoints
+    and metrics gone, ``latest`` at ``step``. Resuming it continues the shared run's curve."""
+    import json
+    import shutil
+
+    out = copy_run(run, where)
+    root = out / "checkpoints"
+    for d in root.glob("step_*"):
+        if int(d.name.split("_")[1]) > step:
+            shutil.rmtree(d)
+    (root / "latest").write_text(f"step_{step:07d}\n")
+    metrics = out / "metrics.jsonl"
+    if metrics.exists():
+        rows = [line for line in metrics.read_text().splitlines()
+                if json.loads(line).get("step", 0) <= step]
+        metrics.write_text("".join(r + "\n" for r in rows))
+    for f in ("exit_status.json",):
+        if (out / f).exists():
+            (out / f).unlink()
+    return out
+
+
 def copy_run(run, where):
     """A copy of a shared run directory (``where/run``, without its lock) that a test may
     change."""
@@ -59,6 +94,154 @@ def train_command(run_dir, shards, *overrides, nproc=2, steps=4, seq_len=32, voc
             f"model.vocab_size={vocab}", f"train.steps={steps}", "train.log_interval=1",
             f"data.global_batch_size={global_batch}", f"data.micro_batch_size={micro_batch}",
             "optimizer.warmup_steps=2", "train.tensorboard=false", *overrides]
+
+
+def cli(module, argv, capsys):
+    """``main(argv)`` of a command in this process: (exit code, standard error); the signal
+    handlers that setdiff-train installs are given back to pytest."""
+    import importlib
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    environ = dict(os.environ)  # (a command that joins a process group sets RANK, MASTER_PORT..:
+    try:                        # a later child would take itself for a rank of it)
+        code = importlib.import_module(module).main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+        os.environ.clear()
+        os.environ.update(environ)
+    return code, capsys.readouterr().err
+
+
+def run_cli(module, *argv):
+    """A command's ``main(argv)`` in this process, its output captured: an object with
+    ``returncode``, ``stdout`` and ``stderr``, as ``subprocess.run`` returns (without the start-up
+    of a new interpreter importing torch, megatron-core and DeepSpeed)."""
+    import io
+    import types
+
+    out, err = io.StringIO(), io.StringIO()
+
+    class _Captured:  # (capsys's stand-in)
+        @staticmethod
+        def readouterr():
+            return types.SimpleNamespace(out=out.getvalue(), err=err.getvalue())
+
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code, _ = cli(module, [str(a) for a in argv], _Captured)
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def train_config(run_dir, shards, *overrides, **kw):
+    """The config :func:`train_command` would train with (same arguments), in this process."""
+    from setdiff_dist.config import load_config
+
+    cmd = train_command(run_dir, shards, *overrides, **kw)
+    at = cmd.index("--config")
+    return load_config(cmd[at + 1], cmd[at + 2:])
+
+
+def resume_check(run_dir, shards, *overrides, tp=1, pp=1, dp=2, **kw):
+    """What setdiff-train checks before it builds a model, when ``train_command(run_dir,
+    shards, *overrides, **kw)`` on ``tp x pp x dp`` ranks would resume ``run_dir``: in this
+    process, no launch. Returns the manifest, or raises the error the launch prints."""
+    from setdiff_dist.data.loader import TokenLoader
+    from setdiff_dist.train.checkpoint import check_resume, resolve
+    from setdiff_dist.train.loop import open_data
+
+    cfg = train_config(run_dir, shards, *overrides, **kw)
+    train_set, _, _ = open_data(cfg)
+    here = {"tensor": tp, "pipeline": pp, "data": dp, "world": tp * pp * dp, "context": 1}
+    stream = TokenLoader(train_set, global_batch=cfg.data.global_batch_size,
+                         micro_batch=cfg.data.micro_batch_size, dp_size=dp,
+                         seed=cfg.train.seed, shuffle=cfg.data.shuffle).state_dict()
+    return check_resume(resolve(cfg), cfg, train_set.manifest["tokenizer"], here, stream)
+
+
+def curve(run_dir):
+    """``(training losses, validation rows)`` from a run's ``metrics.jsonl``."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rows = [json.loads(line) for line in fh]
+    return [r["loss"] for r in rows if "loss" in r], [r for r in rows if "valid_loss" in r]
+
+
+# Layouts trained in-process, several per spawn of ranks (start-up dominates on 2 cores): the
+# reference run's config (train_command's, REFERENCE_STEPS steps, no checkpoint unless asked)
+# plus these overrides, by the number of ranks they need. test_train, test_precision,
+# test_context_parallel.
+_DIVERGE = ["optimizer.lr=1e30", "optimizer.grad_clip=0", "train.max_nonfinite_steps=2",
+            "optimizer.warmup_steps=0", "optimizer.schedule=constant", "optimizer.min_lr=0"]
+_QK = ["model.qk_norm=true", "checkpoint.save_at_end=true"]
+LAYOUTS = {
+    1: [("dp1", []), ("bf16-dp1", ["train.precision=bf16"]), ("qk-tp1", _QK)],
+    2: [("zero0", ["zero.stage=0"]), ("zero2", ["zero.stage=2"]), ("zero3", ["zero.stage=3"]),
+        ("tp2", ["parallel.tensor=2"]), ("pp2", ["parallel.pipeline=2"]),
+        ("tp2-sp", ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+        ("bf16", ["train.precision=bf16"]),
+        ("bf16-zero2", ["train.precision=bf16", "zero.stage=2"]),
+        ("bf16-zero3", ["train.precision=bf16", "zero.stage=3"]),
+        ("bf16-tp2", ["train.precision=bf16", "parallel.tensor=2"]),
+        ("bf16-pp2", ["train.precision=bf16", "parallel.pipeline=2"]),
+        ("qk-tp2", [*_QK, "parallel.tensor=2"]),
+        ("qk-tp2-sp", [*_QK, "parallel.tensor=2", "parallel.sequence_parallel=true"]),
+        ("pp-diverges", [*_DIVERGE, "zero.stage=0", "parallel.pipeline=2"])],
+    4: [("tp2xpp2", ["parallel.tensor=2", "parallel.pipeline=2"]),
+        ("cp2-tp2", ["parallel.context=2", "parallel.tensor=2"]),
+        ("cp2-pp2", ["parallel.context=2", "parallel.pipeline=2"]),
+        ("bf16-tp2xpp2", ["train.precision=bf16", "parallel.tensor=2", "parallel.pipeline=2"]),
+        ("bf16-tp2xpp2-sp", ["train.precision=bf16", "parallel.tensor=2", "parallel.pipeline=2",
+                             "parallel.sequence_parallel=true"])],
+}
+
+
+def fit_layouts(rank, shards, root, layouts, out):
+    """(In a spawned rank.) ``Trainer.fit`` for each ``(name, overrides)`` of ``layouts``,
+    quiet as setdiff-train is; rank 0 saves {name: curve, or (error type, message)}."""
+    import torch
+
+    from setdiff_dist.quiet import quiet
+
+    quiet()
+    from setdiff_dist.errors import SetdiffError
+    from setdiff_dist.train.loop import Trainer
+
+    found = {}
+    for name, overrides in layouts:
+        run_dir = f"{root}/{name}"
+        cfg = train_config(run_dir, shards, "checkpoint.save_at_end=false", *overrides,
+                           steps=REFERENCE_STEPS)
+        try:
+            Trainer(cfg).fit()
+            found[name] = curve(run_dir) if rank == 0 else None
+        except SetdiffError as exc:
+            found[name] = (type(exc).__name__, str(exc))
+    if rank == 0:
+        torch.save(found, out)
+
+
+def run_layouts(shards, root, layouts=None):
+    """Every layout of ``layouts`` (default :data:`LAYOUTS`), one spawn per world size, each in
+    a child process whose standard error is kept: ``({name: result}, {name: stderr of its
+    spawn})``; run dirs under ``root``."""
+    import torch
+
+    found, stderr = {}, {}
+    for world, group in (layouts or LAYOUTS).items():
+        out = os.path.join(root, f"world{world}.pt")
+        code = ("import pathlib, sys; sys.path.insert(0, 'tests')\n"
+                "from helpers import fit_layouts\n"
+                "from mp_harness import spawn\n"
+                f"spawn(fit_layouts, {world}, {str(shards)!r}, {str(root)!r}, {group!r}, "
+                f"{out!r})\n")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=1800, env=child_env())
+        assert res.returncode == 0, res.stderr[-3000:]
+        found.update(torch.load(out))
+        stderr.update({name: res.stderr for name, _ in group})
+    return found, stderr
 
 
 # What torchrun (or our own init) puts in the environment. A child that inherits them from a

@@ -5,7 +5,7 @@ are refused before any work, and results are valid JSON written only where they 
 import json
 
 import pytest
-from helpers import sonnet_shards, tree_hash
+from helpers import cli, sonnet_shards, tree_hash
 
 
 @pytest.fixture(scope="module")
@@ -104,23 +104,6 @@ def test_non_finite_results_are_written_as_valid_json():
 # is wrong, where, and the fix), run in this process (the errors come before any process group)
 # with the workspace hashed before and after: a refusal writes nothing and loses nothing.
 
-def _cli(module, argv, capsys):
-    """``main(argv)`` of a command: (exit code, standard error); the signal handlers that
-    setdiff-train installs are given back to pytest."""
-    import importlib
-    import signal
-
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        code = importlib.import_module(module).main(argv)
-    except SystemExit as exc:  # argparse's own refusals
-        code = exc.code
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-    return code, capsys.readouterr().err
-
-
 @pytest.fixture(scope="module")
 def workspace(shards, tmp_path_factory):
     """A shard directory, task files and a config, as a user's working directory holds them."""
@@ -193,7 +176,7 @@ BAD_INPUT = [
 def test_bad_input_is_one_message_and_exit_code_2_and_writes_nothing(workspace, capsys, module,
                                                                      argv, words):
     before = tree_hash(workspace)
-    code, err = _cli(module, [a.format(ws=workspace) for a in argv], capsys)
+    code, err = cli(module, [a.format(ws=workspace) for a in argv], capsys)
     assert code == 2, err
     assert "Traceback" not in err
     for w in words:

@@ -1,100 +1,125 @@
-"""Checkpoints, exact resume, preemption signals and crash consistency, through setdiff-train."""
+"""Checkpoints, exact resume, preemption signals and crash consistency. Through setdiff-train
+where a process must start, stop, die or resume; in this process where what is tested is a
+check setdiff-train makes before it builds a model (``helpers.resume_check``). A resume starts
+from a copy of a session reference run rewound to its step-3 checkpoint
+(``helpers.rewound``), and must reproduce that run's curve."""
 
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from helpers import child_env, losses, run_train, sonnet_shards, train_command, tree_hash
+from helpers import (
+    REFERENCE,
+    REFERENCE_STEPS,
+    child_env,
+    copy_run,
+    losses,
+    process_group,
+    resume_check,
+    rewound,
+    run_train,
+    train_command,
+    tree_hash,
+)
+
+from setdiff_dist.checkpoint.files import CheckpointError
 
 EXIT_PREEMPTED = 75
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return sonnet_shards(tmp_path_factory.mktemp("ckpt"))
 
 
 def command(run_dir, shards, steps, *overrides):
     return train_command(run_dir, shards, "train.eval_batches=1", *overrides, steps=steps)
 
 
-def train(run_dir, shards, steps, *overrides, env=None, nproc=2):
-    return run_train(run_dir, shards, "train.eval_batches=1", *overrides, steps=steps, env=env,
+def train(run_dir, shards, *overrides, env=None, nproc=2):
+    """Resume (or start) a run as the session's reference runs were trained."""
+    return run_train(run_dir, shards, *REFERENCE, *overrides, steps=REFERENCE_STEPS, env=env,
                      nproc=nproc)
+
+
+def check(run_dir, shards, *overrides, **layout):
+    """What setdiff-train checks before building a model, for that resume (no launch)."""
+    return resume_check(run_dir, shards, *REFERENCE, *overrides, steps=REFERENCE_STEPS,
+                        **layout)
 
 
 def latest(run_dir):
     return open(os.path.join(run_dir, "checkpoints", "latest")).read().strip()
 
 
-@pytest.fixture(scope="module")
-def straight(shards, tmp_path_factory):
-    """The uninterrupted reference: 12 steps, ZeRO-2 on two ranks."""
-    run = tmp_path_factory.mktemp("straight")
-    res = train(run, shards, 12, "zero.stage=2")
-    assert res.returncode == 0, res.stderr[-3000:]
-    return losses(run)
-
-
-def test_stop_and_resume_reproduces_the_uninterrupted_curve_bit_exactly(straight, shards,
+def test_stop_and_resume_reproduces_the_uninterrupted_curve_bit_exactly(trained, sonnets,
                                                                           tmp_path):
-    res = train(tmp_path, shards, 12, "zero.stage=2", "train.exit_at_step=5")
+    """ZeRO-2 on two ranks: from step 3, to ``train.exit_at_step=5`` (a checkpoint, then exit
+    0), then on to the end: every step's loss is the uninterrupted run's, bit for bit."""
+    ref = trained("zero.stage=2")
+    run = rewound(ref, tmp_path)
+    res = train(run, sonnets, "zero.stage=2", "train.exit_at_step=5")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert latest(tmp_path) == "step_0000005"
-    res = train(tmp_path, shards, 12, "zero.stage=2")  # resume=auto
+    assert "resumed from" in res.stdout and latest(run) == "step_0000005"
+    res = train(run, sonnets, "zero.stage=2")  # resume=auto
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stdout
-    assert losses(tmp_path) == straight  # every step, bit for bit
+    assert losses(run) == losses(ref)  # every step, bit for bit
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_pipeline_parallel_resume_is_bit_exact_too(shards, tmp_path, precision):
+def test_pipeline_parallel_resume_is_bit_exact_too(trained, sonnets, tmp_path, precision):
     # bf16: DeepSpeed's BF16_Optimizer with fp32 gradient buffers filled by hooks under
     # megatron's schedule, and the tied embedding synchronized in those buffers
-    layout = ("parallel.pipeline=2", "zero.stage=1", f"train.precision={precision}")
-    assert train(tmp_path / "straight", shards, 8, *layout).returncode == 0
-    res = train(tmp_path / "split", shards, 8, *layout, "train.exit_at_step=3")
-    assert res.returncode == 0, res.stderr[-3000:]
+    layout = ("parallel.pipeline=2", f"train.precision={precision}")
+    ref = trained(*layout)
     # each pipeline stage's DeepSpeed files and weights are its own
-    ckpt = tmp_path / "split" / "checkpoints" / "step_0000003"
+    ckpt = ref / "checkpoints" / "step_0000003"
     assert (ckpt / "mp_rank_00_model_states.pt").exists()
     assert (ckpt / "mp_rank_01_model_states.pt").exists()
     assert (ckpt / "weights" / "tp00_pp01.safetensors").exists()
-    res = train(tmp_path / "split", shards, 8, *layout)
+    run = rewound(ref, tmp_path)
+    res = train(run, sonnets, *layout)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert losses(tmp_path / "split") == losses(tmp_path / "straight")
+    assert losses(run) == losses(ref)
 
 
-def test_a_checkpoint_of_another_shape_or_layout_is_refused(straight, shards, tmp_path):
-    assert train(tmp_path, shards, 12, "zero.stage=2", "train.exit_at_step=2").returncode == 0
-    res = train(tmp_path, shards, 12, "zero.stage=2", "model.hidden_size=32",
-                "model.num_attention_heads=2")
-    assert res.returncode == 2
-    assert "model.hidden_size: checkpoint 64, this run 32" in res.stderr
-    assert "model.num_attention_heads: checkpoint 4, this run 2" in res.stderr
+def test_a_checkpoint_of_another_shape_or_layout_is_refused(trained, sonnets, tmp_path):
+    ref = trained("zero.stage=2")
+    with pytest.raises(CheckpointError) as err:
+        check(ref, sonnets, "zero.stage=2", "model.hidden_size=32",
+              "model.num_attention_heads=2")
+    assert "model.hidden_size: checkpoint 64, this run 32" in str(err.value)
+    assert "model.num_attention_heads: checkpoint 4, this run 2" in str(err.value)
     # ZeRO-3 state is re-sliced for another data-parallel size only, not another TP size
-    res = train(tmp_path, shards, 12, "zero.stage=3", "parallel.tensor=2")
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "zero.stage: checkpoint 2, this run 3" in res.stderr
-    assert "parallel.tensor: checkpoint 1, this run 2 (DeepSpeed re-slices ZeRO-3" in res.stderr
+    with pytest.raises(CheckpointError) as err:
+        check(ref, sonnets, "zero.stage=3", "parallel.tensor=2", tp=2, dp=1)
+    assert "zero.stage: checkpoint 2, this run 3" in str(err.value)
+    assert "parallel.tensor: checkpoint 1, this run 2 (DeepSpeed re-slices ZeRO-3" in \
+        str(err.value)
+    # setdiff-train says it in one line, exit code 2, and changes nothing
+    run = copy_run(ref, tmp_path)
+    before = tree_hash(run / "checkpoints")
+    res = train(run, sonnets, "zero.stage=2", "model.hidden_size=32",
+                "model.num_attention_heads=2")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "model.hidden_size: checkpoint 64, this run 32" in res.stderr
+    assert tree_hash(run / "checkpoints") == before
 
 
-def test_sigkill_during_a_save_leaves_latest_at_the_previous_checkpoint(straight, shards,
+def test_sigkill_during_a_save_leaves_latest_at_the_previous_checkpoint(trained, sonnets,
                                                                         tmp_path):
+    ref = trained("zero.stage=2")
+    run = rewound(ref, tmp_path)
     env = dict(os.environ, SETDIFF_FAULT="after_shards:6")
-    res = train(tmp_path, shards, 12, "zero.stage=2", "checkpoint.interval=3", env=env)
+    res = train(run, sonnets, "zero.stage=2", env=env)
     assert res.returncode != 0
-    assert latest(tmp_path) == "step_0000003"
-    assert not (tmp_path / "checkpoints" / "step_0000006" / "manifest.json").exists()
-    res = train(tmp_path, shards, 12, "zero.stage=2", "checkpoint.interval=3")
+    assert latest(run) == "step_0000003"
+    assert not (run / "checkpoints" / "step_0000006" / "manifest.json").exists()
+    res = train(run, sonnets, "zero.stage=2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and "step_0000003" in res.stdout
-    assert losses(tmp_path) == straight
+    # (the killed save's directory was removed first, and said)
+    assert "step_0000006 (an incomplete save)" in res.stdout
+    assert losses(run) == losses(ref)
 
 
 def _wait_for_step(proc, step):
@@ -108,10 +133,10 @@ def _wait_for_step(proc, step):
                                            ("every rank", signal.SIGTERM),
                                            ("launcher", signal.SIGINT)],
                          ids=["SIGUSR1 to the launcher", "SIGTERM to every rank", "Ctrl-C"])
-def test_a_stop_signal_checkpoints_and_exits_with_its_outcome(shards, tmp_path, target, signum):
+def test_a_stop_signal_checkpoints_and_exits_with_its_outcome(sonnets, tmp_path, target, signum):
     """SIGTERM / SIGUSR1 (preemption) checkpoint and exit 75 for a requeue; SIGINT (Ctrl-C)
     checkpoints and exits 130, outcome "paused"; resume=auto goes on from either."""
-    proc = subprocess.Popen(command(tmp_path, shards, 12, "zero.stage=2",
+    proc = subprocess.Popen(command(tmp_path, sonnets, 12, "zero.stage=2",
                                     "train.steps=400", "optimizer.schedule=constant"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_step(proc, 2)
@@ -155,8 +180,8 @@ def _alive(pid):
         return False
 
 
-def test_no_rank_outlives_a_killed_launcher(shards, tmp_path):
-    proc = subprocess.Popen(command(tmp_path, shards, 100000), stdout=subprocess.PIPE,
+def test_no_rank_outlives_a_killed_launcher(sonnets, tmp_path):
+    proc = subprocess.Popen(command(tmp_path, sonnets, 100000), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     _wait_for_step(proc, 1)
     ranks = _children(proc.pid)
@@ -169,24 +194,36 @@ def test_no_rank_outlives_a_killed_launcher(shards, tmp_path):
     assert not any(_alive(r) for r in ranks)
 
 
-def test_every_layout_starts_from_the_same_weights(shards, tmp_path):
-    """TP=1, TP=2 and ZeRO-3 over two ranks draw bitwise the same full weights, each rank only
-    its own part: one step at learning rate 0 keeps them, and each run's per-rank files merge to
-    the same tensors."""
+def _layout_weights(rank, shards, root, layouts, out):
+    """Build each layout's trainer from the seed and save it at step 0 (each rank writes its
+    own part); rank 0 reads the files back as full tensors."""
     from setdiff_dist.checkpoint.weights import read_full_state_dict
+    from setdiff_dist.config import load_config
+    from setdiff_dist.train.loop import Trainer
 
-    layouts = {"tp1": ({"nproc": 1}, ()), "tp2": ({}, ("parallel.tensor=2",)),
-               "zero3": ({}, ("zero.stage=3",))}
-    full = {}
-    for name, (kw, overrides) in layouts.items():
-        run = tmp_path / name
-        res = run_train(run, shards, "optimizer.lr=0", "optimizer.min_lr=0",
-                        "optimizer.warmup_steps=0", "optimizer.weight_decay=0.1",
-                        "train.eval_batches=1", *overrides, steps=1, **kw)
-        assert res.returncode == 0, res.stderr[-3000:]
-        full[name] = read_full_state_dict(str(run / "checkpoints" / latest(run)))[0]
-    ref = full.pop("tp1")
-    for name, state in full.items():
+    found = {}
+    for name, overrides in layouts:
+        t = Trainer(load_config("configs/tiny-cpu.yaml", [
+            f"run_dir={root}/{name}", "resume=never", f"data.train_shards={shards}",
+            "data.seq_len=32", "model.vocab_size=257", "data.global_batch_size=8",
+            "data.micro_batch_size=2", "train.tensorboard=false", *overrides]))
+        path = t.save()
+        if rank == 0:
+            found[name] = read_full_state_dict(path)[0]
+    if rank == 0:
+        torch.save(found, out)
+
+
+def test_every_layout_starts_from_the_same_weights(sonnets, tmp_path):
+    """TP=1 on one rank, TP=2 and ZeRO-3 over two ranks draw bitwise the same full weights,
+    each rank only its own part: each layout's per-rank files merge to the same tensors."""
+    from mp_harness import spawn
+
+    spawn(_layout_weights, 1, sonnets, str(tmp_path), [("tp1", [])], tmp_path / "one.pt")
+    spawn(_layout_weights, 2, sonnets, str(tmp_path),
+          [("tp2", ["parallel.tensor=2"]), ("zero3", ["zero.stage=3"])], tmp_path / "two.pt")
+    ref = torch.load(tmp_path / "one.pt")["tp1"]
+    for name, state in torch.load(tmp_path / "two.pt").items():
         assert sorted(state) == sorted(ref), name
         for k in ref:
             assert torch.equal(state[k], ref[k]), (name, k)
@@ -195,20 +232,20 @@ def test_every_layout_starts_from_the_same_weights(shards, tmp_path):
 @pytest.mark.parametrize("stage,resumed", [(1, {"nproc": 1}), (3, {"nproc": 1}),
                                           (2, {"nproc": 2, "tp": 2})],
                          ids=["zero1-dp2-to-dp1", "zero3-dp2-to-dp1", "zero2-tp1-to-tp2"])
-def test_resume_in_another_layout_continues_the_same_curve(straight, shards, tmp_path, stage,
+def test_resume_in_another_layout_continues_the_same_curve(trained, sonnets, tmp_path, stage,
                                                            resumed):
     """Saved at DP=2, resumed at DP=1 (or at TP=2): the optimizer state is re-partitioned
     through DeepSpeed's universal checkpoint (converted once, inside the step directory), the
     data order and the loss are global, so the curve is the uninterrupted DP=2 run's."""
-    res = train(tmp_path, shards, 12, f"zero.stage={stage}", "train.exit_at_step=5")
+    ref = trained(*([f"zero.stage={stage}"] if stage != 1 else []))
+    run = rewound(ref, tmp_path)
+    res = train(run, sonnets, f"zero.stage={stage}", f"parallel.tensor={resumed.get('tp', 1)}",
+                nproc=resumed["nproc"])
     assert res.returncode == 0, res.stderr[-3000:]
-    res = train(tmp_path, shards, 12, f"zero.stage={stage}",
-                f"parallel.tensor={resumed.get('tp', 1)}", nproc=resumed["nproc"])
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert (tmp_path / "checkpoints" / "step_0000005" / "universal" / "zero").is_dir()
-    got = losses(tmp_path)
-    assert sorted(got) == sorted(straight)
-    for step, loss in straight.items():  # (layouts differ by fp32 rounding only)
+    assert (run / "checkpoints" / "step_0000003" / "universal" / "zero").is_dir()
+    got, want = losses(run), losses(ref)
+    assert sorted(got) == sorted(want)
+    for step, loss in want.items():  # (layouts differ by fp32 rounding only)
         assert got[step] == pytest.approx(loss, abs=1e-5), step
 
 
@@ -261,23 +298,35 @@ def _rehash(step, file):
     (step / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_a_pickle_payload_in_a_checkpoint_is_not_run_on_resume(shards, tmp_path):
-    assert train(tmp_path, shards, 4, "zero.stage=2", "train.exit_at_step=2").returncode == 0
-    step = tmp_path / "checkpoints" / latest(tmp_path)
+def _plant(step, file, marker):
+    state = torch.load(step / file, weights_only=False)
+    state["extra"] = _Payload(marker)
+    torch.save(state, step / file)
+    _rehash(step, file)  # (an attacker can rewrite the manifest's checksums too)
+    return state
+
+
+def test_a_pickle_payload_in_a_checkpoint_is_not_run_on_resume(trained, sonnets, tmp_path):
+    """A class or function planted in a pickled file is found from the pickle's opcodes
+    before anything loads it, and the loads themselves read with weights_only."""
+    from setdiff_dist.train.checkpoint import no_unpickling
+
+    run = copy_run(trained("zero.stage=2"), tmp_path)
+    step = run / "checkpoints" / latest(run)
     marker = tmp_path / "pwned"
     for file in ("mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
-        state = torch.load(step / file, weights_only=False)
-        state["extra"] = _Payload(marker)
-        torch.save(state, step / file)
-        _rehash(step, file)  # (an attacker can rewrite the manifest's checksums too)
-        res = train(tmp_path, shards, 4, "zero.stage=2")
-        assert res.returncode == 2, res.stderr[-3000:]
-        assert "would run code when loaded (posix.system)" in res.stderr and file in res.stderr
-        assert "Traceback" not in res.stderr
+        state = _plant(step, file, marker)
+        with pytest.raises(CheckpointError) as err:
+            check(run, sonnets, "zero.stage=2")
+        assert "would run code when loaded (posix.system)" in str(err.value)
+        assert file in str(err.value)
+        with no_unpickling(), pytest.raises(CheckpointError, match="would run code"):
+            torch.load(step / file)  # (what DeepSpeed's load would do)
         assert not marker.exists()
         state.pop("extra")
         torch.save(state, step / file)  # (the next file is tried on a clean checkpoint)
         _rehash(step, file)
+    assert check(run, sonnets, "zero.stage=2")["step"] == 6
 
 
 def _truncate(path):
@@ -290,14 +339,14 @@ def _flip(path):
     path.write_bytes(bytes(data))
 
 
-def test_a_damaged_checkpoint_is_named_with_the_checkpoint_to_go_back_to(shards, tmp_path):
+def test_a_damaged_checkpoint_is_named_with_the_checkpoint_to_go_back_to(trained, sonnets,
+                                                                         tmp_path):
     """Every file of a checkpoint has its size and SHA-256 in the manifest; a resume checks
     them first (the ranks share the hashing) and refuses a damaged one, naming the file and
     the previous complete checkpoint, with nothing loaded and nothing written."""
-    assert train(tmp_path, shards, 4, "zero.stage=2", "checkpoint.interval=1",
-                 "train.exit_at_step=2").returncode == 0
-    root = tmp_path / "checkpoints"
-    step = root / "step_0000002"
+    run = copy_run(trained("zero.stage=2"), tmp_path)
+    root = run / "checkpoints"
+    step = root / "step_0000006"
     table = json.loads((step / "manifest.json").read_text())["files"]
     assert {"config.yaml", "mp_rank_00_model_states.pt", "rng_rank1.pt",
             "weights/tp00_pp00.safetensors", "weights/tp00_pp00_part01.safetensors",
@@ -314,56 +363,70 @@ def test_a_damaged_checkpoint_is_named_with_the_checkpoint_to_go_back_to(shards,
         original = (step / file).read_bytes()
         damage(step / file)
         before = tree_hash(root)
-        res = train(tmp_path, shards, 4, "zero.stage=2")
-        assert res.returncode == 2, (file, res.stderr[-2000:])
-        assert file in res.stderr and words in res.stderr, res.stderr[-2000:]
-        assert "Traceback" not in res.stderr
+        with pytest.raises(CheckpointError) as err:
+            check(run, sonnets, "zero.stage=2")
+        assert file in str(err.value) and words in str(err.value), str(err.value)
         if file != "manifest.json":
-            assert f"resume={root / 'step_0000001'}" in res.stderr, res.stderr[-2000:]
+            assert f"resume={root / 'step_0000003'}" in str(err.value), str(err.value)
         assert tree_hash(root) == before, file
         (step / file).write_bytes(original)
-    res = train(tmp_path, shards, 4, "zero.stage=2")  # repaired: it resumes
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
+    # setdiff-train: one line, exit code 2, nothing written (the ranks share the hashing)
+    original = (step / "weights/tp00_pp00_part01.safetensors").read_bytes()
+    _flip(step / "weights/tp00_pp00_part01.safetensors")
+    before = tree_hash(root)
+    res = train(run, sonnets, "zero.stage=2")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "weights/tp00_pp00_part01.safetensors does not match its SHA-256" in res.stderr
+    assert f"resume={root / 'step_0000003'}" in res.stderr and "Traceback" not in res.stderr
+    assert tree_hash(root) == before
+    (step / "weights/tp00_pp00_part01.safetensors").write_bytes(original)
+    assert check(run, sonnets, "zero.stage=2")["step"] == 6  # repaired: it resumes
 
 
-def test_a_run_directory_belongs_to_one_trainer(shards, tmp_path):
+def test_a_run_directory_belongs_to_one_trainer(sonnets, tmp_path):
+    from helpers import train_config
+
     from setdiff_dist.checkpoint.files import RunLock
+    from setdiff_dist.cli.train import _claim_run_dir
 
     lock = RunLock(str(tmp_path))  # another trainer holds it
     try:
-        res = train(tmp_path, shards, 2, "zero.stage=2")
+        refusal = _claim_run_dir(train_config(tmp_path, sonnets), force=False)
     finally:
         lock.release()
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert f"is in use by pid {os.getpid()}" in res.stderr
+    assert f"is in use by pid {os.getpid()}" in refusal
     assert sorted(os.listdir(tmp_path)) == [".setdiff.lock"]  # nothing else was written
 
 
-def test_a_resume_that_would_change_or_lose_the_run_is_refused(shards, tmp_path):
-    assert train(tmp_path, shards, 4, "zero.stage=2", "train.exit_at_step=2").returncode == 0
-    before = tree_hash(tmp_path / "checkpoints")
+def test_a_resume_that_would_change_or_lose_the_run_is_refused(trained, sonnets, tmp_path,
+                                                               capsys):
+    from helpers import train_config
+
+    from setdiff_dist.cli.train import _claim_run_dir
+
+    run = copy_run(trained("zero.stage=2"), tmp_path)
+    before = tree_hash(run / "checkpoints")
+    refusal = _claim_run_dir(train_config(run, sonnets, *REFERENCE, "resume=never"), False)
+    assert "resume=never would train over the 2 checkpoint(s)" in refusal
     for overrides, words in (
-            (("resume=never",), "resume=never would train over the 1 checkpoint(s)"),
             (("order.kind=block",), "order.kind: checkpoint 'staggered', this run 'block'"),
             (("train.seed=7",), "train.seed: checkpoint"),
-            (("train.steps=1", "optimizer.warmup_steps=0"), "is at step 2, past train.steps=1")):
-        res = train(tmp_path, shards, 4, "zero.stage=2", *overrides)
-        assert res.returncode == 2, (overrides, res.stderr[-2000:])
-        assert words in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
-        assert tree_hash(tmp_path / "checkpoints") == before, overrides
+            (("train.steps=1", "optimizer.warmup_steps=0"), "is at step 6, past train.steps=1")):
+        with pytest.raises(CheckpointError) as err:
+            check(run, sonnets, "zero.stage=2", *overrides)
+        assert words in str(err.value), str(err.value)
+        assert tree_hash(run / "checkpoints") == before, overrides
     # a lost `latest` is recovered from the newest complete checkpoint, not a silent restart
-    os.remove(tmp_path / "checkpoints" / "latest")
-    res = train(tmp_path, shards, 4, "zero.stage=2")
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "resuming from the newest complete checkpoint" in res.stdout + res.stderr
-    assert sorted(losses(tmp_path)) == [1, 2, 3, 4] and latest(tmp_path) == "step_0000004"
+    os.remove(run / "checkpoints" / "latest")
+    capsys.readouterr()
+    assert check(run, sonnets, "zero.stage=2")["step"] == 6
+    assert "resuming from the newest complete checkpoint" in capsys.readouterr().out
 
 
-def test_a_rank_killed_during_start_up_ends_the_job_within_seconds(shards, tmp_path):
+def test_a_rank_killed_during_start_up_ends_the_job_within_seconds(sonnets, tmp_path):
     """The launcher notices a dead rank, names it, and stops the others (they would otherwise
     wait in a collective for the process group's 30-minute timeout)."""
-    proc = subprocess.Popen(command(tmp_path, shards, 4, "zero.stage=2"), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command(tmp_path, sonnets, 4, "zero.stage=2"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=child_env(None))
     children = []
     deadline = time.monotonic() + 60
@@ -384,36 +447,39 @@ def test_a_rank_killed_during_start_up_ends_the_job_within_seconds(shards, tmp_p
     assert "rank 1 died (signal 9); stopping the other ranks" in err
 
 
-def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(shards, tmp_path):
+def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(trained, sonnets,
+                                                                       tmp_path):
     """checkpoint.init_from: the weights of a TP=1 checkpoint start a PP=2 run (what a pipeline
     change that cannot resume is told to do); a step at learning rate 0 keeps them, bitwise."""
     from setdiff_dist.checkpoint.weights import read_full_state_dict
 
-    source = tmp_path / "source"
-    assert train(source, shards, 4, "zero.stage=1", "train.exit_at_step=2").returncode == 0
-    res = train(source, shards, 4, "zero.stage=1", "parallel.pipeline=2")
-    assert res.returncode == 2
-    assert f"checkpoint.init_from={source}/checkpoints/step_0000002 parallel.pipeline=2" \
-        in res.stderr.replace("\n", " ")
+    source = trained()
+    with pytest.raises(CheckpointError) as err:
+        check(source, sonnets, "parallel.pipeline=2", pp=2, dp=1)
+    assert f"checkpoint.init_from={source}/checkpoints/step_0000006 parallel.pipeline=2" \
+        in str(err.value).replace("\n", " ")
     fresh = tmp_path / "fresh"
-    res = train(fresh, shards, 1, "zero.stage=1", "parallel.pipeline=2",
-                f"checkpoint.init_from={source}", "optimizer.lr=0", "optimizer.min_lr=0",
-                "optimizer.warmup_steps=0")
+    res = run_train(fresh, sonnets, "parallel.pipeline=2", f"checkpoint.init_from={source}",
+                    "optimizer.lr=0", "optimizer.min_lr=0", "optimizer.warmup_steps=0",
+                    "train.eval_batches=1", steps=1)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "initialized from the weights of" in res.stdout
-    a = read_full_state_dict(str(source / "checkpoints" / "step_0000002"))[0]
+    a = read_full_state_dict(str(source / "checkpoints" / "step_0000006"))[0]
     b = read_full_state_dict(str(fresh / "checkpoints" / latest(fresh)))[0]
     assert sorted(a) == sorted(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
 
-def test_non_finite_weights_in_a_checkpoint_are_refused_at_resume_and_at_load(shards,
+def test_non_finite_weights_in_a_checkpoint_are_refused_at_resume_and_at_load(trained, sonnets,
                                                                                 tmp_path):
     from safetensors.torch import load_file, save_file
 
-    assert train(tmp_path, shards, 4, "zero.stage=2", "train.exit_at_step=2").returncode == 0
-    step = tmp_path / "checkpoints" / latest(tmp_path)
+    from setdiff_dist.checkpoint.weights import LoadError
+    from setdiff_dist.inference.weights import build_inference_model
+
+    run = copy_run(trained("zero.stage=2"), tmp_path)
+    step = run / "checkpoints" / latest(run)
     state = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)
     name = next(k for k in state["module"] if k.endswith("linear_fc1.weight"))
     state["module"][name] = state["module"][name].detach().clone()
@@ -431,7 +497,7 @@ def test_non_finite_weights_in_a_checkpoint_are_refused_at_resume_and_at_load(sh
             flats[i][0] = float("nan")
         torch.save(opt, file)
         _rehash(step, file.name)
-    res = train(tmp_path, shards, 4, "zero.stage=2")
+    res = train(run, sonnets, "zero.stage=2")
     assert res.returncode == 2 and "holds non-finite weights" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
     for weights in sorted((step / "weights").glob("tp00_pp00*.safetensors")):  # (DP parts)
@@ -440,7 +506,5 @@ def test_non_finite_weights_in_a_checkpoint_are_refused_at_resume_and_at_load(sh
             tensors[name] = tensors[name] * float("nan")
             save_file(tensors, weights)
             _rehash(step, f"weights/{weights.name}")
-    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
-                          str(step), "--prompt", "x", "--max-new-tokens", "2"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and "non-finite values" in res.stderr, res.stderr[-2000:]
+    with process_group("gloo"), pytest.raises(LoadError, match="non-finite values"):
+        build_inference_model(str(step), pack=False)

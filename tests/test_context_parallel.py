@@ -92,76 +92,57 @@ def test_the_zigzag_split_balances_causal_work():
 
 # -- setdiff-train with parallel.context ---------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from helpers import sonnet_shards
-
-    return sonnet_shards(tmp_path_factory.mktemp("cp-shards"), "bpe:300")
-
-
-def _train(run_dir, shards, nproc, *overrides):
-    from helpers import run_train
-
-    return run_train(run_dir, shards, "train.log_interval=1", *overrides, nproc=nproc, steps=4,
-                     vocab=300, global_batch=4, micro_batch=2)
-
-
-@pytest.fixture(scope="module")
-def one_rank(shards, tmp_path_factory):
-    from helpers import losses
-
-    run = tmp_path_factory.mktemp("cp1") / "run"
-    res = _train(run, shards, 1)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return losses(run)
-
-
 @pytest.mark.multiprocess
 def test_training_with_context_parallel_2_equals_one_rank_and_resumes_exactly(
-        shards, one_rank, tmp_path):
-    from helpers import losses
+        trained, layouts, sonnets, tmp_path):
+    """setdiff-train at CP=2 (the session's reference run with parallel.context=2) follows the
+    one-rank curve (conftest.layouts' dp1); rewound to its step-3 checkpoint and resumed, the
+    same steps 4-6; and it resumes only at its own context-parallel size."""
+    from helpers import REFERENCE, REFERENCE_STEPS, losses, resume_check, rewound, run_train
 
-    whole = _train(tmp_path / "whole", shards, 2, "parallel.context=2")
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    got = losses(tmp_path / "whole")
-    assert list(got) == list(one_rank) == [1, 2, 3, 4]
+    from setdiff_dist.checkpoint.files import CheckpointError
+
+    ref = trained("parallel.context=2")
+    got = losses(ref)
+    one_rank = layouts[0]["dp1"][0]
+    assert list(got) == list(range(1, REFERENCE_STEPS + 1))
     for step in got:
-        assert got[step] == pytest.approx(one_rank[step], rel=1e-6), step
-    # stopped after step 2 (a checkpoint), then resumed: the same steps 3 and 4
-    split = tmp_path / "split"
-    first = _train(split, shards, 2, "parallel.context=2", "train.exit_at_step=2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = _train(split, shards, 2, "parallel.context=2")
-    assert second.returncode == 0 and "resumed from" in second.stdout, second.stderr[-3000:]
-    again = losses(split)
-    assert [again[s] for s in (3, 4)] == [got[s] for s in (3, 4)]
+        assert got[step] == pytest.approx(one_rank[step - 1], rel=1e-6), step
+    run = rewound(ref, tmp_path)
+    res = run_train(run, sonnets, *REFERENCE, "parallel.context=2", steps=REFERENCE_STEPS)
+    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
+    assert losses(run) == got
     # a checkpoint resumes at its own context-parallel size, and says how to go on otherwise
-    other = _train(split, shards, 1, "train.steps=6")
-    assert other.returncode == 2 and "parallel.context: checkpoint 2, this run 1" in other.stderr
+    with pytest.raises(CheckpointError, match="parallel.context: checkpoint 2, this run 1"):
+        resume_check(ref, sonnets, *REFERENCE, steps=REFERENCE_STEPS, dp=1)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [["parallel.tensor=2"], ["parallel.pipeline=2"]],
-                         ids=["tp2", "pp2"])
-def test_context_parallel_composes_with_tensor_and_pipeline_parallelism(shards, one_rank,
-                                                                        tmp_path, layout):
-    from helpers import losses
-
-    res = _train(tmp_path / "run", shards, 4, "parallel.context=2", *layout)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = losses(tmp_path / "run")
-    for step in got:  # (float reordering over 4 ranks)
-        assert got[step] == pytest.approx(one_rank[step], rel=1e-4), step
+@pytest.mark.parametrize("layout", ["cp2-tp2", "cp2-pp2"])
+def test_context_parallel_composes_with_tensor_and_pipeline_parallelism(layouts, layout):
+    """(conftest.layouts: trained in-process on four ranks.)"""
+    got, one_rank = layouts[0][layout][0], layouts[0]["dp1"][0]
+    assert len(got) == len(one_rank)
+    # float reordering over 4 ranks (the pipeline accumulates its micro-batches in another
+    # order), amplified by Adam over the steps, as in test_train
+    for a, b in zip(got, one_rank):
+        assert a == pytest.approx(b, rel=2e-4)
 
 
-def test_context_parallel_configs_that_cannot_run_are_refused(shards, tmp_path):
-    cases = [(2, ["parallel.context=4"], "not divisible by parallel.tensor=1 x "
-                                         "parallel.pipeline=1 x parallel.context=4"),
-             (2, ["parallel.context=2", "data.seq_len=30"], "must be a multiple of 4"),
-             (2, ["parallel.context=2", "order.kind=causal"], "train the causal baseline"),
-             (2, ["parallel.context=2", "model.attention_backend=flex", "order.kind=block"],
-              "context parallelism runs on sdpa or permuted_causal")]
-    for nproc, overrides, message in cases:
-        res = _train(tmp_path / "bad", shards, nproc, *overrides)
-        assert res.returncode == 2 and message in res.stderr, (overrides, res.stderr[-2000:])
-        assert "Traceback" not in res.stderr
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.context=4"], "not divisible by parallel.tensor=1 x parallel.pipeline=1 x "
+                             "parallel.context=4"),
+    (["parallel.context=2", "data.seq_len=30"], "must be a multiple of 4"),
+    (["parallel.context=2", "order.kind=causal"], "train the causal baseline"),
+    (["parallel.context=2", "model.attention_backend=flex", "order.kind=block"],
+     "context parallelism runs on sdpa or permuted_causal")],
+    ids=["world", "seq_len", "causal", "flex"])
+def test_context_parallel_configs_that_cannot_run_are_refused(sonnets, tmp_path, capsys,
+                                                              overrides, message):
+    """setdiff-train --nproc-per-node 2, in this process: refused before any rank starts."""
+    from helpers import cli, train_command
+
+    code, err = cli("setdiff_dist.cli.train",
+                    train_command(tmp_path, sonnets, *overrides, nproc=2)[3:], capsys)
+    assert code == 2 and message in err, (overrides, err)
+    assert "Traceback" not in err

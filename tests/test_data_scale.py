@@ -117,27 +117,29 @@ def test_a_bad_blend_names_the_corpus_and_the_file(corpora, tmp_path, what):
     assert words in str(err.value) and other in str(err.value), str(err.value)
 
 
-def test_a_blend_resumes_exactly_at_another_data_parallel_size(corpora, tmp_path):
-    """12 steps of a 0.3 / 0.7 blend on two ranks; then stopped at step 5 and resumed on one
-    rank: the same losses (the stream position is global; the corpora are recorded)."""
+def test_a_blend_resumes_exactly_at_another_data_parallel_size(trained, corpora, tmp_path):
+    """A 0.3 / 0.7 blend on two ranks (a session reference run), rewound to its step-3
+    checkpoint and resumed on one rank: the same losses (the stream position is global; the
+    corpora are recorded); resuming on other weights is refused."""
+    from helpers import REFERENCE, REFERENCE_STEPS, resume_check, rewound
+
+    from setdiff_dist.data.shards import ShardError
+
     blend = f"data.train_shards=0.3 {corpora['a']} 0.7 {corpora['b']}"
-    common = ("zero.stage=1", "train.eval_batches=1", blend, "data.num_workers=1")
-    res = run_train(tmp_path / "straight", corpora["a"], *common, steps=12)
+    ref = trained(blend, "data.num_workers=1")
+    run = rewound(ref, tmp_path)
+    res = run_train(run, corpora["a"], *REFERENCE, blend, "data.num_workers=1",
+                    steps=REFERENCE_STEPS, nproc=1)
     assert res.returncode == 0, res.stderr[-3000:]
-    straight = losses(tmp_path / "straight")
-    res = run_train(tmp_path / "split", corpora["a"], *common, "train.exit_at_step=5", steps=12)
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = run_train(tmp_path / "split", corpora["a"], *common, steps=12, nproc=1)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = losses(tmp_path / "split")
+    got, straight = losses(run), losses(ref)
     assert sorted(got) == sorted(straight)
     for step, loss in straight.items():  # (the layouts differ by fp32 rounding only)
         assert got[step] == pytest.approx(loss, abs=1e-5), step
     # the blend is part of the data stream: resuming on other weights is refused
-    res = run_train(tmp_path / "split", corpora["a"], "zero.stage=1", "train.eval_batches=1",
-                    f"data.train_shards=0.5 {corpora['a']} 0.5 {corpora['b']}", steps=14)
-    assert res.returncode == 2 and "cannot resume the data stream" in res.stderr
-    assert "Traceback" not in res.stderr
+    with pytest.raises(ShardError, match="cannot resume the data stream"):
+        resume_check(run, corpora["a"], *REFERENCE,
+                     f"data.train_shards=0.5 {corpora['a']} 0.5 {corpora['b']}",
+                     steps=REFERENCE_STEPS, dp=1)
 
 
 # ----------------------------------------------------------------------------- many shards

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import child_env, process_group, run_train, sonnet_shards
+from helpers import child_env, process_group, run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join("tests", "harness")
@@ -22,18 +22,12 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """A set-diffusion (staggered) and a causal checkpoint, 30 steps each on the sonnets."""
-    tmp = tmp_path_factory.mktemp("harness")
-    shards = sonnet_shards(tmp, "bpe:300")
-    out = {}
-    for kind in ("staggered", "causal"):
-        res = run_train(tmp / kind, shards, "train.log_interval=10", f"order.kind={kind}",
-                        steps=30, vocab=300, micro_batch=4)
-        assert res.returncode == 0, res.stderr[-3000:]
-        out[kind] = tmp / kind
-    out["cache"] = tmp / "hf-cache"
-    return out
+def runs(trained, tmp_path_factory):
+    """A set-diffusion (staggered) and a causal checkpoint: session reference runs (BPE of 300
+    tokens)."""
+    return {"staggered": trained(tokenizer="bpe:300"),
+            "causal": trained("order.kind=causal", tokenizer="bpe:300"),
+            "cache": tmp_path_factory.mktemp("hf-cache")}
 
 
 def evaluate(runs, checkpoint, *args, tp=1):
@@ -63,8 +57,8 @@ def choice_lls(samples):
 
 def test_multiple_choice_through_the_harness_equals_our_scorer(runs, tmp_path):
     ours = tmp_path / "choice.json"
-    res = evaluate(runs, runs["staggered"], "--task", "choice", "--data", CHOICE, "--out",
-                   str(ours))
+    res = run_cli("setdiff_dist.cli.eval", "--checkpoint", runs["staggered"], "--task", "choice",
+                  "--data", CHOICE, "--out", ours)
     assert res.returncode == 0, res.stderr[-3000:]
     ours = json.loads(ours.read_text())
     got = harness(runs, runs["staggered"], tmp_path, "setdiff_choice")
@@ -100,9 +94,8 @@ def test_causal_export_scores_the_same_through_lm_evals_hf_model(runs, tmp_path)
     export, our model class on the checkpoint; the same log-likelihoods and rolling
     log-likelihoods (word perplexity)."""
     export = tmp_path / "hf"
-    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.convert", "--checkpoint",
-                          str(runs["causal"]), "--to-hf", "--out", str(export)],
-                         capture_output=True, text=True, cwd=ROOT)
+    res = run_cli("setdiff_dist.cli.convert", "--checkpoint", runs["causal"], "--to-hf",
+                  "--out", export)
     assert res.returncode == 0, res.stderr[-3000:]
     ours = harness(runs, runs["causal"], tmp_path, "setdiff_choice,setdiff_rolling")
     assert ours["exact_likelihood"] is True
@@ -170,17 +163,20 @@ def test_set_model_ar_loglikelihood_equals_one_token_at_a_time(runs):
 
 
 def test_bad_harness_requests_are_one_line_errors(runs, tmp_path):
-    res = evaluate(runs, runs["staggered"], "--task", "harness")
+    def here(*args):  # (in this process: each is refused before any model is loaded)
+        return run_cli("setdiff_dist.cli.eval", "--checkpoint", runs["staggered"], *args)
+
+    res = here("--task", "harness")
     assert res.returncode == 2 and "--harness-tasks" in res.stderr
-    res = evaluate(runs, runs["staggered"], "--task", "harness", "--harness-tasks", "nope",
-                   "--include-path", TASKS)
+    res = here("--task", "harness", "--harness-tasks", "nope", "--include-path", TASKS)
     assert res.returncode == 2 and "unknown harness task(s) nope" in res.stderr
-    # a hub task whose dataset is not here (offline): one line, before any model is loaded
-    res = evaluate(runs, runs["staggered"], "--task", "harness", "--harness-tasks", "hellaswag")
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
-    assert "harness task(s) hellaswag: the dataset could not be loaded" in res.stderr
     assert "Traceback" not in res.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "gold": 2}) + "\n")
-    res = evaluate(runs, runs["staggered"], "--task", "choice", "--data", str(bad))
+    res = here("--task", "choice", "--data", str(bad))
     assert res.returncode == 2 and "'gold' must be the index" in res.stderr
+    # a hub task whose dataset is not here (offline, as a child with the hub switched off):
+    # one line, before any model is loaded
+    res = evaluate(runs, runs["staggered"], "--task", "harness", "--harness-tasks", "hellaswag")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "harness task(s) hellaswag: the dataset could not be loaded" in res.stderr

@@ -10,11 +10,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import train_command
+from helpers import run_cli, train_command
 from mp_harness import spawn
 
 V, L = 300, 24
@@ -295,9 +294,7 @@ def test_bad_checkpoints_are_clear_errors(hf, tmp_path):
     msg = error(hf["dirs"]["llama"], tensor_parallel=4)
     assert "num_key_value_heads=2 is not divisible by the tensor-parallel size 4" in msg
     # the command line names the problem and exits 2
-    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.convert", "--from-hf",
-                          str(shape), "--out", str(tmp_path / "x")], capture_output=True,
-                         text=True, timeout=120)
+    res = run_cli("setdiff_dist.cli.convert", "--from-hf", shape, "--out", tmp_path / "x")
     assert res.returncode == 2 and "mlp.gate_proj.weight" in res.stderr
     assert not (tmp_path / "x").exists()
 
@@ -328,10 +325,9 @@ def test_set_diffusion_finetune_from_an_import_checkpoints_and_decodes(hf, finet
     assert len(losses) == 3 and all(0 < v < 20 for v in losses)
     assert (run / "checkpoints" / "step_0000003" / "manifest.json").is_file()
     # the set decoder (KV cache, window, threshold) decodes the fine-tuned checkpoint
-    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
-                          str(run), "--prompt", "Question: Tom has 3 apples", "--max-new-tokens",
-                          "8", "--window", "4", "--threshold", "0.5", "--greedy", "--json",
-                          "--no-eos-stop"], capture_output=True, text=True, timeout=300)
+    res = run_cli("setdiff_dist.cli.generate", "--checkpoint", run, "--prompt",
+                  "Question: Tom has 3 apples", "--max-new-tokens", "8", "--window", "4",
+                  "--threshold", "0.5", "--greedy", "--json", "--no-eos-stop")
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["mode"] == "set" and len(out["tokens"][0]) == 8

@@ -8,37 +8,31 @@ import subprocess
 import sys
 
 import pytest
-from helpers import run_train, sonnet_shards
+from helpers import child_env, run_cli
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("infer")
-    shards = sonnet_shards(tmp, "bpe:300")
-    res = run_train(tmp / "run", shards, "train.log_interval=10", "parallel.tensor=2",
-                    "zero.stage=3", steps=30, vocab=300, micro_batch=4)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return tmp / "run"
+def run(trained):
+    """A session reference run trained at TP=2 under ZeRO-3 (BPE of 300 tokens)."""
+    return trained("parallel.tensor=2", "zero.stage=3", tokenizer="bpe:300")
 
 
 def generate(checkpoint, *extra, tp=1):
     args = ["--checkpoint", str(checkpoint), "--prompt", "Shall I compare thee",
             "--max-new-tokens", "12", "--window", "4", "--threshold", "0.2", "--greedy",
             "--json", "--no-eos-stop", *extra]
-    if tp == 1:
-        cmd = [sys.executable, "-m", "setdiff_dist.cli.generate", *args]
-    else:
-        from setdiff_dist.parallel import free_port
+    if tp == 1:  # (in this process)
+        return run_cli("setdiff_dist.cli.generate", *args)
+    from setdiff_dist.parallel import free_port
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
-               "--master-port", str(free_port()), "-m", "setdiff_dist.cli.generate", *args,
-               "--tensor-parallel", str(tp)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    return res
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
+           "--master-port", str(free_port()), "-m", "setdiff_dist.cli.generate", *args,
+           "--tensor-parallel", str(tp)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=child_env())
 
 
-def test_same_greedy_output_at_any_tp_and_after_export(trained, tmp_path):
-    one = generate(trained, "--trace-png", str(tmp_path / "trace.png"))
+def test_same_greedy_output_at_any_tp_and_after_export(run, tmp_path):
+    one = generate(run, "--trace-png", str(tmp_path / "trace.png"))
     assert one.returncode == 0, one.stderr[-3000:]
     out = json.loads(one.stdout.strip().splitlines()[-1])
     assert len(out["tokens"][0]) == 12 and out["tokens_per_s"] > 0
@@ -47,12 +41,11 @@ def test_same_greedy_output_at_any_tp_and_after_export(trained, tmp_path):
     assert first > 0 and sorted(p for step in out["trace"][0] for p in step) == \
         list(range(first, first + 12))
     assert len(out["trace"][0]) == out["steps"][0] and (tmp_path / "trace.png").stat().st_size
-    two = generate(trained, tp=2)
+    two = generate(run, tp=2)
     assert two.returncode == 0, two.stderr[-3000:]
     assert json.loads(two.stdout.strip().splitlines()[-1])["tokens"] == out["tokens"]
     export = tmp_path / "export"
-    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.convert", "--checkpoint",
-                          str(trained), "--out", str(export)], capture_output=True, text=True)
+    res = run_cli("setdiff_dist.cli.convert", "--checkpoint", run, "--out", export)
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(os.listdir(export)) == ["config.yaml", "export.json", "model.safetensors",
                                           "tokenizer.json"]
@@ -64,9 +57,8 @@ def test_same_greedy_output_at_any_tp_and_after_export(trained, tmp_path):
     assert half.returncode == 0, half.stderr[-3000:]
     assert len(json.loads(half.stdout.strip().splitlines()[-1])["tokens"][0]) == 12
     # plain-text mode: the text on stdout, the statistics on stderr
-    plain = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
-                            str(export), "--prompt", "Love", "--max-new-tokens", "5",
-                            "--greedy", "--no-eos-stop"], capture_output=True, text=True)
+    plain = run_cli("setdiff_dist.cli.generate", "--checkpoint", export, "--prompt", "Love",
+                    "--max-new-tokens", "5", "--greedy", "--no-eos-stop")
     assert plain.returncode == 0 and "tokens/s" in plain.stderr and "tokens/step" in plain.stderr
     assert "tokens/s" not in plain.stdout
     # a checkpoint decodes as its order trained: the same weights labelled a block model
@@ -78,37 +70,35 @@ def test_same_greedy_output_at_any_tp_and_after_export(trained, tmp_path):
     cfg = yaml.safe_load((block / "config.yaml").read_text())
     cfg["order"].update(kind="block", block_size=4)
     (block / "config.yaml").write_text(yaml.safe_dump(cfg))
-    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
-                          str(block), "--prompt", "Shall I compare thee", "--max-new-tokens",
-                          "12", "--threshold", "0.2", "--greedy", "--json", "--no-eos-stop"],
-                         capture_output=True, text=True, timeout=300)
+    res = run_cli("setdiff_dist.cli.generate", "--checkpoint", block, "--prompt",
+                  "Shall I compare thee", "--max-new-tokens", "12", "--threshold", "0.2",
+                  "--greedy", "--json", "--no-eos-stop")
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["mode"] == "block" and out["window"] == 4 and len(out["tokens"][0]) == 12
     assert all(len({p // 4 for p in step}) == 1 for step in out["trace"][0])
-    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--checkpoint",
-                          str(block), "--prompt", "Love", "--window", "2"],
-                         capture_output=True, text=True, timeout=300)
+    res = run_cli("setdiff_dist.cli.generate", "--checkpoint", block, "--prompt", "Love",
+                  "--window", "2")
     assert res.returncode == 2 and "its own blocks of order.block_size = 4" in res.stderr
     assert "Traceback" not in res.stderr
 
 
-def test_bad_checkpoints_are_named(trained, tmp_path):
+def test_bad_checkpoints_are_named(run, tmp_path):
     broken = tmp_path / "no-tokenizer"
-    shutil.copytree(trained / "checkpoints" / "step_0000030", broken)
+    shutil.copytree(run / "checkpoints" / "step_0000006", broken)
     (broken / "tokenizer.json").unlink()
     res = generate(broken)
     assert res.returncode == 2 and "has no tokenizer: tokenizer.json" in res.stderr
     res = generate(tmp_path / "nowhere")
     assert res.returncode == 2 and "no such directory" in res.stderr
-    long_prompt = generate(trained, "--prompt", "x " * 40)
+    long_prompt = generate(run, "--prompt", "x " * 40)
     assert long_prompt.returncode == 2 and "does not fit the model's context" in long_prompt.stderr
 
 
-def test_truncated_or_incomplete_weight_files_are_named_before_loading(trained, tmp_path):
+def test_truncated_or_incomplete_weight_files_are_named_before_loading(run, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    step = trained / "checkpoints" / "step_0000030"
+    step = run / "checkpoints" / "step_0000006"
     truncated = tmp_path / "truncated"
     shutil.copytree(step, truncated)
     target = truncated / "weights" / "tp01_pp00.safetensors"
@@ -128,9 +118,8 @@ def test_truncated_or_incomplete_weight_files_are_named_before_loading(trained, 
                                        "(truncated)", "checkpoint", "is damaged"]),
                           (lacking, ["tp00_pp00.safetensors lacks tensor", dropped])):
         for res in (generate(broken),
-                    subprocess.run([sys.executable, "-m", "setdiff_dist.cli.convert",
-                                    "--checkpoint", str(broken), "--out", str(tmp_path / "x")],
-                                   capture_output=True, text=True)):
+                    run_cli("setdiff_dist.cli.convert", "--checkpoint", broken, "--out",
+                            tmp_path / "x")):
             assert res.returncode == 2, res.stderr[-2000:]
             assert all(w in res.stderr for w in words), res.stderr[-2000:]
             assert "Traceback" not in res.stderr
@@ -148,7 +137,7 @@ def test_rouge_by_hand():
     assert rouge("", "anything")["rougeL"] == 0.0
 
 
-def test_eval_tasks(trained, tmp_path):
+def test_eval_tasks(run, tmp_path):
     infill = tmp_path / "infill.jsonl"
     infill.write_text(json.dumps({"left": "Shall I", "middle": "compare thee", "right": "to a",
                                   "n_middle": 1, "source": "x"}) + "\n")
@@ -160,12 +149,11 @@ def test_eval_tasks(trained, tmp_path):
                         ("gsm", ["--data", str(gsm), "--max-new-tokens", "8"]),
                         ("throughput", ["--max-new-tokens", "8", "--window", "4"])):
         path = tmp_path / f"{task}.json"
-        res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.eval", "--checkpoint",
-                              str(trained), "--task", task, "--out", str(path), *extra],
-                             capture_output=True, text=True, timeout=300)
+        res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task", task, "--out",
+                      path, *extra)
         assert res.returncode == 0, res.stderr[-3000:]
         out[task] = json.loads(path.read_text())
-    assert 1 < out["ppl"]["ppl_bound"] < 300 and out["ppl"]["exact"] is False
+    assert 1 < out["ppl"]["ppl_bound"] < 1000 and out["ppl"]["exact"] is False
     assert out["infill"]["count"] == 1 and 0 <= out["infill"]["rougeL"] <= 1
     assert out["gsm"]["count"] == 1 and out["gsm"]["accuracy"] in (0.0, 1.0)
     rows = out["throughput"]["settings"]
@@ -177,10 +165,9 @@ def test_eval_tasks(trained, tmp_path):
     assert "mean over the prompts" in out["throughput"]["method"]
     assert out["throughput"]["warmup_samples"] == 1
     # results say what they measured: the checkpoint, its step, the decoding settings
-    assert all(out[t]["step"] == 30 and out[t]["checkpoint"].endswith("step_0000030")
+    assert all(out[t]["step"] == 6 and out[t]["checkpoint"].endswith("step_0000006")
                for t in out)
     assert out["gsm"]["decode"]["greedy"] is True and out["infill"]["decode"]["window"] == 32
     assert out["infill"]["decode"]["repetition_penalty"] == 1.2
-    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.eval", "--checkpoint",
-                          str(trained), "--task", "infill"], capture_output=True, text=True)
+    res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task", "infill")
     assert res.returncode == 2 and "needs --data" in res.stderr

@@ -2,7 +2,6 @@
 no GPU: a clear error at start, never a silent fall-back to gloo on the CPUs."""
 
 import pytest
-from helpers import run_train, sonnet_shards
 
 from setdiff_dist.parallel import first_host, launch_env
 
@@ -55,21 +54,30 @@ def test_torchrun_and_a_world_of_one(clean_env):
     assert (le.rank, le.world_size, le.master_addr) == (0, 1, "127.0.0.1")
 
 
-def test_a_gpu_job_without_a_usable_gpu_fails_clearly(tmp_path):
+def test_a_gpu_job_without_a_usable_gpu_fails_clearly(clean_env):
+    """What a rank of setdiff-train does first (init_distributed), in this process."""
     import os
 
     import torch
+    import torch.distributed as dist
+
+    from setdiff_dist.parallel import destroy_model_parallel, free_port, init_distributed
+    from setdiff_dist.parallel.state import LaunchError
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    shards = sonnet_shards(tmp_path / "data")
-    env = dict(os.environ, SLURM_GPUS_ON_NODE="8")
-    res = run_train(tmp_path / "run", shards, "optimizer.warmup_steps=0", nproc=1, steps=1,
-                    env=env)
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert "this job was given GPUs (SLURM_GPUS_ON_NODE=8) but torch" in res.stderr
-    assert "parallel.backend=gloo" in res.stderr and "Traceback" not in res.stderr
-    # gloo on purpose is still allowed
-    res = run_train(tmp_path / "run", shards, "parallel.backend=gloo",
-                    "optimizer.warmup_steps=0", nproc=1, steps=1, env=env)
-    assert res.returncode == 0, res.stderr[-2000:]
+    saved = dict(os.environ)  # (init_distributed sets RANK, MASTER_PORT...: none may stay set)
+    try:
+        clean_env.setenv("SLURM_GPUS_ON_NODE", "8")
+        with pytest.raises(LaunchError) as err:
+            init_distributed("auto")
+        assert "this job was given GPUs (SLURM_GPUS_ON_NODE=8) but torch" in str(err.value)
+        assert "parallel.backend=gloo" in str(err.value) and not dist.is_initialized()
+        # gloo on purpose is still allowed
+        os.environ["MASTER_PORT"] = str(free_port())
+        init_distributed("gloo")
+        assert dist.get_backend() == "gloo"
+    finally:
+        destroy_model_parallel()
+        os.environ.clear()
+        os.environ.update(saved)

@@ -2,12 +2,9 @@
 fake process group, checked without a GPU (the memory figures against a real run are in
 benchmarks/plan_vs_measured.py)."""
 
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import child_env
 
 
 def test_a_64_rank_8b_layout_is_planned_in_seconds_and_its_stages_sum_to_the_model():
@@ -47,8 +44,10 @@ def test_a_dp_change_moves_optimizer_memory_and_zero3_shards_the_weights():
 
 
 def _dry_run(*args):
-    return subprocess.run([sys.executable, "-m", "setdiff_dist.cli.train", "--dry-run", *args],
-                          capture_output=True, text=True, env=child_env(None), timeout=300)
+    """setdiff-train --dry-run, in this process (it builds its own fake process group)."""
+    from helpers import run_cli
+
+    return run_cli("setdiff_dist.cli.train", "--dry-run", *args)
 
 
 def test_the_dry_run_flags_what_does_not_fit_and_layouts_that_cannot_run():

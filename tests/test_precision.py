@@ -4,54 +4,31 @@ path and on megatron's pipeline schedule alike; what cannot work is refused at s
 
 (fp32 curves across layouts, which must match to the last bits, are in test_train.py.)"""
 
-import json
 import os
 
 import pytest
 import torch
-from helpers import run_train, sonnet_shards
+from helpers import REFERENCE_STEPS, cli, train_command
 
-STEPS = 6
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return sonnet_shards(tmp_path_factory.mktemp("precision"))
+def shards(sonnets):
+    return sonnets
 
 
-def _curve(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        rows = [json.loads(line) for line in fh]
-    return [r["loss"] for r in rows if "loss" in r]
+BF16 = {"dp2-zero1": "bf16", "dp2-zero2": "bf16-zero2", "dp2-zero3": "bf16-zero3",
+        "tp2": "bf16-tp2", "pp2": "bf16-pp2",  # PP2: crashed at step 1 once
+        "tp2xpp2": "bf16-tp2xpp2", "tp2xpp2-sp": "bf16-tp2xpp2-sp"}
 
 
-def _train(run_dir, shards, nproc, *overrides):
-    res = run_train(run_dir, shards, "train.precision=bf16", *overrides, nproc=nproc,
-                    steps=STEPS)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return _curve(run_dir)
-
-
-@pytest.fixture(scope="module")
-def single_rank_bf16(shards, tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("bf16-ref"), shards, 1, "zero.stage=1")
-
-
-@pytest.mark.parametrize("nproc,layout", [
-    (2, ("zero.stage=1",)),                                      # DP2
-    (2, ("zero.stage=2",)),
-    (2, ("zero.stage=3",)),
-    (2, ("zero.stage=1", "parallel.tensor=2")),                  # TP2
-    (2, ("zero.stage=1", "parallel.pipeline=2")),                # PP2: crashed at step 1
-    (4, ("zero.stage=1", "parallel.tensor=2", "parallel.pipeline=2")),
-    (4, ("zero.stage=1", "parallel.tensor=2", "parallel.pipeline=2",
-         "parallel.sequence_parallel=true")),
-], ids=["dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "pp2", "tp2xpp2", "tp2xpp2-sp"])
-def test_bf16_follows_the_single_rank_curve_on_every_layout(single_rank_bf16, shards, tmp_path,
-                                                            nproc, layout):
-    losses = _train(tmp_path, shards, nproc, *layout)
-    assert len(losses) == STEPS and all(map(torch.isfinite, torch.tensor(losses)))
+@pytest.mark.parametrize("layout", sorted(BF16))
+def test_bf16_follows_the_single_rank_curve_on_every_layout(layouts, layout):
+    """(conftest.layouts: every layout trained in-process, one spawn per world size.)"""
+    losses, _ = layouts[0][BF16[layout]]
+    single_rank_bf16, _ = layouts[0]["bf16-dp1"]
+    assert len(losses) == REFERENCE_STEPS and all(map(torch.isfinite, torch.tensor(losses)))
     assert losses == pytest.approx(single_rank_bf16, rel=0.02)
     assert losses[-1] < losses[0] - 0.5  # it learns
 
@@ -110,12 +87,24 @@ def _accumulators(rank, shards, run_root, out):
     torch.save(found, out / f"rank{rank}.pt")
 
 
-def test_bf16_gradients_accumulate_in_fp32_on_every_path(shards, tmp_path):
+def _probes(rank, shards, run_root, out):
+    """The two probes of trainers on two ranks, in one spawn."""
+    _accumulators(rank, shards, run_root, out)
+    _first_microbatch_events(rank, shards, run_root, out)
+
+
+@pytest.fixture(scope="module")
+def probes(shards, tmp_path_factory):
     from mp_harness import spawn
 
-    spawn(_accumulators, 2, str(shards), str(tmp_path / "runs"), tmp_path)
+    out = tmp_path_factory.mktemp("probes")
+    spawn(_probes, 2, str(shards), str(out / "runs"), out)
+    return out
+
+
+def test_bf16_gradients_accumulate_in_fp32_on_every_path(probes):
     for rank in (0, 1):
-        found = torch.load(tmp_path / f"rank{rank}.pt")
+        found = torch.load(probes / f"rank{rank}.pt")
         for name, info in found.items():
             assert info["weights"] == {"torch.bfloat16"}, (name, info)  # bf16 compute
             assert info["accumulator"] == {"torch.float32"}, (name, info)
@@ -133,11 +122,13 @@ def test_bf16_gradients_accumulate_in_fp32_on_every_path(shards, tmp_path):
     (["parallel.tensor=2", "parallel.sequence_parallel=true", "data.seq_len=31",
       "order.kind=causal"], "it must divide it"),
 ], ids=["bf16-zero0", "virtual-pipeline", "sequence-parallel-tp1", "sequence-parallel-odd"])
-def test_what_cannot_work_is_refused_at_start(shards, tmp_path, overrides, message):
-    res = run_train(tmp_path, shards, *overrides, nproc=2, steps=2)
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert message in res.stderr and "Traceback" not in res.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()
+def test_what_cannot_work_is_refused_at_start(shards, tmp_path, overrides, message, capsys):
+    """setdiff-train --nproc-per-node 2, in this process: refused before any rank starts."""
+    code, err = cli("setdiff_dist.cli.train",
+                    train_command(tmp_path, shards, *overrides, nproc=2, steps=2)[3:], capsys)
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
 def _recompute(rank, out):
@@ -184,7 +175,7 @@ def _first_microbatch_events(rank, shards, run_root, out):
     the forwards of each step, on the plain and the pipeline path."""
     found = {}
     for name, overrides in (("dp2", []), ("pp2", ["parallel.pipeline=2"])):
-        t = _trainer(shards, f"{run_root}/{name}", "train.eval_batches=1", *overrides)
+        t = _trainer(shards, f"{run_root}/events-{name}", "train.eval_batches=1", *overrides)
         events = []
         module = t.engine.module
         module.set_is_first_microbatch = lambda events=events: events.append("first")
@@ -198,13 +189,10 @@ def _first_microbatch_events(rank, shards, run_root, out):
     torch.save(found, out / f"events{rank}.pt")
 
 
-def test_transformer_engine_first_microbatch_flag_is_set_once_per_step(shards, tmp_path):
+def test_transformer_engine_first_microbatch_flag_is_set_once_per_step(probes):
     """TE casts its FP8 weight copies on a step's first micro-batch only; without the flag it
     would reuse step 1's forever (a recording stand-in: TE itself needs a GPU)."""
-    from mp_harness import spawn
-
-    spawn(_first_microbatch_events, 2, str(shards), str(tmp_path / "runs"), tmp_path)
-    events = torch.load(tmp_path / "events0.pt")
+    events = torch.load(probes / "events0.pt")
     # DP2: 2 micro-batches per rank and step, each step starts with the flag; validation (one
     # global batch: 2 micro-batches per rank) starts with it too
     assert events["dp2"] == ["step", "first", "forward", "forward"] * 2 + \
@@ -279,25 +267,19 @@ def test_te_linears_get_tensor_parallel_attributes(tmp_path):
     assert torch.equal(found["merged"], found["full"])
 
 
-def test_partial_gradients_are_summed_over_tensor_parallel_ranks(shards, tmp_path):
+def test_partial_gradients_are_summed_over_tensor_parallel_ranks(layouts):
     """QK-norm weights (each TP rank normalizes its own heads) and, under sequence parallelism,
     every norm (each rank sees its slice of the tokens) get partial gradients per TP rank; they
     are summed over the group, as megatron's finalize_model_grads does. Without it the TP=2
     curves drift from TP=1 in the 6th digit and the replicated copies diverge."""
     from safetensors.torch import load_file
 
-    curves = {}
-    for name, nproc, layout in (("tp1", 1, []), ("tp2", 2, ["parallel.tensor=2"]),
-                                ("tp2-sp", 2, ["parallel.tensor=2",
-                                               "parallel.sequence_parallel=true"])):
-        res = run_train(tmp_path / name, shards, "model.qk_norm=true", *layout, nproc=nproc,
-                        steps=STEPS)
-        assert res.returncode == 0, res.stderr[-3000:]
-        curves[name] = _curve(tmp_path / name)
+    found, _, root = layouts
+    curves = {name: found[f"qk-{name}"][0] for name in ("tp1", "tp2", "tp2-sp")}
     assert curves["tp2"] == pytest.approx(curves["tp1"], rel=2e-6, abs=0)
     assert curves["tp2-sp"] == pytest.approx(curves["tp1"], rel=2e-6, abs=0)
     for name in ("tp2", "tp2-sp"):
-        ckpt = tmp_path / name / "checkpoints"
+        ckpt = root / f"qk-{name}" / "checkpoints"
         weights = ckpt / (ckpt / "latest").read_text().strip() / "weights"
         a, b = (load_file(weights / f"tp0{r}_pp00.safetensors") for r in (0, 1))
         replicated = [k for k in a if "layernorm" in k]

@@ -19,9 +19,18 @@ import time
 
 import pytest
 import torch
-from helpers import child_env, copy_run, run_train, train_command, tree_hash
-
-REFERENCE = ("checkpoint.interval=3",)  # conftest's reference run (steps 6, checkpoints 3, 6)
+from helpers import (
+    EMA_RUN,
+    REFERENCE,
+    child_env,
+    copy_run,
+    resume_check,
+    run_cli,
+    run_train,
+    train_command,
+    train_config,
+    tree_hash,
+)
 
 
 def _flip(path, at=0.5):
@@ -173,7 +182,7 @@ def test_a_flipped_byte_in_any_weights_file_is_refused_by_every_reader(trained, 
     from setdiff_dist.checkpoint.weights import LoadError, open_weights
     from setdiff_dist.cli.convert import main as convert
 
-    run = copy_run(trained("train.ema_decay=0.9"), tmp_path)
+    run = copy_run(trained(*EMA_RUN), tmp_path)
     export = tmp_path / "export"
     assert convert(["--checkpoint", str(run), "--out", str(export)]) == 0
     step = run / "checkpoints" / "step_0000006"
@@ -197,12 +206,10 @@ def test_a_flipped_byte_in_any_weights_file_is_refused_by_every_reader(trained, 
     assert convert(["--checkpoint", str(run), "--raw-weights", "--out",
                     str(tmp_path / "x")]) == 2
     assert name in capsys.readouterr().err and not (tmp_path / "x").exists()
-    for cmd in (["-m", "setdiff_dist.cli.generate", "--checkpoint", str(run), "--raw-weights",
-                 "--prompt", "Shall I", "--max-new-tokens", "4"],
-                ["-m", "setdiff_dist.cli.eval", "--checkpoint", str(run), "--raw-weights",
-                 "--task", "ppl", "--batches", "1"]):
-        res = subprocess.run([sys.executable, *cmd], capture_output=True, text=True,
-                             timeout=300, env=child_env())
+    for module, args in (("setdiff_dist.cli.generate", ["--prompt", "Shall I",
+                                                        "--max-new-tokens", "4"]),
+                         ("setdiff_dist.cli.eval", ["--task", "ppl", "--batches", "1"])):
+        res = run_cli(module, "--checkpoint", run, "--raw-weights", *args)
         assert res.returncode == 2 and name in res.stderr, res.stderr[-2000:]
         assert "Traceback" not in res.stderr
     res = run_train(tmp_path / "new", sonnets, f"checkpoint.init_from={run}", steps=2, nproc=1)
@@ -267,7 +274,7 @@ def _rot13_corpus(directory, sonnets_text):
 def test_another_corpus_with_the_same_name_and_size_does_not_resume(trained, sonnets,
                                                                     tmp_path):
     """A checkpoint records each corpus's manifest digest (every shard's SHA-256): other data
-    under the same name and sample count is refused, in-process and by setdiff-train, which
+    under the same name and sample count is refused, by the loader and by setdiff-train, which
     checks it from the manifest before building a model."""
     from setdiff_dist.data import sample_text
     from setdiff_dist.data.loader import TokenLoader
@@ -279,26 +286,31 @@ def test_another_corpus_with_the_same_name_and_size_does_not_resume(trained, son
     saved = TokenLoader(ours, global_batch=8, micro_batch=2).state_dict()
     with pytest.raises(ShardError, match="holds other data than the checkpoint's"):
         TokenLoader(theirs, global_batch=8, micro_batch=2).load_state_dict(saved)
-    run = copy_run(trained(), tmp_path)
+    run = trained()
     manifest = json.loads((run / "checkpoints" / "step_0000006" / "manifest.json").read_text())
     assert manifest["data"]["corpora"][0]["manifest_sha256"]
-    res = run_train(run, other, *REFERENCE, steps=8, nproc=1)
-    assert res.returncode == 2 and "holds other data than the checkpoint's" in res.stderr, \
-        res.stderr[-2000:]
-    assert "Traceback" not in res.stderr and "resumed from" not in res.stdout
+    # what setdiff-train checks before it builds a model (in this process)
+    with pytest.raises(ShardError, match="holds other data than the checkpoint's"):
+        resume_check(run, other, *REFERENCE, steps=8, dp=1)
 
 
 # ----------------------------------------------------------------------------- 6. rewinds
 
 def test_a_rewind_over_newer_checkpoints_is_refused_without_force(trained, sonnets, tmp_path):
+    """What setdiff-train's rank 0 decides first (cli.train._claim_run_dir), in this process."""
+    from setdiff_dist.cli.train import _claim_run_dir
+
     run = copy_run(trained(), tmp_path)
     before = tree_hash(run / "checkpoints")
-    res = run_train(run, sonnets, *REFERENCE, f"resume={run}/checkpoints/step_0000003",
-                    steps=6, nproc=1)
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert "would overwrite the 1 newer checkpoint(s)" in res.stderr, res.stderr[-2000:]
-    assert "step_0000006" in res.stderr and "--force" in res.stderr
+    cfg = train_config(run, sonnets, *REFERENCE, f"resume={run}/checkpoints/step_0000003")
+    refusal = _claim_run_dir(cfg, force=False)
+    assert "would overwrite the 1 newer checkpoint(s)" in refusal, refusal
+    assert "step_0000006" in refusal and "--force" in refusal
     assert tree_hash(run / "checkpoints") == before
+    assert _claim_run_dir(cfg, force=True) is None  # (--force: the run may go on)
+    from setdiff_dist.cli import train as cli_train
+
+    cli_train._RUN_LOCK.release()
 
 
 # ----------------------------------------------------------------------------- 7. a full disk

@@ -1,79 +1,52 @@
-"""setdiff-train end to end on gloo ranks: identical fp32 loss curves across ZeRO stages,
-data-parallel and tensor-parallel layouts; bad data and a diverging run give clear errors.
+"""setdiff-train on gloo ranks: identical fp32 loss curves across ZeRO stages, data-parallel,
+tensor-parallel and pipeline layouts; bf16 near the fp32 curve; bad data and a diverging run
+give clear errors.
 
-Each run is the real command (``python -m setdiff_dist.cli.train --nproc-per-node N``), reading
-shards made by setdiff-prep, with DeepSpeed and megatron-core; the curves are read back from
-``metrics.jsonl``.
+The reference is the session's launched run (``conftest.trained``: the real command, shards
+made by setdiff-prep, DeepSpeed and megatron-core, curves read back from ``metrics.jsonl``).
+The other layouts run the same ``Trainer.fit`` with the same config, several per spawn of
+ranks (``conftest.layouts``: start-up dominates on 2 cores), each checked to be as quiet as the
+command is.
 """
 
 import json
 import os
 
 import pytest
-from helpers import run_train, sonnet_shards
+from helpers import REFERENCE_STEPS, curve, run_train, train_config
 
-STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return sonnet_shards(tmp_path_factory.mktemp("train"))
+STEPS = REFERENCE_STEPS
 
 
-def train(run_dir, shards, nproc, *overrides):
-    return run_train(run_dir, shards, *overrides, nproc=nproc, steps=STEPS)
+def test_identical_fp32_loss_curves_across_layouts(trained, layouts):
+    ref_losses, ref_valid = curve(trained())
+    found, stderr, _ = layouts
+    for name in ("zero0", "zero2", "zero3", "dp1", "tp2", "pp2", "tp2xpp2", "tp2-sp"):
+        losses, valid = found[name]
+        # quiet on every rank and layout: the libraries' known notices are filtered, rank 0
+        # alone would say what remains
+        assert "Warning" not in stderr[name] and "[WARNING]" not in stderr[name], \
+            stderr[name][-3000:]
+        assert len(losses) == STEPS, name
+        # the pipeline accumulates its micro-batches in another order: fp32 rounding, amplified
+        # by Adam over the steps; everything else sums in the same order and matches to the
+        # last bits
+        rel = 2e-4 if "pp2" in name else 2e-6
+        assert losses == pytest.approx(ref_losses, rel=rel, abs=0), name
+        assert valid[-1]["valid_loss"] == pytest.approx(ref_valid[-1]["valid_loss"], rel=rel)
+        assert losses[-1] < losses[0]  # it learns
 
 
-def curve(run_dir):
-    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return [r["loss"] for r in rows if "loss" in r], [r for r in rows if "valid_loss" in r]
-
-
-@pytest.fixture(scope="module")
-def reference(shards, tmp_path_factory):
-    """ZeRO-1 on two data-parallel ranks."""
-    run = tmp_path_factory.mktemp("ref")
-    res = train(run, shards, 2, "zero.stage=1")
+def test_metrics_and_run_directory(sonnets, tmp_path):
+    res = run_train(tmp_path, sonnets, "train.tensorboard=true", "train.log_interval=2",
+                    "train.peak_tflops=0.1", nproc=1, steps=4)
     assert res.returncode == 0, res.stderr[-3000:]
-    return curve(run)
-
-
-@pytest.mark.parametrize("layout", [
-    ("zero.stage=0",), ("zero.stage=2",), ("zero.stage=3",),
-    ("zero.stage=1", "nproc=1"),               # DP=1 at the same global batch
-    ("zero.stage=1", "parallel.tensor=2"),     # TP=2 (DP=1)
-    ("zero.stage=1", "parallel.pipeline=2"),   # PP=2 (DP=1): megatron's 1F1B schedule
-    ("zero.stage=1", "parallel.tensor=2", "parallel.pipeline=2", "nproc=4"),  # TP2 x PP2
-    ("zero.stage=1", "parallel.tensor=2", "parallel.sequence_parallel=true"),  # TP2 + SP
-], ids=["zero0", "zero2", "zero3", "dp1", "tp2", "pp2", "tp2xpp2", "tp2-sp"])
-def test_identical_fp32_loss_curves_across_layouts(reference, shards, tmp_path, layout):
-    nproc = next((int(o[6:]) for o in layout if o.startswith("nproc=")), 2)
-    res = train(tmp_path, shards, nproc, *[o for o in layout if not o.startswith("nproc")])
-    assert res.returncode == 0, res.stderr[-3000:]
-    # quiet on every rank and layout: the libraries' known notices are filtered, rank 0 alone
-    # would say what remains
-    assert "Warning" not in res.stderr and "[WARNING]" not in res.stderr, res.stderr[-3000:]
-    losses, valid = curve(tmp_path)
-    ref_losses, ref_valid = reference
-    assert len(losses) == STEPS
-    # the pipeline accumulates its micro-batches in another order: fp32 rounding, amplified by
-    # Adam over the steps; everything else sums in the same order and matches to the last bits
-    rel = 2e-4 if "parallel.pipeline=2" in layout else 2e-6
-    assert losses == pytest.approx(ref_losses, rel=rel, abs=0)
-    assert valid[-1]["valid_loss"] == pytest.approx(ref_valid[-1]["valid_loss"], rel=rel)
-    assert losses[-1] < losses[0]  # it learns
-
-
-def test_metrics_and_run_directory(reference, shards, tmp_path):
-    res = train(tmp_path, shards, 1, "train.tensorboard=true", "train.log_interval=2",
-                "train.peak_tflops=0.1")
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [2, 4]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_seen"):
         assert key in steps[0], key
-    assert steps[-1]["samples_seen"] == 8 * STEPS
+    assert steps[-1]["samples_seen"] == 8 * 4
     assert 0 < steps[-1]["mfu"] < 1 and steps[-1]["memory_gb"] > 0
     assert os.listdir(tmp_path / "tensorboard")
     assert (tmp_path / "config.yaml").read_text().startswith("run_dir:")
@@ -81,37 +54,43 @@ def test_metrics_and_run_directory(reference, shards, tmp_path):
     assert "Warning" not in res.stderr and "warnings.warn" not in res.stderr  # quiet by default
 
 
-def test_mismatched_data_and_divergence_are_clear_errors(shards, tmp_path):
-    res = train(tmp_path / "a", shards, 1, "model.vocab_size=200")
-    assert res.returncode == 2 and "set model.vocab_size=257" in res.stderr
-    res = train(tmp_path / "b", shards, 1, "data.seq_len=64")
-    assert res.returncode == 2 and "data.seq_len=64" in res.stderr
-    res = train(tmp_path / "t", shards, 1, "data.tokenizer=gpt2")
-    assert res.returncode == 2 and "not with the configured tokenizer" in res.stderr
+@pytest.mark.parametrize("override,words", [
+    ("model.vocab_size=200", "set model.vocab_size=257"),
+    ("data.seq_len=64", "data.seq_len=64"),
+    ("data.tokenizer=gpt2", "not with the configured tokenizer"),
+], ids=["vocabulary", "sequence length", "tokenizer"])
+def test_data_that_does_not_match_the_model_is_refused(sonnets, tmp_path, override, words):
+    """What setdiff-train opens before anything else (train.loop.open_data), in this process."""
+    from setdiff_dist.errors import SetdiffError
+    from setdiff_dist.train.loop import open_data
+
+    with pytest.raises(SetdiffError) as err:
+        open_data(train_config(tmp_path, sonnets, override))
+    assert words in str(err.value), str(err.value)
+
+
+def test_a_diverging_run_stops_with_exit_code_1(sonnets, tmp_path, layouts):
     # an absurd learning rate makes the loss non-finite: steps are skipped, then the run stops
-    res = train(tmp_path / "c", shards, 1, "optimizer.lr=1e30", "optimizer.grad_clip=0",
-                "train.max_nonfinite_steps=2", "optimizer.warmup_steps=0",
-                "optimizer.schedule=constant", "optimizer.min_lr=0")
+    res = run_train(tmp_path, sonnets, "optimizer.lr=1e30", "optimizer.grad_clip=0",
+                    "train.max_nonfinite_steps=2", "optimizer.warmup_steps=0",
+                    "optimizer.schedule=constant", "optimizer.min_lr=0", nproc=1, steps=STEPS)
     assert res.returncode == 1, res.stderr[-2000:]
     assert "2 consecutive steps with a non-finite loss or gradient norm" in res.stderr
-    # with pipeline parallelism the schedule back-propagates before the loss is known: the
-    # gradients of a non-finite step are dropped there, and the run stops the same way
-    res = train(tmp_path / "pp", shards, 2, "optimizer.lr=1e30", "optimizer.grad_clip=0",
-                "train.max_nonfinite_steps=2", "optimizer.warmup_steps=0",
-                "optimizer.schedule=constant", "optimizer.min_lr=0", "zero.stage=0",
-                "parallel.pipeline=2")
-    assert res.returncode == 1, res.stderr[-2000:]
-    assert "consecutive steps with a non-finite loss or gradient norm" in res.stderr
+    # the same under pipeline parallelism (in the spawn of two ranks)
+    kind, message = layouts[0]["pp-diverges"]
+    assert kind == "Diverged"
+    assert "consecutive steps with a non-finite loss or gradient norm" in message
 
 
-def test_bf16_trains_and_fp8_without_transformer_engine_is_refused(reference, shards, tmp_path):
-    res = train(tmp_path / "bf16", shards, 2, "train.precision=bf16", "zero.stage=1")
-    assert res.returncode == 0, res.stderr[-3000:]
-    losses, _ = curve(tmp_path / "bf16")
-    ref_losses, _ = reference
+def test_bf16_trains_and_fp8_without_transformer_engine_is_refused(trained, layouts, sonnets,
+                                                                  tmp_path):
+    from setdiff_dist.train.engine import check_precision
+    from setdiff_dist.train.loop import TrainingError
+
+    losses, _ = layouts[0]["bf16"]
+    ref_losses, _ = curve(trained())
     # bf16 follows the fp32 curve closely, but is not the fp32 computation
     assert losses == pytest.approx(ref_losses, rel=2e-2) and losses != ref_losses
-    res = train(tmp_path / "fp8", shards, 1, "train.precision=fp8", "model.layer_spec=te")
-    assert res.returncode == 2
-    assert "train.precision=fp8 needs" in res.stderr
-    assert not (tmp_path / "fp8" / "metrics.jsonl").exists()
+    cfg = train_config(tmp_path, sonnets, "train.precision=fp8", "model.layer_spec=te")
+    with pytest.raises(TrainingError, match="train.precision=fp8 needs"):
+        check_precision(cfg)
