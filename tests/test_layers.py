@@ -57,3 +57,44 @@ def test_the_check_sees_relative_and_lazy_imports(tmp_path):
     found = imports(PACKAGE / "train" / "loop.py")
     assert "setdiff_dist.train.checkpoint" in found  # `from . import checkpoint`
     assert "setdiff_dist.model.hf" in found          # imported inside a method
+
+
+def test_a_rank_imports_no_compiler_until_a_fused_function_runs():
+    """megatron-core's jit_fuser (torch.compile) is lazy (setdiff_dist._lazy_jit): a training
+    rank's imports leave torch._dynamo and torch._inductor out (about a third of them), the
+    launcher imports no torch at all, and a fused function compiles at its first call."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "import setdiff_dist.cli.train\n"
+            "launcher = sorted(m for m in ('torch', 'megatron', 'deepspeed') if m in sys.modules)\n"
+            "import setdiff_dist.train.loop, deepspeed, megatron.core.jit as jit\n"
+            "print(launcher, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules,\n"
+            "      jit.jit_fuser.__module__)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "[] False False setdiff_dist._lazy_jit", \
+        res.stdout
+
+
+def test_a_lazily_fused_function_compiles_once_at_its_first_call(monkeypatch):
+    import torch
+
+    from setdiff_dist._lazy_jit import lazy_compile
+
+    compiled = []
+
+    def fake_compile(fn):
+        compiled.append(fn)
+        return lambda *a: fn(*a) * 10
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+
+    @lazy_compile
+    def add(a, b):
+        return a + b
+
+    assert compiled == [] and add.__name__ == "add"
+    assert add(1, 2) == 30 and add(2, 2) == 40 and len(compiled) == 1
