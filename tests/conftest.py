@@ -10,6 +10,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# No hub from the tests (this machine has none): datasets and transformers read local files only,
+# and their caches live in a directory of the session's own, not in the user's home. Set before
+# anything imports them (they read these at import).
+for _key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_key, "1")
+if "HF_HOME" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="setdiff-tests-hf-")
+    atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _repository_root():

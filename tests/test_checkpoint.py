@@ -65,7 +65,7 @@ def test_stop_and_resume_reproduces_the_uninterrupted_curve_bit_exactly(trained,
     assert losses(run) == losses(ref)  # every step, bit for bit
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_pipeline_parallel_resume_is_bit_exact_too(trained, sonnets, tmp_path, precision):
     # bf16: DeepSpeed's BF16_Optimizer with fp32 gradient buffers filled by hooks under
     # megatron's schedule, and the tied embedding synchronized in those buffers
@@ -129,10 +129,11 @@ def _wait_for_step(proc, step):
     raise AssertionError("the run ended before the signal")
 
 
-@pytest.mark.parametrize("target,signum", [("launcher", signal.SIGUSR1),
-                                           ("every rank", signal.SIGTERM),
-                                           ("launcher", signal.SIGINT)],
-                         ids=["SIGUSR1 to the launcher", "SIGTERM to every rank", "Ctrl-C"])
+@pytest.mark.parametrize("target,signum", [
+    pytest.param("launcher", signal.SIGUSR1, id="SIGUSR1 to the launcher",
+                 marks=pytest.mark.slow),
+    pytest.param("every rank", signal.SIGTERM, id="SIGTERM to every rank"),
+    pytest.param("launcher", signal.SIGINT, id="Ctrl-C", marks=pytest.mark.slow)])
 def test_a_stop_signal_checkpoints_and_exits_with_its_outcome(sonnets, tmp_path, target, signum):
     """SIGTERM / SIGUSR1 (preemption) checkpoint and exit 75 for a requeue; SIGINT (Ctrl-C)
     checkpoints and exits 130, outcome "paused"; resume=auto goes on from either."""
@@ -229,9 +230,10 @@ def test_every_layout_starts_from_the_same_weights(sonnets, tmp_path):
             assert torch.equal(state[k], ref[k]), (name, k)
 
 
-@pytest.mark.parametrize("stage,resumed", [(1, {"nproc": 1}), (3, {"nproc": 1}),
-                                          (2, {"nproc": 2, "tp": 2})],
-                         ids=["zero1-dp2-to-dp1", "zero3-dp2-to-dp1", "zero2-tp1-to-tp2"])
+@pytest.mark.parametrize("stage,resumed", [
+    pytest.param(1, {"nproc": 1}, id="zero1-dp2-to-dp1"),
+    pytest.param(3, {"nproc": 1}, id="zero3-dp2-to-dp1", marks=pytest.mark.slow),
+    pytest.param(2, {"nproc": 2, "tp": 2}, id="zero2-tp1-to-tp2", marks=pytest.mark.slow)])
 def test_resume_in_another_layout_continues_the_same_curve(trained, sonnets, tmp_path, stage,
                                                            resumed):
     """Saved at DP=2, resumed at DP=1 (or at TP=2): the optimizer state is re-partitioned

@@ -154,7 +154,7 @@ def _limit_files():
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.slow), 2])
 def test_two_thousand_shards_train_under_a_limit_of_256_open_files(many_shards, tmp_path,
                                                                    workers):
     with open(os.path.join(many_shards, "manifest.json")) as fh:

@@ -31,6 +31,10 @@ def runs(trained, tmp_path_factory):
 
 
 def evaluate(runs, checkpoint, *args, tp=1):
+    """setdiff-eval: in this process at TP=1 (the session is offline, conftest), under
+    torchrun otherwise."""
+    if tp == 1:
+        return run_cli("setdiff_dist.cli.eval", "--checkpoint", checkpoint, *args)
     cmd = ["-m", "setdiff_dist.cli.eval", "--checkpoint", str(checkpoint), *args]
     if tp > 1:
         from setdiff_dist.parallel import free_port
@@ -57,8 +61,7 @@ def choice_lls(samples):
 
 def test_multiple_choice_through_the_harness_equals_our_scorer(runs, tmp_path):
     ours = tmp_path / "choice.json"
-    res = run_cli("setdiff_dist.cli.eval", "--checkpoint", runs["staggered"], "--task", "choice",
-                  "--data", CHOICE, "--out", ours)
+    res = evaluate(runs, runs["staggered"], "--task", "choice", "--data", CHOICE, "--out", ours)
     assert res.returncode == 0, res.stderr[-3000:]
     ours = json.loads(ours.read_text())
     got = harness(runs, runs["staggered"], tmp_path, "setdiff_choice")
@@ -75,6 +78,7 @@ def test_multiple_choice_through_the_harness_equals_our_scorer(runs, tmp_path):
     assert "autoregressive-order" in got["likelihood"]
 
 
+@pytest.mark.slow
 def test_generation_is_the_same_at_tp1_and_tp2(runs, tmp_path):
     one = harness(runs, runs["staggered"], tmp_path, "setdiff_gen")
     two = harness(runs, runs["staggered"], tmp_path, "setdiff_gen", tp=2)
@@ -99,22 +103,16 @@ def test_causal_export_scores_the_same_through_lm_evals_hf_model(runs, tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     ours = harness(runs, runs["causal"], tmp_path, "setdiff_choice,setdiff_rolling")
     assert ours["exact_likelihood"] is True
-    env = child_env({**os.environ, **OFFLINE, "HF_HOME": str(runs["cache"])})
-    code = f"""
-import json, lm_eval
-from lm_eval.models.huggingface import HFLM
-from lm_eval.tasks import TaskManager
-lm = HFLM(pretrained={str(export)!r}, device="cpu", dtype="float32", batch_size=4)
-out = lm_eval.simple_evaluate(model=lm, tasks=["setdiff_choice", "setdiff_rolling"],
-                              task_manager=TaskManager(include_path={TASKS!r}), log_samples=True)
-print(json.dumps({{"results": out["results"], "samples": {{
-    t: [{{"doc_id": s["doc_id"], "resps": s["resps"]}} for s in v]
-    for t, v in out["samples"].items()}}}}, default=float))
-"""
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    hf = json.loads(res.stdout.strip().splitlines()[-1])
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    lm = HFLM(pretrained=str(export), device="cpu", dtype="float32", batch_size=4)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["setdiff_choice", "setdiff_rolling"],
+                                  task_manager=TaskManager(include_path=TASKS), log_samples=True)
+    hf = {"results": out["results"], "samples": {
+        t: [{"doc_id": s["doc_id"], "resps": s["resps"]} for s in v]
+        for t, v in out["samples"].items()}}
     ours_lls = choice_lls(ours["samples"]["setdiff_choice"])
     hf_lls = choice_lls(hf["samples"]["setdiff_choice"])
     assert sorted(ours_lls) == sorted(hf_lls) == list(range(8))
@@ -163,8 +161,8 @@ def test_set_model_ar_loglikelihood_equals_one_token_at_a_time(runs):
 
 
 def test_bad_harness_requests_are_one_line_errors(runs, tmp_path):
-    def here(*args):  # (in this process: each is refused before any model is loaded)
-        return run_cli("setdiff_dist.cli.eval", "--checkpoint", runs["staggered"], *args)
+    def here(*args):  # (each is refused before any model is loaded)
+        return evaluate(runs, runs["staggered"], *args)
 
     res = here("--task", "harness")
     assert res.returncode == 2 and "--harness-tasks" in res.stderr
@@ -175,8 +173,7 @@ def test_bad_harness_requests_are_one_line_errors(runs, tmp_path):
     bad.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "gold": 2}) + "\n")
     res = here("--task", "choice", "--data", str(bad))
     assert res.returncode == 2 and "'gold' must be the index" in res.stderr
-    # a hub task whose dataset is not here (offline, as a child with the hub switched off):
-    # one line, before any model is loaded
+    # a hub task whose dataset is not here (offline): one line, before any model is loaded
     res = evaluate(runs, runs["staggered"], "--task", "harness", "--harness-tasks", "hellaswag")
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "harness task(s) hellaswag: the dataset could not be loaded" in res.stderr

@@ -162,6 +162,7 @@ def test_a_two_node_job_trains_and_writes_a_checkpoint(uninterrupted):
     assert sorted(losses(d / "run")) == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_a_preempted_job_checkpoints_requeues_and_ends_like_an_uninterrupted_one(
         uninterrupted, cluster, shards, tmp_path):
     _, _, straight_job = uninterrupted
