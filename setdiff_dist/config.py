@@ -131,7 +131,6 @@ class OptimizerConfig:
                        choices=("constant", "cosine", "linear"))
     warmup_steps: int = _f(0, "linear warm-up steps", min=0)
     grad_clip: float = _f(1.0, "global gradient-norm clip; 0 = off", min=0.0)
-    torch_adam: bool = _f(True, "use torch's AdamW (no DeepSpeed JIT build; best on CPU)")
 
 
 @dataclass
@@ -484,7 +483,9 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]):
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in names:
-            problems.append(f"{dotted}: unknown key"
+            what = ("no longer a setting (remove it)" if key in RETIRED.get(prefix[:-1], ())
+                    else "unknown key")
+            problems.append(f"{dotted}: {what}"
                             + _suggest(dotted, all_keys() + list(_sections())))
             continue
         tp = hints[key]
@@ -567,7 +568,8 @@ def _cross_checks(cfg: Config, field_problems: list[str]) -> list[str]:
 
 # keys a saved config may hold that this version no longer has (read by nothing): ignored when
 # a checkpoint's config is read, refused with a suggestion in a user's config
-RETIRED = {"data": ("shuffle_buffer",)}
+RETIRED = {"data": ("shuffle_buffer",),
+           "optimizer": ("torch_adam",)}  # (torch's AdamW is always the optimizer)
 
 
 def config_from_dict(raw: dict, check: bool = True) -> Config:

@@ -32,6 +32,16 @@ class SetdiffError(Exception):
             self.every_rank = every_rank
 
 
+class TrainingError(SetdiffError, RuntimeError):
+    """A run that cannot go on; the message says why and what to do."""
+
+
+class Diverged(TrainingError):
+    """The loss stayed non-finite: a failed run (exit code 1), not bad input."""
+
+    exit_code = 1
+
+
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and world size: the process group's when there is one, else the
     launcher's environment (torchrun, our launcher, Slurm), else (0, 1)."""

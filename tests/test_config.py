@@ -144,7 +144,10 @@ def test_a_checkpoint_config_with_a_retired_key_still_loads():
 
     saved = load_config("configs/tiny-cpu.yaml").to_dict()
     saved["data"]["shuffle_buffer"] = 1000
+    saved["optimizer"]["torch_adam"] = True
     assert config_from_dict(saved).data.shuffle is True
+    with pytest.raises(ConfigError, match="optimizer.torch_adam: no longer a setting"):
+        load_config("configs/tiny-cpu.yaml", ["optimizer.torch_adam=true"])
     with pytest.raises(ConfigError, match="did you mean 'data.shuffle'"):
         load_config("configs/tiny-cpu.yaml", ["data.shuffle_buffer=10"])
 

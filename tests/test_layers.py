@@ -4,9 +4,12 @@
   evaluation or the commands: both training and inference stand on it;
 - ``model/`` imports nothing of inference, training, evaluation or the commands;
 - ``inference/`` imports nothing of training;
+- ``eval/`` (tasks, the likelihood scorer, the harness adapter) imports nothing of training or
+  the commands;
 - ``objective.py`` (the loss and the evaluation loop of every command) imports nothing of
   inference, training, evaluation, checkpoints or the commands;
-- only ``train/`` imports DeepSpeed (the commands reach it through ``train/``)."""
+- only ``train/`` imports DeepSpeed (the commands reach it through ``train/``);
+- no two modules import each other, directly or round a longer circle, even inside a function."""
 
 import ast
 import pathlib
@@ -16,6 +19,7 @@ FORBIDDEN = {
     "checkpoint": {"model", "inference", "train", "eval", "cli"},
     "model": {"inference", "train", "eval", "cli"},
     "inference": {"train", "eval", "cli"},
+    "eval": {"train", "cli"},
     "diffusion": {"model", "inference", "train", "eval", "cli", "checkpoint"},
     "parallel": {"model", "inference", "train", "eval", "cli", "checkpoint"},
     # the objective (training, evaluation, the demo): the model's inputs and losses only
@@ -50,6 +54,58 @@ def test_layers_import_in_one_direction():
             if parts[0] == "deepspeed" and layer not in ("train",):
                 problems.append(f"{path.relative_to(PACKAGE)} imports DeepSpeed ({name})")
     assert not problems, "\n".join(problems)
+
+
+def _module_graph() -> dict:
+    """Module name -> the package's modules it imports (``from pkg import submodule`` counts
+    as the submodule, not the package's ``__init__``)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        found = imports(path)
+        deps = set()
+        for imported in found:
+            while imported and imported not in modules:  # a name inside a module
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                deps.add(imported)
+        # a package counts only where something of its own __init__ is used
+        deps -= {d for d in deps if modules[d].name == "__init__.py"
+                 and all(n == d or n.startswith(d + ".") and n in modules
+                         for n in found if n == d or n.startswith(d + "."))}
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict) -> list:
+    """The groups of modules that reach each other through imports (a circle each)."""
+    reach = {}
+    for start in graph:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        reach[start] = seen
+    groups = {tuple(sorted({m} | {o for o in reach[m] if m in reach[o]})) for m in graph
+              if m in reach[m]}
+    return sorted(groups)
+
+
+def test_no_import_circle():
+    assert circles(_module_graph()) == []
+
+
+def test_the_circle_check_sees_a_circle():
+    graph = _module_graph()
+    assert "setdiff_dist.errors" in graph["setdiff_dist.train.engine"]
+    assert "setdiff_dist.parallel.cpu_compat" in graph["setdiff_dist.parallel.state"]
+    graph["setdiff_dist.errors"] = graph["setdiff_dist.errors"] | {"setdiff_dist.train.engine"}
+    assert circles(graph) == [("setdiff_dist.errors", "setdiff_dist.train.engine")]
 
 
 def test_the_check_sees_relative_and_lazy_imports(tmp_path):

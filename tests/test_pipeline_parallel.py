@@ -31,8 +31,8 @@ def microbatches():
 def train_step(tp, pp, out, tag):
     from megatron.core import parallel_state as ps
 
-    from setdiff_dist.model.pipeline import set_diffusion_forward_backward
     from setdiff_dist.model.transformer import build_model, global_name, transformer_config, unshard
+    from setdiff_dist.objective import set_diffusion_forward_backward
     from setdiff_dist.parallel import initialize_model_parallel
 
     initialize_model_parallel(tensor=tp, pipeline=pp, seed=1)

@@ -84,8 +84,8 @@ def test_a_diverging_run_stops_with_exit_code_1(sonnets, tmp_path, layouts):
 
 def test_bf16_trains_and_fp8_without_transformer_engine_is_refused(trained, layouts, sonnets,
                                                                   tmp_path):
+    from setdiff_dist.errors import TrainingError
     from setdiff_dist.train.engine import check_precision
-    from setdiff_dist.train.loop import TrainingError
 
     losses, _ = layouts[0]["bf16"]
     ref_losses, _ = curve(trained())

@@ -135,10 +135,4 @@ def add_dtype_argument(ap) -> None:
                          "float32 on the CPU")
 
 
-def inference_dtype(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return getattr(torch, name)
 

@@ -36,7 +36,6 @@ from setdiff_dist.cli import (
     command,
     count,
     decode_flags,
-    inference_dtype,
     json_text,
 )
 
@@ -70,7 +69,7 @@ def main(argv=None) -> int:
 
     from setdiff_dist.eval import tasks
     from setdiff_dist.inference.decoder import Sampling, check_text, decoder_for
-    from setdiff_dist.inference.settings import decode_settings
+    from setdiff_dist.inference.settings import decode_settings, inference_dtype
     from setdiff_dist.inference.weights import build_inference_model
 
     # everything that can be checked before a model load is

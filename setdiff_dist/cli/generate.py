@@ -32,7 +32,6 @@ from setdiff_dist.cli import (
     command,
     count,
     decode_flags,
-    inference_dtype,
     json_text,
 )
 
@@ -71,7 +70,7 @@ def main(argv=None) -> int:
         check_text,
         decoder_for,
     )
-    from setdiff_dist.inference.settings import decode_settings
+    from setdiff_dist.inference.settings import decode_settings, inference_dtype
     from setdiff_dist.inference.weights import build_inference_model
 
     # the flags first: a bad one costs no model load

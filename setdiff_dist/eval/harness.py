@@ -54,7 +54,7 @@ class SetdiffLM(TemplateLM):
             if not checkpoint:
                 raise ScoreError("give the model argument checkpoint=DIR (a checkpoint or "
                                  "export)")
-            from setdiff_dist.cli import inference_dtype
+            from setdiff_dist.inference.settings import inference_dtype
             from setdiff_dist.inference.weights import build_inference_model
 
             loaded = build_inference_model(checkpoint, tensor=int(tensor_parallel),

@@ -15,6 +15,15 @@ DECODE_KEYS = ("window", "threshold", "greedy", "temperature", "top_p", "repetit
                "max_new_tokens", "max_repeat_run")
 
 
+def inference_dtype(name: str):
+    """The torch dtype of ``--dtype``: ``auto`` is bf16 on a GPU and fp32 on CPUs."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, name)
+
+
 def default_window(order_cfg) -> Optional[int]:
     """W when neither the config nor a flag sets it: the mean set size D for staggered orders
     (the paper's GSM point), the block size for block, 1 for AR and causal, and None for

@@ -52,17 +52,3 @@ def forward_backward(model, microbatches: Iterable, seq_len: int, micro_batch_si
         model.sync_tied_embedding_grads(main_grad)
     return stats if ps.is_pipeline_last_stage() else []
 
-
-def set_diffusion_forward_backward(model, microbatches: Iterable, seq_len: int,
-                                   micro_batch_size: int, backend: str,
-                                   forward_only: bool = False) -> list[dict]:
-    """:func:`forward_backward` over ``(tokens [b, L], OrderSample)`` micro-batches, with the
-    NELBO per target token as each micro-batch's loss."""
-
-    from setdiff_dist.objective import nelbo_step  # (the objective imports the model)
-
-    def step(module, microbatch):
-        tokens, sample = microbatch
-        return nelbo_step(module, tokens, sample, backend)
-
-    return forward_backward(model, microbatches, 2 * seq_len, micro_batch_size, step, forward_only)

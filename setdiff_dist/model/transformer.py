@@ -184,11 +184,6 @@ class SetDiffusionTransformer(MegatronModule):
             return self.embedding.weight
         return self.output_layer.weight
 
-    def tied_weight_on_last_stage(self):
-        """With PP > 1 and tied embeddings the last stage keeps a copy of the embedding, whose
-        gradient must be summed with the first stage's (over megatron's embedding group)."""
-        return self.tie and self.post_process and not self.pre_process
-
     def sync_tied_embedding_grads(self, main_grad=None) -> None:
         """All-reduce the tied embedding gradient between the first and last pipeline stages
         (``main_grad(weight)``: where the gradient accumulates, default ``weight.grad``)."""

@@ -290,7 +290,7 @@ def partitioned_construction(cfg):
 
 def check_precision(cfg) -> None:
     """Refuse, at start, a precision this machine cannot run (never fall back silently)."""
-    from .loop import TrainingError
+    from setdiff_dist.errors import TrainingError
 
     if cfg.train.precision != "fp8":
         return

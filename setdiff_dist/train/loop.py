@@ -26,7 +26,7 @@ from setdiff_dist.data.blend import Blend
 from setdiff_dist.data.loader import Batch, TokenLoader, fixed_batches
 from setdiff_dist.data.shards import ShardSet
 from setdiff_dist.data.tokenizers import load_shipped_tokenizer, load_tokenizer
-from setdiff_dist.errors import SetdiffError
+from setdiff_dist.errors import Diverged, TrainingError
 from setdiff_dist.model.flops import training_flops_per_token
 from setdiff_dist.model.pipeline import forward_backward
 from setdiff_dist.model.transformer import build_model, transformer_config
@@ -52,16 +52,6 @@ from .metrics import MetricsLogger
 STOPS = {signal.SIGINT: "paused", signal.SIGTERM: "preempted", signal.SIGUSR1: "preempted"}
 _STOP_CODE = {None: 0, "paused": 1, "preempted": 2}
 _STOP_OF = {code: stop for stop, code in _STOP_CODE.items()}
-
-
-class TrainingError(SetdiffError, RuntimeError):
-    """A run that cannot go on; the message says why and what to do."""
-
-
-class Diverged(TrainingError):
-    """The loss stayed non-finite: a failed run (exit code 1), not bad input."""
-
-    exit_code = 1
 
 
 def open_data(cfg):
@@ -133,7 +123,6 @@ class Trainer:
         """Weights drawn from the seed, or those of a Hugging Face checkpoint
         (``checkpoint.init_from_hf``, read per rank in this layout) when there is no checkpoint
         to resume: a resumed run continues from its own checkpoint, never from the import."""
-        self.initialized_from = None
         hf = self.cfg.checkpoint.init_from_hf
         if not hf or self.resume_path is not None:
             construct, gathered = partitioned_construction(self.cfg)
@@ -149,7 +138,6 @@ class Trainer:
                     checkpoint.init_from_weights(model, self.cfg, source, gathered)
                 except LoadError as exc:
                     raise TrainingError(str(exc)) from None
-                self.initialized_from = source
                 if self.rank == 0:
                     print(f"initialized from the weights of {source}", flush=True)
             return model
@@ -159,7 +147,6 @@ class Trainer:
             model = build_model_from_hf(self.cfg.model, config, hf)
         except HFCheckpointError as exc:
             raise TrainingError(f"checkpoint.init_from_hf={hf}: {exc}") from None
-        self.initialized_from = hf
         if self.rank == 0:
             print(f"initialized from the Hugging Face checkpoint {hf}", flush=True)
         return model

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import resource
-import sys
 import time
 from typing import Optional
 
@@ -102,7 +101,3 @@ class MetricsLogger:
 def _hms(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
