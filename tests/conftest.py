@@ -77,7 +77,7 @@ def trained(tmp_path_factory, shards_of):
     and schedule for every one (``helpers.REFERENCE_STEPS`` steps, checkpoints every
     ``REFERENCE_INTERVAL``; helpers.train_command's settings otherwise), trained once per
     distinct configuration and shared. Tests copy it before changing it."""
-    from helpers import REFERENCE, REFERENCE_STEPS, VOCAB, run_train
+    from helpers import REFERENCE, REFERENCE_STEPS, VOCAB, noise, run_train
 
     cache = {}
 
@@ -88,6 +88,8 @@ def trained(tmp_path_factory, shards_of):
             res = run_train(run, shards_of(tokenizer), *REFERENCE, *overrides, nproc=nproc,
                             steps=REFERENCE_STEPS, vocab=VOCAB[tokenizer])
             assert res.returncode == 0, res.stderr[-3000:]
+            # every shared run is also a check that setdiff-train is quiet on its ranks
+            assert not noise(res.stderr), (overrides, res.stderr[-3000:])
             cache[key] = run
         return cache[key]
 

@@ -253,6 +253,15 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GRO
                     "TORCHELASTIC_MAX_RESTARTS")
 
 
+def noise(stderr: str) -> list:
+    """The lines of a command's standard error that are a library's warning (a quiet command
+    prints none), but for coverage's own, where ``pytest --cov`` measures the command."""
+    lines = stderr.splitlines()
+    return [line for i, line in enumerate(lines)
+            if any(word in line for word in ("Warning", "[WARNING]", "warnings.warn"))
+            and "CoverageWarning" not in line and not (i and "CoverageWarning" in lines[i - 1])]
+
+
 def child_env(env=None):
     """``env`` (default: this process's environment) without the launch variables."""
     env = dict(os.environ if env is None else env)

@@ -2,13 +2,14 @@
 decodes the same greedy text loaded at TP=1, at TP=2 (torchrun), and after export."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
-from helpers import child_env, run_cli
+from helpers import child_env, losses, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,9 @@ def test_eval_tasks(run, tmp_path):
                       path, *extra)
         assert res.returncode == 0, res.stderr[-3000:]
         out[task] = json.loads(path.read_text())
-    assert 1 < out["ppl"]["ppl_bound"] < 1000 and out["ppl"]["exact"] is False
+    # what 6 steps learned: the bound is below the loss of step 1 (the weights as drawn)
+    first_loss = losses(run)[1]
+    assert 1 < out["ppl"]["ppl_bound"] < math.exp(first_loss) and out["ppl"]["exact"] is False
     assert out["infill"]["count"] == 1 and 0 <= out["infill"]["rougeL"] <= 1
     assert out["gsm"]["count"] == 1 and out["gsm"]["accuracy"] in (0.0, 1.0)
     rows = out["throughput"]["settings"]
