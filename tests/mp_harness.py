@@ -16,6 +16,11 @@ def _entry(rank, world_size, port, fn, args):
     except Exception:
         traceback.print_exc()
         raise
+    # as setdiff's commands do (cli.command): a gloo group left to the interpreter's exit can
+    # abort the process in its destructor ("terminate called without an active exception")
+    from setdiff_dist.parallel import destroy_model_parallel
+
+    destroy_model_parallel()
 
 
 def spawn(fn, world_size, *args):
