@@ -525,11 +525,38 @@ def load_config(path: Optional[str] = None, overrides: list[str] | tuple[str, ..
     _deep_merge(raw, parse_overrides(list(overrides), problems))
     cfg = _build(Config, raw, "", problems)
     resolve_attention_backend(cfg)
+    resolve_dimensions(cfg.model)
     if check:
         problems += _cross_checks(cfg, problems)
     if problems:
         raise ConfigError(problems, source)
     return cfg
+
+
+def resolve_dimensions(m: ModelConfig) -> None:
+    """The widths a model config may leave null, in place, once, where a config is loaded (the
+    saved config names them; nothing downstream falls back): ``num_query_groups`` (null = one
+    per query head), ``ffn_hidden_size`` (null = 4 x hidden_size) and ``head_dim`` (null =
+    hidden_size / num_attention_heads; left null when that does not divide, which validation
+    then says)."""
+    if m.num_query_groups is None:
+        m.num_query_groups = m.num_attention_heads
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = 4 * m.hidden_size
+    if m.head_dim is None and m.num_attention_heads and \
+            m.hidden_size % m.num_attention_heads == 0:
+        m.head_dim = m.hidden_size // m.num_attention_heads
+
+
+def resolved_model(saved: dict) -> dict:
+    """A ``model`` section as saved (a manifest's, a config file's: keys added since take their
+    defaults, null widths what :func:`resolve_dimensions` makes of them), comparable with a
+    loaded config's ``to_dict()["model"]``; keys this version no longer has stay as they
+    are."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    m = dataclasses.replace(ModelConfig(), **{k: v for k, v in saved.items() if k in names})
+    resolve_dimensions(m)
+    return dict(saved, **dataclasses.asdict(m))
 
 
 def resolve_attention_backend(cfg: Config) -> None:
@@ -581,6 +608,7 @@ def config_from_dict(raw: dict, check: bool = True) -> Config:
             raw[section] = {k: v for k, v in raw[section].items() if k not in keys}
     cfg = _build(Config, raw, "", problems)
     resolve_attention_backend(cfg)
+    resolve_dimensions(cfg.model)
     if check:
         problems += _cross_checks(cfg, problems)
     if problems:
@@ -616,7 +644,7 @@ def validate(cfg: Config) -> list[str]:
     elif m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         p.append(f"model.rope_high_freq_factor={m.rope_high_freq_factor:g} must be above "
                  f"model.rope_low_freq_factor={m.rope_low_freq_factor:g} (rope_scaling=llama3)")
-    groups = m.num_query_groups or m.num_attention_heads
+    groups = m.num_query_groups
     if m.num_attention_heads % groups:
         p.append(f"model.num_query_groups={groups} must divide "
                  f"model.num_attention_heads={m.num_attention_heads}")
@@ -625,7 +653,7 @@ def validate(cfg: Config) -> list[str]:
                  f"model.num_attention_heads={m.num_attention_heads}")
     if groups % par.tensor:
         p.append(f"parallel.tensor={par.tensor} must divide model.num_query_groups={groups}")
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    ffn = m.ffn_hidden_size
     if ffn % par.tensor:
         p.append(f"parallel.tensor={par.tensor} must divide the MLP width {ffn} "
                  "(model.ffn_hidden_size)")

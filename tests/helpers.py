@@ -148,8 +148,9 @@ def resume_check(run_dir, shards, *overrides, tp=1, pp=1, dp=2, **kw):
     """What setdiff-train checks before it builds a model, when ``train_command(run_dir,
     shards, *overrides, **kw)`` on ``tp x pp x dp`` ranks would resume ``run_dir``: in this
     process, no launch. Returns the manifest, or raises the error the launch prints."""
+    from setdiff_dist.checkpoint.files import resume_path
+    from setdiff_dist.checkpoint.manifest import check_resume
     from setdiff_dist.data.loader import TokenLoader
-    from setdiff_dist.train.checkpoint import check_resume, resolve
     from setdiff_dist.train.loop import open_data
 
     cfg = train_config(run_dir, shards, *overrides, **kw)
@@ -158,7 +159,7 @@ def resume_check(run_dir, shards, *overrides, tp=1, pp=1, dp=2, **kw):
     stream = TokenLoader(train_set, global_batch=cfg.data.global_batch_size,
                          micro_batch=cfg.data.micro_batch_size, dp_size=dp,
                          seed=cfg.train.seed, shuffle=cfg.data.shuffle).state_dict()
-    return check_resume(resolve(cfg), cfg, train_set.manifest["tokenizer"], here, stream)
+    return check_resume(resume_path(cfg), cfg, train_set.manifest["tokenizer"], here, stream)
 
 
 def curve(run_dir):

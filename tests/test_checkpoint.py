@@ -331,6 +331,23 @@ def test_a_pickle_payload_in_a_checkpoint_is_not_run_on_resume(trained, sonnets,
     assert check(run, sonnets, "zero.stage=2")["step"] == 6
 
 
+def test_a_checkpoint_saved_with_null_widths_resumes(trained, sonnets, tmp_path):
+    """Checkpoints from before the model's widths were resolved at load hold null there
+    (num_query_groups, ffn_hidden_size, head_dim): they stand for the values they meant, and a
+    width that really differs is still refused."""
+    run = copy_run(trained("zero.stage=2"), tmp_path)
+    step = run / "checkpoints" / latest(run)
+    manifest = json.loads((step / "manifest.json").read_text())
+    m = manifest["model"]
+    assert m["num_query_groups"] == m["num_attention_heads"]  # (the tiny model's defaults)
+    assert m["head_dim"] == m["hidden_size"] // m["num_attention_heads"]
+    m["num_query_groups"] = m["head_dim"] = None
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    assert check(run, sonnets, "zero.stage=2")["step"] == 6
+    with pytest.raises(CheckpointError, match=r"model.num_query_groups: checkpoint 4, this run 2"):
+        check(run, sonnets, "zero.stage=2", "model.num_query_groups=2")
+
+
 def _truncate(path):
     os.truncate(path, os.path.getsize(path) // 2)
 

@@ -152,6 +152,25 @@ def test_a_checkpoint_config_with_a_retired_key_still_loads():
         load_config("configs/tiny-cpu.yaml", ["data.shuffle_buffer=10"])
 
 
+def test_the_model_widths_are_resolved_once_where_the_config_is_loaded():
+    """Null widths become their values at load (saved so, and read by nothing as null); a
+    value given stays; a saved section with nulls reads as the same model."""
+    from setdiff_dist.config import config_from_dict, load_config, resolved_model
+
+    m = load_config(None, ["model.hidden_size=96", "model.num_attention_heads=6"]).model
+    assert (m.num_query_groups, m.ffn_hidden_size, m.head_dim) == (6, 384, 16)
+    m = load_config(None, ["model.num_query_groups=2", "model.ffn_hidden_size=100",
+                           "model.head_dim=8"]).model
+    assert (m.num_query_groups, m.ffn_hidden_size, m.head_dim) == (2, 100, 8)
+    cfg = load_config(None)  # (no width given)
+    saved = cfg.to_dict()
+    saved["model"].update(num_query_groups=None, ffn_hidden_size=None, head_dim=None)
+    assert config_from_dict(saved).to_dict()["model"] == cfg.to_dict()["model"]
+    assert resolved_model(saved["model"]) == cfg.to_dict()["model"]
+    old = {k: v for k, v in saved["model"].items() if k != "qk_norm"}  # (a key added since)
+    assert resolved_model(dict(old, gone=1)) == dict(cfg.to_dict()["model"], gone=1)
+
+
 @pytest.mark.parametrize("command", ["setdiff_dist.cli.generate", "setdiff_dist.cli.eval",
                                      "setdiff_dist.cli.train", "setdiff_dist.cli.convert",
                                      "setdiff_dist.cli.config", "setdiff_dist.cli.demo",

@@ -53,7 +53,33 @@ def test_layers_import_in_one_direction():
                 problems.append(f"{path.relative_to(PACKAGE)} imports {name}")
             if parts[0] == "deepspeed" and layer not in ("train",):
                 problems.append(f"{path.relative_to(PACKAGE)} imports DeepSpeed ({name})")
+            if parts[0] == "megatron" and layer == "checkpoint":  # (its readers run without it)
+                problems.append(f"{path.relative_to(PACKAGE)} imports megatron ({name})")
     assert not problems, "\n".join(problems)
+
+
+def _literals(path: pathlib.Path) -> list:
+    """``(line, text)`` of every string literal of ``path`` in code (docstrings left out; an
+    f-string gives its constant pieces)."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)
+            and isinstance(n.value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_step_directory_names_are_spelled_once():
+    """Every writer and reader of a step directory takes its file names from
+    ``checkpoint/format.py``: no other code spells them."""
+    import re
+
+    spelled = re.compile(r"rng_rank|^_pp$|^_part|^weights_ema$|^step_$|^universal$|^tp$")
+    found = [f"{path.relative_to(PACKAGE)}:{line}: {text!r}"
+             for path in sorted(PACKAGE.rglob("*.py")) if path.name != "format.py"
+             for line, text in _literals(path) if spelled.search(text)]
+    assert not found, "\n".join(found)
+    assert len([t for _, t in _literals(PACKAGE / "checkpoint" / "format.py")
+                if spelled.search(t)]) >= 5
 
 
 def _module_graph() -> dict:

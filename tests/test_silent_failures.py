@@ -343,13 +343,13 @@ def test_a_save_that_cannot_be_written_keeps_the_run_resumable(trained, sonnets,
 
 
 def test_a_full_disk_is_named_with_what_the_save_needs(tmp_path):
-    from setdiff_dist.train.checkpoint import _save_failed
+    from setdiff_dist.checkpoint.saving import save_failed
 
     root = tmp_path / "checkpoints"
     (root / "step_0000004" / "weights").mkdir(parents=True)
     (root / "step_0000004" / "weights" / "part.safetensors").write_bytes(b"x" * 100)
     (root / "latest.tmp-123").write_text("step_0000004")
-    exc = _save_failed(OSError(errno.ENOSPC, "No space left on device"), str(root),
+    exc = save_failed(OSError(errno.ENOSPC, "No space left on device"), str(root),
                        "step_0000004", 5 * 2**20)
     assert "cannot save checkpoint step_0000004: the disk is full" in str(exc)
     assert "the save needs about 5.0 MiB" in str(exc)
@@ -405,7 +405,7 @@ def test_the_dry_run_counts_context_parallel_ranks(capsys):
 def test_a_missing_init_from_is_named_as_the_config_key():
     from setdiff_dist.checkpoint.weights import LoadError
     from setdiff_dist.config import load_config
-    from setdiff_dist.train.checkpoint import init_from_weights
+    from setdiff_dist.model.load import init_from_weights
 
     cfg = load_config("configs/tiny-cpu.yaml", ["checkpoint.init_from=runs/nope"])
     with pytest.raises(LoadError, match=r"^checkpoint.init_from=runs/nope: no such directory"):

@@ -1,6 +1,7 @@
-"""The on-disk layout of a run's checkpoints: ``run_dir/checkpoints/step_NNNNNNN/`` directories,
-the ``latest`` pointer, atomic writes and pruning. Plain files: nothing here needs torch or a
-process group, so training and inference share it."""
+"""A run's checkpoints as files (names from :mod:`.format`): finding them (the ``latest``
+pointer, a lost one recovered, what ``resume`` names), atomic writes, pruning, the run lock and
+every file's size and checksum. Plain files: nothing here needs torch or a process group, so
+training and inference share it."""
 
 from __future__ import annotations
 
@@ -11,20 +12,11 @@ from typing import Iterable, Optional
 from setdiff_dist.errors import SetdiffError
 from setdiff_dist.paths import sha256_file
 
-FORMAT = "setdiff-ckpt/1"
-LATEST = "latest"
+from .format import LATEST, MANIFEST, UNIVERSAL, checkpoint_root, is_complete, is_step_name
 
 
 class CheckpointError(SetdiffError, ValueError):
     """A checkpoint that cannot be used for this run; the message says what differs."""
-
-
-def checkpoint_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def tag_of(step: int) -> str:
-    return f"step_{step:07d}"
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -37,33 +29,12 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_manifest(path: str) -> dict:
-    """The manifest of the checkpoint directory ``path``, or a CheckpointError that names it."""
-    import json
-
-    file = os.path.join(path, "manifest.json")
-    try:
-        with open(file, encoding="utf-8") as fh:
-            manifest = json.load(fh)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a complete checkpoint (no manifest.json)") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file} is damaged (not JSON: {exc}); resume from an earlier "
-                              "checkpoint") from None
-    missing = [k for k in ("format", "step", "layout") if not isinstance(manifest, dict)
-               or k not in manifest]
-    if missing:
-        raise CheckpointError(f"{file} is damaged or not a checkpoint manifest (no "
-                              f"{', '.join(missing)})")
-    return manifest
-
-
 def prune(root: str, keep_last: int, keep: str) -> None:
     if keep_last <= 0:
         return
     # only checkpoints up to the one just saved: later ones belong to an abandoned run
-    complete = sorted(d for d in os.listdir(root) if d.startswith("step_") and d <= keep
-                      and os.path.isfile(os.path.join(root, d, "manifest.json")))
+    complete = sorted(d for d in os.listdir(root) if is_step_name(d) and d <= keep
+                      and is_complete(os.path.join(root, d)))
     for d in complete[:-keep_last]:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
@@ -133,7 +104,7 @@ def complete_checkpoints(run_dir: str) -> list[str]:
     if not os.path.isdir(root):
         return []
     return [os.path.join(root, d) for d in sorted(os.listdir(root))
-            if d.startswith("step_") and os.path.isfile(os.path.join(root, d, "manifest.json"))]
+            if is_step_name(d) and is_complete(os.path.join(root, d))]
 
 
 def resolve_latest(run_dir: str) -> Optional[str]:
@@ -143,10 +114,26 @@ def resolve_latest(run_dir: str) -> Optional[str]:
     if path is None:
         complete = complete_checkpoints(run_dir)
         return complete[-1] if complete else None
-    if not os.path.isfile(os.path.join(path, "manifest.json")):
+    if not is_complete(path):
         pointer = os.path.join(checkpoint_root(run_dir), LATEST)
         raise CheckpointError(f"{pointer} points at {path}, which is not a complete "
                               "checkpoint; remove the pointer or set resume=never / a path")
+    return path
+
+
+def resume_path(cfg) -> Optional[str]:
+    """The checkpoint directory a run resumes from, per ``cfg.resume``: ``never`` (None),
+    ``auto`` (``latest`` of ``cfg.run_dir``, or None before its first save), or a path (a run,
+    checkpoints or step directory, which must hold a complete checkpoint)."""
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        return resolve_latest(cfg.run_dir)
+    path = step_directory(cfg.resume)
+    if not is_complete(path):
+        raise CheckpointError(f"resume={cfg.resume}: {path} is not a complete checkpoint (no "
+                              f"{MANIFEST}); point at a step_* directory, a checkpoints "
+                              "directory or a run directory")
     return path
 
 
@@ -161,12 +148,12 @@ def checkpoint_files(directory: str) -> list[str]:
     out = []
     for base, dirs, files in os.walk(directory):
         rel = os.path.relpath(base, directory)
-        if rel == "universal" or rel.startswith("universal" + os.sep):
+        if rel == UNIVERSAL or rel.startswith(UNIVERSAL + os.sep):
             dirs[:] = []
             continue
         for f in files:
             path = os.path.normpath(os.path.join(rel, f))
-            if path != "manifest.json" and ".tmp-" not in f:
+            if path != MANIFEST and ".tmp-" not in f:
                 out.append(path)
     return sorted(out)
 
@@ -205,8 +192,8 @@ def damaged(path: str, problems: list[str], reading: bool = False) -> Checkpoint
     """The error for a checkpoint whose files fail their checks: names them and the previous
     complete checkpoint to go back to (``reading``: to read, rather than to resume from)."""
     root, tag = os.path.split(os.path.normpath(path))
-    older = [d for d in sorted(os.listdir(root)) if d.startswith("step_") and d < tag and
-             os.path.isfile(os.path.join(root, d, "manifest.json"))] if os.path.isdir(root) else []
+    older = [d for d in sorted(os.listdir(root)) if is_step_name(d) and d < tag and
+             is_complete(os.path.join(root, d))] if os.path.isdir(root) else []
     if not older:
         hint = "there is no earlier complete checkpoint in this run"
     elif reading:

@@ -95,10 +95,13 @@ class HFFiles:
 
 
 def write_hf(tensors: dict, config: dict, out: str, dtype: str,
-             max_shard_bytes: int = 5 * 2**30) -> list[str]:
+             max_shard_bytes: int = 5 * 2**30, tokenizer=None) -> list[str]:
     """Write an HF checkpoint directory (new or empty): ``config.json`` and safetensors shards
     of at most ``max_shard_bytes`` (one ``model.safetensors`` when everything fits), with
-    ``model.safetensors.index.json`` when there are several. Returns the weight files."""
+    ``model.safetensors.index.json`` when there are several, and ``tokenizer`` (ours: its file,
+    and for a ``tokenizer.json`` the ``tokenizer_config.json`` that transformers' auto classes
+    look for), all through a temporary directory: a failure leaves nothing at ``out``. Returns
+    the weight files."""
     from safetensors.torch import save_file
 
     if os.path.exists(out) and os.listdir(out):
@@ -129,6 +132,11 @@ def write_hf(tensors: dict, config: dict, out: str, dtype: str,
             json.dump(index, fh, indent=2, sort_keys=True)
     with open(os.path.join(tmp, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2, sort_keys=True)
+    if tokenizer is not None and tokenizer.save(tmp) == "tokenizer.json" and \
+            not os.path.isfile(os.path.join(tmp, "tokenizer_config.json")):
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w") as fh:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
+                       "eos_token": getattr(tokenizer, "eos_token", None)}, fh, indent=2)
     if os.path.exists(out):
         os.rmdir(out)
     os.replace(tmp, out)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Optional
 
 import torch
@@ -17,8 +17,10 @@ from setdiff_dist.config import config_from_dict
 from setdiff_dist.data.tokenizers import Tokenizer, load_shipped_tokenizer
 from setdiff_dist.errors import SetdiffError
 
-from .files import damaged, describe_files, file_problems, read_manifest, step_directory
-from .sharding import merge_shards
+from .files import damaged, describe_files, file_problems, step_directory
+from .format import EMA_WEIGHTS, MANIFEST, WEIGHTS, weights_name, weights_part
+from .manifest import read_manifest
+from .sharding import merge_shards, split_shard
 
 EXPORT_FORMAT = "setdiff-export/1"
 VOCAB_ROWS = ("embedding.weight", "output_layer.weight")
@@ -28,7 +30,7 @@ class LoadError(SetdiffError, ValueError):
     """A checkpoint or export that cannot be loaded; the message names what is wrong."""
 
 
-def resolve(path: str, what: str = "--checkpoint") -> tuple[str, str]:
+def locate(path: str, what: str = "--checkpoint") -> tuple[str, str]:
     """``("export" | "checkpoint", directory)`` for a run dir, a checkpoints dir, a step dir or an
     export; errors name the path as ``what`` gave it (a flag, a config key)."""
     sep = "=" if what.endswith(("init_from", "init_from_hf")) else " "
@@ -41,17 +43,17 @@ def resolve(path: str, what: str = "--checkpoint") -> tuple[str, str]:
                         "not a checkpoint: give a training run directory, a checkpoints/step_* "
                         "directory or a setdiff-convert export")
     path = step_directory(path)
-    if not os.path.isfile(os.path.join(path, "manifest.json")):
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
         raise LoadError(f"{path} is neither a setdiff-convert export nor a complete checkpoint "
                         "(no export.json, manifest.json or checkpoints/latest)")
-    if not glob.glob(os.path.join(path, "weights", "*.safetensors")):
+    if not glob.glob(os.path.join(path, WEIGHTS, "*.safetensors")):
         raise LoadError(f"{path} has no weights/ directory (a checkpoint from an older version?)")
     return "checkpoint", path
 
 
 def _is_shard_directory(path: str) -> bool:
     try:
-        with open(os.path.join(path, "manifest.json"), encoding="utf-8") as fh:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as fh:
             return "splits" in json.load(fh)
     except (OSError, ValueError):
         return False
@@ -241,14 +243,60 @@ class TensorSource(Mapping):
         return full[:self._rows] if name in VOCAB_ROWS else full
 
 
-EMA_WEIGHTS = "weights_ema"
+def write_weights(directory: str, tp: int, pp: int, tp_size: int, parts: int, part: int,
+                  entries: list, values: Iterable[torch.Tensor]) -> None:
+    """Write data-parallel share ``part`` (of ``parts``) of the weights of tensor-parallel rank
+    ``tp`` of stage ``pp``: ``entries`` lists every tensor in order as ``(global name, dtype,
+    shape, sharding)`` (sharding: ``{"tensor_parallel", "dim", "stride"}``); ``values`` yields
+    each tensor in that order, on every share's writer (a ZeRO-3 gather inside it is a
+    collective); tensor ``i`` is written by share ``i % parts`` alone, one at a time. Share 0
+    also writes the tensor list (``NAME.json``), which readers take the layout from."""
+    meta = {g: dict(sharding, part=i % parts) for i, (g, _, _, sharding) in enumerate(entries)}
+    os.makedirs(directory, exist_ok=True)
+    writer = StreamingSafetensors(os.path.join(directory, weights_part(tp, pp, part)),
+                                  [(g, dtype, tuple(shape)) for i, (g, dtype, shape, _)
+                                   in enumerate(entries) if i % parts == part])
+    for i, value in enumerate(values):
+        if i % parts == part:
+            writer.write(entries[i][0], value)
+    writer.close()
+    if part == 0:
+        with open(os.path.join(directory, weights_name(tp, pp) + ".json"), "w") as fh:
+            json.dump({"tensor_parallel_size": tp_size, "parts": parts, "tensors": meta}, fh,
+                      indent=1, sort_keys=True)
+
+
+def local_shard(state, name: str, p, shape: list, tp: int, rank: int,
+                what: str) -> torch.Tensor:
+    """Tensor-parallel rank ``rank``'s (of ``tp``) shard of tensor ``name`` of a weights
+    source (any saved layout) for parameter ``p`` (its megatron sharding attributes), whose
+    local shape is ``shape``: only its rows or columns are read; vocabulary tables keep their
+    real rows, padded to this layout's table. Errors name the source as ``what``."""
+    if name not in state:
+        raise LoadError(f"{what}: tensor {name} is missing")
+    split = getattr(p, "tensor_model_parallel", False) and tp > 1
+    dim, stride = getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1)
+    want = list(shape)
+    if getattr(p, "tensor_model_parallel", False):
+        want[dim] *= tp
+    if name in VOCAB_ROWS:  # the real rows, padded to this layout's table
+        full = state[name]
+        if list(full.shape[1:]) != want[1:] or full.shape[0] > want[0]:
+            raise LoadError(f"{what}: tensor {name} has shape {tuple(full.shape)}, this model "
+                            f"{tuple(want)}")
+        full = torch.cat([full, full.new_zeros(want[0] - full.shape[0], *full.shape[1:])])
+        return split_shard(full, rank, tp, dim, stride) if split else full
+    if state.shape(name) != want:
+        raise LoadError(f"{what}: tensor {name} has shape {tuple(state.shape(name))}, this model "
+                        f"{tuple(want)}")
+    return state.shard(name, rank, tp, dim, stride) if split else state[name]
 
 
 def weights_dir(directory: str, raw: bool) -> str:
     """Which weights of a checkpoint to read: the EMA (``weights_ema/``, when the run kept one)
     unless ``raw``, else the raw weights (``weights/``)."""
     ema = os.path.join(directory, EMA_WEIGHTS)
-    return "weights" if raw or not os.path.isdir(ema) else EMA_WEIGHTS
+    return WEIGHTS if raw or not os.path.isdir(ema) else EMA_WEIGHTS
 
 
 def _export_meta(directory: str) -> dict:
@@ -273,7 +321,7 @@ def weight_files(path: str, raw: bool = False, which: Optional[str] = None,
     checkpoint's manifest, an export's ``export.json``; an export written before exports
     listed their files has an empty table). The config and the tokenizer are text a user may
     edit (an export relabelled, decoding defaults): their readers check them."""
-    kind, directory = resolve(path, what)
+    kind, directory = locate(path, what)
     if kind == "export":
         table = _export_meta(directory).get("files", {})
         return kind, directory, table, sorted(n for n in table if n == "model.safetensors")
@@ -324,7 +372,7 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
     then complete and holding the tensors its list names. Errors name ``path`` as ``what``
     gave it."""
     check_weight_files(path, raw, which, checksums, group, what)
-    kind, directory = resolve(path, what)
+    kind, directory = locate(path, what)
     cfg = _config_of(directory)
     rows = cfg.model.vocab_size + 1
     if kind == "export":
@@ -341,7 +389,7 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
     files: dict[str, list] = {}
     for pp in range(layout["pipeline"]):
         for tp in range(layout["tensor"]):
-            base = os.path.join(directory, sub, f"tp{tp:02d}_pp{pp:02d}")
+            base = os.path.join(directory, sub, weights_name(tp, pp))
             if not os.path.isfile(base + ".json"):
                 raise LoadError(f"{base}.json is missing: the checkpoint is incomplete")
             try:
@@ -352,7 +400,7 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
                 raise LoadError(f"{base}.json is damaged (not the tensor list of a weights "
                                 "file)") from None
             for part in range(parts):  # one file per data-parallel rank that wrote a part
-                file = base + (f"_part{part:02d}" if part else "") + ".safetensors"
+                file = os.path.join(directory, sub, weights_part(tp, pp, part))
                 if not os.path.isfile(file):
                     raise LoadError(f"{file} is missing: the checkpoint is incomplete")
                 names = tensor_names(file)
@@ -374,7 +422,7 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
                 len(by_tp) != layout["tensor"]:
             absent = sorted(set(range(layout["tensor"])) - set(by_tp))
             raise LoadError(f"tensor {name}: the slice of TP rank {absent[0]} is missing "
-                            f"(weights/tp{absent[0]:02d}_pp*.safetensors)")
+                            f"({sub}/{weights_name(absent[0], 0).split('_')[0]}_pp*.safetensors)")
     files = {name: [by_tp[tp] for tp in sorted(by_tp)] for name, by_tp in files.items()}
     return TensorSource(files, rows), cfg, _tokenizer_of(directory, manifest["tokenizer"]), \
         directory
@@ -383,7 +431,7 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
 def provenance(path: str, raw: bool = False) -> dict:
     """``{"checkpoint": directory, "step": training step or None, "weights": "ema" | "raw"}``
     of a checkpoint or export, for results to say what they measured."""
-    kind, directory = resolve(path)
+    kind, directory = locate(path)
     if kind == "checkpoint":
         which = "ema" if weights_dir(directory, raw) == EMA_WEIGHTS else "raw"
         return {"checkpoint": os.path.abspath(directory),

@@ -236,7 +236,8 @@ def _newer_checkpoints(resume: str, existing: list[str]) -> list[str]:
     """The complete checkpoints of ``existing`` past the step ``resume`` points at (which a run
     resumed from it would overwrite as it saves); [] when it cannot tell (the trainer then
     says what is wrong with ``resume``)."""
-    from setdiff_dist.checkpoint.files import CheckpointError, read_manifest, step_directory
+    from setdiff_dist.checkpoint.files import CheckpointError, step_directory
+    from setdiff_dist.checkpoint.manifest import read_manifest
 
     try:
         step = read_manifest(step_directory(resume))["step"]
@@ -253,7 +254,13 @@ def _clean_leftovers(run_dir: str) -> None:
     optimizer state), temporary ``latest`` files. Says what it removed."""
     import shutil
 
-    from setdiff_dist.checkpoint.files import LATEST, checkpoint_root
+    from setdiff_dist.checkpoint.format import (
+        LATEST,
+        UNIVERSAL,
+        checkpoint_root,
+        is_complete,
+        is_step_name,
+    )
 
     root = checkpoint_root(run_dir)
     if not os.path.isdir(root):
@@ -261,12 +268,12 @@ def _clean_leftovers(run_dir: str) -> None:
     removed = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if name.startswith("step_") and os.path.isdir(path):
-            if not os.path.isfile(os.path.join(path, "manifest.json")):
+        if is_step_name(name) and os.path.isdir(path):
+            if not is_complete(path):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(f"{name} (an incomplete save)")
                 continue
-            for junk in ("universal.tmp", "latest_universal"):
+            for junk in (f"{UNIVERSAL}.tmp", "latest_universal"):  # (the latter: DeepSpeed's)
                 where = os.path.join(path, junk)
                 if os.path.exists(where):
                     shutil.rmtree(where) if os.path.isdir(where) else os.remove(where)
@@ -296,8 +303,8 @@ def run(cfg, force: bool = False) -> int:
 
     import torch.distributed as dist
 
+    from setdiff_dist.checkpoint.files import CheckpointError, resolve_latest
     from setdiff_dist.parallel import init_distributed
-    from setdiff_dist.train.checkpoint import CheckpointError, resolve_latest
     from setdiff_dist.train.loop import Trainer
 
     init_distributed(cfg.parallel.backend)  # idempotent; rank 0 is known before any error

@@ -68,8 +68,7 @@ class LeanTransformer(nn.Module):
     def __init__(self, model_cfg, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
         super().__init__()
         m = model_cfg
-        if m.num_attention_heads % tp_size or (m.num_query_groups or m.num_attention_heads) \
-                % tp_size:
+        if m.num_attention_heads % tp_size or m.num_query_groups % tp_size:
             raise LeanError(f"tensor-parallel size {tp_size} must divide the attention heads "
                             f"({m.num_attention_heads}) and key/value groups")
         self.model_cfg = m
@@ -77,8 +76,8 @@ class LeanTransformer(nn.Module):
         self.mask_id = m.vocab_size
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.heads = m.num_attention_heads // tp_size
-        self.groups = (m.num_query_groups or m.num_attention_heads) // tp_size
-        self.head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+        self.groups = m.num_query_groups // tp_size
+        self.head_dim = m.head_dim
         self.gated = m.activation == "swiglu"
         self.rms = m.normalization == "rmsnorm"
         self.eps = m.norm_epsilon
@@ -139,8 +138,7 @@ class LeanTransformer(nn.Module):
 
     def _load(self, state, pack: bool = False, device=None, dtype=None):
         m, h, d = self.model_cfg, self.model_cfg.hidden_size, self.head_dim
-        heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
-        ffn = m.ffn_hidden_size or 4 * h
+        heads, groups, ffn = m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
         rows = m.vocab_size + 1
         used = set()
 

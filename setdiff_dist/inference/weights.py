@@ -13,9 +13,9 @@ import torch
 
 from setdiff_dist.checkpoint.weights import (
     LoadError,
+    locate,
     open_weights,
     read_full_state_dict,
-    resolve,
     write_export,
 )
 
@@ -48,7 +48,7 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
 
     # tensors are read one at a time, as needed; the EMA of the weights unless ``raw``; the
     # ranks of a tensor-parallel model share the checksums of the files
-    resolve(path)  # (a wrong path is said before any process group is set up)
+    locate(path)  # (a wrong path is said before any process group is set up)
     if not ps.model_parallel_is_initialized() or \
             ps.get_tensor_model_parallel_world_size() != tensor:
         initialize_model_parallel(tensor=tensor, seed=0)

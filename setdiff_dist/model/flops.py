@@ -36,9 +36,7 @@ class ParamCount:
 def _layer(m):
     """(hidden, head_dim, heads, matmul params of one layer, norm params of one layer)."""
     h, heads = m.hidden_size, m.num_attention_heads
-    d = getattr(m, "head_dim", None) or h // heads
-    groups = m.num_query_groups or heads
-    ffn = m.ffn_hidden_size or 4 * h
+    d, groups, ffn = m.head_dim, m.num_query_groups, m.ffn_hidden_size
     per_norm = 2 if m.normalization == "layernorm" else 1  # LayerNorm adds a bias
     attn = h * heads * d + 2 * h * groups * d + heads * d * h
     mlp = (3 if m.activation == "swiglu" else 2) * h * ffn

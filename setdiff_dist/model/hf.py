@@ -149,12 +149,6 @@ def architecture_differences(model_cfg, hf_model_cfg) -> list[str]:
     out = []
     for key in ARCH_KEYS:
         mine, theirs = getattr(model_cfg, key), getattr(hf_model_cfg, key)
-        if key == "num_query_groups":
-            mine = mine or model_cfg.num_attention_heads
-        if key == "head_dim":
-            mine = mine or model_cfg.hidden_size // model_cfg.num_attention_heads
-        if key == "ffn_hidden_size":
-            mine = mine or 4 * model_cfg.hidden_size
         used = {"rope_scaling_factor": ("linear", "llama3"), "rope_low_freq_factor": ("llama3",),
                 "rope_high_freq_factor": ("llama3",), "rope_original_max_positions": ("llama3",)}
         if key in used and hf_model_cfg.rope_scaling == model_cfg.rope_scaling and \
@@ -385,10 +379,8 @@ def build_model_from_hf(model_cfg, config, directory: str):
 def hf_tensors(state: dict, model_cfg) -> dict[str, torch.Tensor]:
     """Full tensors by our global names -> HF names and layout ([MASK] and padding dropped)."""
     m = model_cfg
-    V, d, H = m.vocab_size, m.head_dim or m.hidden_size // m.num_attention_heads, \
-        m.num_attention_heads
-    G = m.num_query_groups or H
-    f = m.ffn_hidden_size or 4 * m.hidden_size
+    V, d, H, G, f = m.vocab_size, m.head_dim, m.num_attention_heads, m.num_query_groups, \
+        m.ffn_hidden_size
     out = {"model.embed_tokens.weight": state["embedding.weight"][:V],
            "model.norm.weight": state["decoder.final_layernorm.weight"]}
     if not m.tie_embeddings:
@@ -425,10 +417,10 @@ def hf_config(model_cfg, template: Optional[dict] = None, dtype: str = "float32"
         out = {}  # the template is of another architecture: start afresh
     out.update({"architectures": [arch], "model_type": ARCHITECTURES[arch],
                 "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
-                "intermediate_size": m.ffn_hidden_size or 4 * m.hidden_size,
+                "intermediate_size": m.ffn_hidden_size,
                 "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
-                "num_key_value_heads": m.num_query_groups or m.num_attention_heads,
-                "head_dim": m.head_dim or m.hidden_size // m.num_attention_heads,
+                "num_key_value_heads": m.num_query_groups,
+                "head_dim": m.head_dim,
                 "hidden_act": "silu", "rms_norm_eps": m.norm_epsilon,
                 "tie_word_embeddings": m.tie_embeddings, "attention_bias": False})
     out.setdefault("max_position_embeddings", max_positions)
@@ -459,8 +451,6 @@ def template_dtype(template: Optional[dict]) -> str:
     return dtype if dtype in DTYPES else "float32"
 
 
-
-
 def export_hf(path: str, out: str, dtype: Optional[str] = None,
               template_dir: Optional[str] = None, max_shard_bytes: int = 5 * 2**30,
               raw: bool = False) -> dict:
@@ -488,13 +478,8 @@ def export_hf(path: str, out: str, dtype: Optional[str] = None,
     dtype = dtype or template_dtype(template)
     config = hf_config(cfg.model, template, dtype, max_positions=cfg.data.seq_len,
                        eos_id=tok.eos_id)
-    files = write_hf(hf_tensors(state, cfg.model), config, out, dtype, max_shard_bytes)
-    tok_file = tok.save(out)
-    if tok_file == "tokenizer.json" and not os.path.isfile(os.path.join(out,
-                                                                      "tokenizer_config.json")):
-        with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
-            json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
-                       "eos_token": getattr(tok, "eos_token", None)}, fh, indent=2)
+    files = write_hf(hf_tensors(state, cfg.model), config, out, dtype, max_shard_bytes,
+                     tokenizer=tok)
     return {"source": os.path.abspath(src), "architecture": config["architectures"][0],
             "dtype": dtype, "files": files,
             "parameters": int(sum(v.numel() for v in state.values()))}

@@ -60,3 +60,21 @@ class EMA:
             held[:part.numel()].copy_(part)
         else:
             held.copy_(flat.view_as(held))
+
+
+def load_ema(ema: EMA, model, path: str) -> bool:
+    """Set ``ema`` from the checkpoint's ``weights_ema/`` (saved in any layout); False when
+    the checkpoint kept none."""
+    import os
+
+    from setdiff_dist.checkpoint.format import EMA_WEIGHTS
+    from setdiff_dist.checkpoint.weights import open_weights
+    from setdiff_dist.model.load import local_tensors
+
+    if not os.path.isdir(os.path.join(path, EMA_WEIGHTS)):
+        return False
+    state = open_weights(path, which=EMA_WEIGHTS, checksums=False)[0]  # (verified at resume)
+    for name, _, local in local_tensors(model, state, f"the EMA of {path}",
+                                        shape_of=lambda p: getattr(p, "ds_shape", p.shape)):
+        ema.load(name, local)
+    return True

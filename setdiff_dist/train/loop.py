@@ -22,19 +22,22 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from setdiff_dist.checkpoint.files import resume_path
+from setdiff_dist.checkpoint.manifest import check_resume, saved_config
 from setdiff_dist.data.blend import Blend
 from setdiff_dist.data.loader import Batch, TokenLoader, fixed_batches
 from setdiff_dist.data.shards import ShardSet
 from setdiff_dist.data.tokenizers import load_shipped_tokenizer, load_tokenizer
 from setdiff_dist.errors import Diverged, TrainingError
 from setdiff_dist.model.flops import training_flops_per_token
+from setdiff_dist.model.load import init_from_weights
 from setdiff_dist.model.pipeline import forward_backward
 from setdiff_dist.model.transformer import build_model, transformer_config
 from setdiff_dist.objective import Objective
 from setdiff_dist.parallel import initialize_model_parallel
 
 from . import checkpoint
-from .ema import EMA
+from .ema import EMA, load_ema
 from .engine import (
     build_engine,
     check_precision,
@@ -91,7 +94,7 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         self.train_set, self.valid_set, self.tokenizer = open_data(cfg)
-        self.resume_path = checkpoint.resolve(cfg)  # None: a fresh run
+        self.resume_path = resume_path(cfg)  # None: a fresh run
         self._check_resume()  # before any model is built: a refusal costs seconds, not minutes
         config = transformer_config(cfg.model, par.tensor, par.pipeline,
                                     sequence_parallel=par.sequence_parallel,
@@ -135,7 +138,7 @@ class Trainer:
                 from setdiff_dist.checkpoint.weights import LoadError
 
                 try:
-                    checkpoint.init_from_weights(model, self.cfg, source, gathered)
+                    init_from_weights(model, self.cfg, source, gathered)
                 except LoadError as exc:
                     raise TrainingError(str(exc)) from None
                 if self.rank == 0:
@@ -154,9 +157,9 @@ class Trainer:
     def _check_resume(self) -> None:
         """Refuse, before building anything, a checkpoint this run cannot go on from."""
         if self.resume_path is not None:
-            checkpoint.check_resume(self.resume_path, self.cfg, self.tokenizer_identity,
-                                    checkpoint.layout(), self.loader(0).state_dict(),
-                                    say=self.rank == 0)
+            check_resume(self.resume_path, self.cfg, self.tokenizer_identity,
+                         checkpoint.layout(), self.loader(0).state_dict(),
+                         say=self.rank == 0, group=dist.group.WORLD)
 
     def _resume(self):
         path = self.resume_path
@@ -170,7 +173,7 @@ class Trainer:
         self.skipped_steps = state["nonfinite_skipped_steps"]
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.loader(0).load_state_dict(state["loader"])  # same data stream, or a clear error
-        if self.ema is not None and not checkpoint.load_ema(self.ema, self.engine.module, path):
+        if self.ema is not None and not load_ema(self.ema, self.engine.module, path):
             self.ema = EMA(self.engine.module, self.cfg.train.ema_decay)  # from these weights
             if self.rank == 0:
                 print(f"note: {path} kept no EMA of the weights; it starts from them now",
@@ -183,7 +186,7 @@ class Trainer:
         checkpoint hold the old one's); a changed schedule is said in one line."""
         old_lr = self.engine.lr_scheduler.get_last_lr()[0]
         new_lr = follow_schedule(self.engine.lr_scheduler, self.cfg, self.step)[0]
-        changes = schedule_changes(checkpoint.saved_config(path), self.cfg)
+        changes = schedule_changes(saved_config(path), self.cfg)
         if changes and self.rank == 0:
             print(f"note: the optimizer settings differ from {path}'s ({'; '.join(changes)}): "
                   f"from step {self.step + 1} on they are this run's, LR {old_lr:.4g} -> "

@@ -165,9 +165,7 @@ def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
     tokens = d.micro_batch_size * seq // cp  # (a context-parallel rank's share)
     h = m.hidden_size
     heads = m.num_attention_heads
-    groups = m.num_query_groups or heads
-    dh = m.head_dim or h // heads
-    ffn = m.ffn_hidden_size or 4 * h
+    groups, dh, ffn = m.num_query_groups, m.head_dim, m.ffn_hidden_size
     q, kv = heads * dh, groups * dh
     sp = tp if par.sequence_parallel else 1   # norms and residuals split over TP with SP
     per_layer = (

@@ -1,0 +1,62 @@
+"""The names and layout of a run's checkpoints, in one place: every writer and reader of a step
+directory takes its file names from here.
+
+``run_dir/checkpoints/step_NNNNNNN/`` (format ``setdiff-ckpt/1``) holds
+- DeepSpeed's files (model states per model-parallel rank, optimizer states per data-parallel
+  rank, the LR scheduler, our client state), named by DeepSpeed;
+- ``weights/tpTT_ppPP.safetensors`` (+ ``tpTT_ppPP.json``, the tensor list and sharding, and
+  ``tpTT_ppPP_partRR.safetensors`` for data-parallel rank ``RR``'s share) and the same under
+  ``weights_ema/`` when the run keeps an EMA: each model-parallel rank's weights under their
+  global names, readable in any layout without unpickling anything;
+- ``rng_rank{r}.pt`` per rank, the tokenizer file, ``config.yaml`` and ``manifest.json``
+  (written last: its presence makes the checkpoint complete);
+- ``universal/``: DeepSpeed's universal form, derived on a resume at another data-parallel size.
+
+``run_dir/checkpoints/latest`` names the newest complete step directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+FORMAT = "setdiff-ckpt/1"
+LATEST = "latest"
+MANIFEST = "manifest.json"
+CONFIG = "config.yaml"
+WEIGHTS = "weights"
+EMA_WEIGHTS = "weights_ema"
+UNIVERSAL = "universal"
+
+
+def checkpoint_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def tag_of(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def is_step_name(name: str) -> bool:
+    return name.startswith("step_")
+
+
+def is_complete(path: str) -> bool:
+    """Whether the step directory ``path`` holds a whole checkpoint (its manifest is written
+    last)."""
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def rng_file(rank: int) -> str:
+    """Rank ``rank``'s RNG states (torch, megatron's tracker, CUDA)."""
+    return f"rng_rank{rank}.pt"
+
+
+def weights_name(tp: int, pp: int) -> str:
+    """The weights of tensor-parallel rank ``tp`` of pipeline stage ``pp``: ``NAME.json``
+    lists them; ``NAME.safetensors`` and ``NAME_partRR.safetensors`` hold them."""
+    return f"tp{tp:02d}_pp{pp:02d}"
+
+
+def weights_part(tp: int, pp: int, part: int) -> str:
+    """The file data-parallel share ``part`` of :func:`weights_name`'s tensors is written to."""
+    return weights_name(tp, pp) + (f"_part{part:02d}" if part else "") + ".safetensors"

@@ -1,0 +1,226 @@
+"""A checkpoint's manifest, written and read here, and every check that decides from it, before
+any model is built, whether a run may go on from the checkpoint: the architecture, layout,
+order, seed, sequence length, tokenizer and data stream against the run's; every file against
+its size and SHA-256; no pickled code. Pure functions of their inputs (the run's config, its
+layout as a dict, its data stream's state): no model, no DeepSpeed, and a process group only
+when one is given to share the hashing."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from setdiff_dist.config import resolved_model
+
+from .files import CheckpointError, checkpoint_root, damaged, file_problems, pointed
+from .format import CONFIG, FORMAT, LATEST, MANIFEST
+
+# the classes DeepSpeed pickles into its checkpoint files beside tensors and containers (found
+# with ``torch.serialization.get_unsafe_globals_in_checkpoint`` on ZeRO 0-3, fp32 and bf16
+# checkpoints): plain records, safe to rebuild. ``train.checkpoint.no_unpickling`` imports them
+PICKLED_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                   "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                   "deepspeed.runtime.zero.config.ZeroStageEnum",
+                   "deepspeed.utils.tensor_fragment.fragment_address")
+
+# model keys a run may change against its checkpoint: kernels and dropout
+RUN_FREE = ("attention_backend", "attention_dropout", "hidden_dropout")
+
+
+def build_manifest(step: int, layout: dict, cfg, tokenizer_identity: dict, files: dict,
+                   data: Optional[dict] = None) -> dict:
+    """The manifest of a checkpoint of ``cfg``'s run at ``step``, saved in ``layout``, with its
+    ``files`` (``{name: {"bytes", "sha256"}}``) and its data stream's identity ``data``."""
+    saved = cfg.to_dict()
+    manifest = {"format": FORMAT, "step": step, "layout": layout,
+                "zero_stage": cfg.zero.stage, "model": saved["model"], "order": saved["order"],
+                "seq_len": cfg.data.seq_len, "seed": cfg.train.seed,
+                "tokenizer": tokenizer_identity, "files": dict(sorted(files.items()))}
+    if data is not None:
+        manifest["data"] = data
+    return manifest
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of the checkpoint directory ``path``, or a CheckpointError that names it."""
+    file = os.path.join(path, MANIFEST)
+    try:
+        with open(file, encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST})") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is damaged (not JSON: {exc}); resume from an earlier "
+                              "checkpoint") from None
+    missing = [k for k in ("format", "step", "layout") if not isinstance(manifest, dict)
+               or k not in manifest]
+    if missing:
+        raise CheckpointError(f"{file} is damaged or not a checkpoint manifest (no "
+                              f"{', '.join(missing)})")
+    return manifest
+
+
+def saved_config(path: str) -> dict:
+    """The config a checkpoint was saved with, as a dict (``{}`` when it has none)."""
+    import yaml
+
+    try:
+        with open(os.path.join(path, CONFIG)) as fh:
+            saved = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def model_differences(here: dict, there: dict, free=RUN_FREE) -> list[str]:
+    """``model.*`` keys that differ between this run (``here``) and a checkpoint (``there``),
+    outside ``free``, as lines of a refusal."""
+    return [f"model.{k}: checkpoint {there.get(k)!r}, this run {here.get(k)!r}"
+            for k in sorted(set(here) | set(there))
+            if k not in free and here.get(k) != there.get(k)]
+
+
+def layout_differences(saved: dict, here: dict, zero_saved: int, zero_here: int,
+                       path: str) -> list[str]:
+    """Why a checkpoint saved in layout ``saved`` (ZeRO stage ``zero_saved``) cannot resume in
+    ``here`` (``zero_here``), as lines of a refusal: none when DeepSpeed can re-partition it."""
+    diffs = []
+    config = os.path.join(path, CONFIG)
+    if saved.get("context", 1) != here["context"]:
+        diffs.append(f"parallel.context: checkpoint {saved.get('context', 1)}, this run "
+                     f"{here['context']} (a checkpoint resumes at its own context-parallel size; "
+                     "to go on from its weights with a fresh optimizer: setdiff-train --config "
+                     f"{config} run_dir=NEW_RUN_DIR "
+                     f"checkpoint.init_from={path} parallel.context={here['context']} ...)")
+    if saved["pipeline"] != here["pipeline"]:
+        diffs.append(f"parallel.pipeline: checkpoint {saved['pipeline']}, this run "
+                     f"{here['pipeline']} (stages name their layers locally: a checkpoint "
+                     "resumes at its own pipeline size; to go on from its weights at "
+                     f"pipeline size {here['pipeline']}, with a fresh optimizer: setdiff-train "
+                     f"--config {config} run_dir=NEW_RUN_DIR "
+                     f"checkpoint.init_from={path} parallel.pipeline={here['pipeline']} ...)")
+    elif here["pipeline"] > 1:
+        for key, name in (("tensor", "parallel.tensor"), ("data", "data-parallel size")):
+            if saved[key] != here[key]:
+                diffs.append(f"{name}: checkpoint {saved[key]}, this run {here[key]} (with "
+                             "pipeline parallelism a checkpoint resumes in its own layout)")
+    elif zero_saved == zero_here == 0 and (saved["tensor"], saved["data"]) != \
+            (here["tensor"], here["data"]):
+        diffs.append(f"parallel.tensor x data-parallel size: checkpoint {saved['tensor']} x "
+                     f"{saved['data']}, this run {here['tensor']} x {here['data']} (zero.stage=0 "
+                     "has no ZeRO state to re-partition; ZeRO 1-3 checkpoints can change it)")
+    elif zero_here == 3 and saved["tensor"] != here["tensor"]:
+        diffs.append(f"parallel.tensor: checkpoint {saved['tensor']}, this run {here['tensor']} "
+                     "(DeepSpeed re-slices ZeRO-3 state for another data-parallel size only; "
+                     "ZeRO-1/2 checkpoints can change the tensor-parallel size too)")
+    if zero_saved != zero_here:
+        diffs.append(f"zero.stage: checkpoint {zero_saved}, this run {zero_here}")
+    return diffs
+
+
+def check_compatible(manifest: dict, path: str, cfg, tokenizer_identity: dict,
+                     here: dict) -> dict:
+    """``manifest`` (of the checkpoint at ``path``), or a CheckpointError listing every
+    difference with this run: ``cfg``, its tokenizer, its layout ``here`` (``{"tensor",
+    "pipeline", "data", "world", "context"}``)."""
+    m = manifest
+    if m.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
+    # a key added after the checkpoint was written has its default there (e.g. model.head_dim),
+    # a width saved as null the value it stood for
+    diffs = model_differences(cfg.to_dict()["model"], resolved_model(m["model"]))
+    diffs += layout_differences(m["layout"], here, m["zero_stage"], cfg.zero.stage, path)
+    # the order schedule and the seed define what the run learns: another one is another run
+    order = cfg.to_dict()["order"]
+    for key in sorted(set(order) | set(m.get("order", {}))):
+        if key != "eval_seed" and key in m.get("order", {}) and m["order"][key] != order.get(key):
+            diffs.append(f"order.{key}: checkpoint {m['order'][key]!r}, this run "
+                         f"{order.get(key)!r}")
+    if "seed" in m and m["seed"] != cfg.train.seed:
+        diffs.append(f"train.seed: checkpoint {m['seed']}, this run {cfg.train.seed}")
+    if m["seq_len"] != cfg.data.seq_len:
+        diffs.append(f"data.seq_len: checkpoint {m['seq_len']}, this run {cfg.data.seq_len}")
+    if m["tokenizer"]["sha256"] != tokenizer_identity["sha256"]:
+        diffs.append(f"tokenizer: checkpoint {m['tokenizer']['spec']!r}, this run "
+                     f"{tokenizer_identity['spec']!r}")
+    if diffs:
+        raise CheckpointError(f"cannot resume from {path}; it differs from this run:\n  - "
+                              + "\n  - ".join(diffs)
+                              + "\n(to change the model, start a new run_dir)")
+    return m
+
+
+def verify(path: str, manifest: dict, hashes: bool = True, group=None) -> None:
+    """Check every file of the checkpoint against its manifest (size, and SHA-256 with
+    ``hashes``); the ranks of ``group`` (a torch.distributed group whose ranks all call this)
+    share the work and raise the same :class:`CheckpointError`, naming the damaged files and
+    the checkpoint to go back to. A checkpoint written before the manifest listed its files
+    passes unchecked."""
+    table = manifest.get("files")
+    if table is None:
+        return
+    rank, world = 0, 1
+    if group is not None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    problems = file_problems(path, table, sorted(table)[rank::world], hashes)
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, problems, group=group)
+        problems = sorted(p for mine in every for p in mine)
+    if problems:
+        raise damaged(path, problems)
+
+
+def check_no_code(path: str) -> None:
+    """Refuse a checkpoint any of whose pickled files (``*.pt``, the universal form's too)
+    names a class or function beyond tensors, containers and :data:`PICKLED_GLOBALS`: read
+    from the pickle's opcodes, nothing executed, the same verdict on every rank."""
+    import glob
+
+    import torch
+
+    for file in sorted(glob.glob(os.path.join(path, "**", "*.pt"), recursive=True)):
+        try:
+            found = set(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+        except Exception as exc:
+            raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc}); it is "
+                                  "damaged: resume from an earlier checkpoint") from None
+        unsafe = sorted(found - set(PICKLED_GLOBALS))
+        if unsafe:
+            raise CheckpointError(f"{file} would run code when loaded ({', '.join(unsafe[:3])}"
+                                  f"{' ...' if len(unsafe) > 3 else ''}): refused, nothing from "
+                                  "it was run; resume from a checkpoint you trust")
+
+
+def check_resume(path: str, cfg, tokenizer_identity: dict, here: dict, stream: dict,
+                 say: bool = True, group=None) -> dict:
+    """Everything that decides, before any model is built, whether this run (``cfg``, its
+    tokenizer, its ``here`` layout, its data ``stream``: a loader's state) can go on from the
+    checkpoint at ``path``: the manifest against the run, the data stream, every file's size and
+    checksum, and no pickled code. Returns the manifest or raises a :class:`CheckpointError`
+    (or the data's ShardError) naming what differs. ``say``: print the notes (rank 0);
+    ``group``: the ranks that share the hashing (see :func:`verify`)."""
+    from setdiff_dist.data.loader import check_stream
+
+    root = checkpoint_root(cfg.run_dir)
+    if say and cfg.resume == "auto" and pointed(root) is None:
+        print(f"note: {root}/{LATEST} is missing; resuming from the newest complete "
+              f"checkpoint, {path}", flush=True)
+    ck = cfg.checkpoint
+    for key, source in (("init_from", ck.init_from), ("init_from_hf", ck.init_from_hf)):
+        if source and say:
+            print(f"note: resuming from {path}; checkpoint.{key}={source} only starts a "
+                  "new run and is not used (give a new run_dir to start from it)", flush=True)
+    manifest = check_compatible(read_manifest(path), path, cfg, tokenizer_identity, here)
+    if manifest["step"] > cfg.train.steps:
+        raise CheckpointError(f"{path} is at step {manifest['step']}, past train.steps="
+                              f"{cfg.train.steps}: raise train.steps to train on, or give a new "
+                              "run_dir (resume=never) to start over")
+    if "data" in manifest:  # (the same data stream: checked again when it is loaded)
+        check_stream(manifest["data"], stream)
+    verify(path, manifest, cfg.checkpoint.checksums, group)
+    check_no_code(path)  # (DeepSpeed's files are pickles)
+    return manifest
