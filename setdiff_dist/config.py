@@ -22,10 +22,9 @@ from typing import Any, Optional
 
 import yaml
 
+from setdiff_dist.diffusion.kinds import order_kinds, order_of
 from setdiff_dist.errors import SetdiffError
 
-ORDER_KINDS = ("causal", "autoregressive", "masked", "block", "staggered")
-SINGLETON_ORDER_KINDS = ("autoregressive", "staggered")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "te", "permuted_causal")
 
 
@@ -81,8 +80,9 @@ class ModelConfig:
 
 @dataclass
 class OrderConfig:
-    kind: str = _f("staggered", "order schedule: causal (plain GPT baseline), autoregressive, "
-                   "masked (MDLM), block (BD3LM), staggered (SetDLM)", choices=ORDER_KINDS)
+    kind: str = _f("staggered", "order schedule, one module each in setdiff_dist/diffusion/kinds/: "
+                   "causal (plain GPT baseline), autoregressive, masked (MDLM), block (BD3LM), "
+                   "staggered (SetDLM), ...", choices=order_kinds())
     mean_set_size: float = _f(4.0, "staggered: target mean set size D", min=1.0)
     max_set_size: Optional[float] = _f(None, "staggered: maximum set size S_max; null = 2 * D",
                                        min=1.0)
@@ -570,12 +570,12 @@ def resolve_attention_backend(cfg: Config) -> None:
       micro-batch), ``sdpa`` with the dense boolean mask on a CPU;
     - with attention dropout, which only ``sdpa`` has: ``sdpa``."""
     m = cfg.model
-    if m.attention_backend != "auto":
-        return
-    kind = cfg.order.kind
-    if kind == "causal" or m.attention_dropout > 0:
+    if m.attention_backend != "auto" or cfg.order.kind not in order_kinds():
+        return  # (an unknown kind is reported as such)
+    order = order_of(cfg.order)
+    if order.causal_lm or m.attention_dropout > 0:
         m.attention_backend = "sdpa"
-    elif kind in SINGLETON_ORDER_KINDS:
+    elif order.singleton:
         m.attention_backend = "permuted_causal"
     elif cfg.parallel.context > 1:  # (flex has no context parallelism)
         m.attention_backend = "sdpa"
@@ -663,7 +663,10 @@ def validate(cfg: Config) -> list[str]:
                                        if par.virtual_pipeline else ""))
     if par.sequence_parallel and par.tensor == 1:
         p.append("parallel.sequence_parallel=true needs parallel.tensor > 1")
-    model_len, which = (L, "L") if o.kind == "causal" else (2 * L, "2L")
+    # (an unknown kind is reported by its field; the rest is checked as for the default's)
+    order = order_of(o.kind if o.kind in order_kinds() else OrderConfig.kind)
+    model_len = order.model_len(L)
+    which = "L" if model_len == L else "2L"
     if par.sequence_parallel and par.tensor > 1 and model_len % par.tensor:
         p.append(f"parallel.sequence_parallel=true splits the model's sequence ({which} = "
                  f"{model_len} tokens) over parallel.tensor={par.tensor} ranks: it must divide "
@@ -675,23 +678,8 @@ def validate(cfg: Config) -> list[str]:
                  "schedule is not wired into the trainer yet (it needs one model chunk and one "
                  "data iterator per virtual stage); leave it unset (plain 1F1B)")
 
-    if o.kind == "staggered":
-        if o.mean_set_size > L:
-            p.append(f"order.mean_set_size={o.mean_set_size:g} is larger than data.seq_len={L}: "
-                     "a set cannot hold more tokens than the sequence")
-        if o.max_set_size is not None and o.max_set_size < o.mean_set_size:
-            p.append(f"order.max_set_size={o.max_set_size:g} is below "
-                     f"order.mean_set_size={o.mean_set_size:g}")
-    if o.kind == "block":
-        if o.block_size > L or L % o.block_size:
-            p.append(f"order.block_size={o.block_size} must divide data.seq_len={L}")
-    if o.kind in ("block", "masked") and o.t_min >= o.t_max:
-        p.append(f"order.t_min={o.t_min} must be below order.t_max={o.t_max}")
+    p += order.problems(cfg)
     if par.context > 1:
-        if o.kind == "causal":
-            p.append(f"parallel.context={par.context} with order.kind=causal: context "
-                     "parallelism serves the set-diffusion orders; train the causal baseline "
-                     "with parallel.context=1")
         if m.attention_backend not in ("sdpa", "permuted_causal"):
             p.append(f"parallel.context={par.context} with model.attention_backend="
                      f"{m.attention_backend}: context parallelism runs on sdpa or "
@@ -699,9 +687,10 @@ def validate(cfg: Config) -> list[str]:
         if L % (2 * par.context):
             p.append(f"parallel.context={par.context}: data.seq_len={L} must be a multiple of "
                      f"{2 * par.context} (the zigzag split: 2 x parallel.context equal chunks)")
-    if m.attention_backend == "permuted_causal" and o.kind not in SINGLETON_ORDER_KINDS:
+    if m.attention_backend == "permuted_causal" and (order.causal_lm or not order.singleton):
+        singleton = tuple(k for k in order_kinds() if order_of(k).singleton)
         p.append(f"model.attention_backend=permuted_causal needs singleton sets, i.e. "
-                 f"order.kind in {SINGLETON_ORDER_KINDS}, not {o.kind!r}; use sdpa or flex")
+                 f"order.kind in {singleton}, not {o.kind!r}; use sdpa or flex")
 
     if cfg.zero.stage >= 2 and par.pipeline > 1:
         p.append(f"zero.stage={cfg.zero.stage} with parallel.pipeline={par.pipeline}: DeepSpeed "

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from setdiff_dist.diffusion import make_schedule, nelbo, sample_orders, schedule_from_config
+from setdiff_dist.diffusion import make_schedule, nelbo, sample_orders
+from setdiff_dist.diffusion.kinds import order_of
 from setdiff_dist.model.forward import (
     causal_lm_inputs,
     set_diffusion_inputs,
@@ -35,30 +36,30 @@ def first_clean(context: torch.Tensor) -> torch.Tensor:
 class Objective:
     def __init__(self, cfg, seed: int, stream: int = 0, evaluation: bool = False):
         """``evaluation``: the likelihood bound (the unclipped diffusion-time range)."""
-        self.kind = cfg.order.kind
+        self.order = order_of(cfg.order)
         self.backend = cfg.model.attention_backend
         self.seq_len = cfg.data.seq_len
         self.seed, self.stream = seed, stream
-        self.schedule = None if self.kind == "causal" else schedule_from_config(
+        self.schedule = None if self.order.causal_lm else self.order.schedule(
             cfg.order, self.seq_len, evaluation=evaluation)
 
     @property
     def model_seq_len(self) -> int:
         """Tokens per sequence in the model (the p2p message length with pipelining; megatron's
         schedule divides it by the context-parallel size itself)."""
-        return self.seq_len if self.kind == "causal" else 2 * self.seq_len
+        return self.order.model_len(self.seq_len)
 
     def target_mask(self, batch) -> torch.Tensor:
         """Which tokens carry loss (known before the forward, for the global normalizer)."""
         keep = ~(batch.padding | first_clean(batch.context))
-        if self.kind == "causal":
+        if self.order.causal_lm:
             return keep[:, 1:]  # the output at l - 1 predicts token l
         return keep
 
     def step(self, module, batch):
         """``(model output, terms_fn)``; ``terms_fn(logits) -> (loss sum, target tokens)``."""
         tokens = batch.tokens
-        if self.kind == "causal":
+        if self.order.causal_lm:
             inp = causal_lm_inputs(tokens)
             out = module(inp.tokens, inp.positions, None)
             mask = self.target_mask(batch).to(tokens.device)
@@ -115,13 +116,13 @@ def set_diffusion_forward_backward(model, microbatches, seq_len: int, micro_batc
     return forward_backward(model, microbatches, 2 * seq_len, micro_batch_size, step, forward_only)
 
 
-def token_scores(module, kind: str, tokens: torch.Tensor, context: torch.Tensor,
+def token_scores(module, causal_lm: bool, tokens: torch.Tensor, context: torch.Tensor,
                  padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position ``(log p(x_l | x_<l), whether x_l is the most likely token)``, ``[b, L]``
     each, for the positions that are neither ``context`` nor ``padding`` (elsewhere 0 and True):
     what a log-likelihood benchmark scores (lm-evaluation-harness's ``loglikelihood``).
 
-    ``kind == "causal"``: the causal LM's exact next-token log-probabilities. Otherwise the
+    ``causal_lm``: the causal LM's exact next-token log-probabilities. Otherwise the
     set-diffusion model's log-probabilities under the autoregressive order (docs/method.md §4):
     the context clean, then one position at a time, left to right; one forward of ``[clean ;
     noisy]`` under the set-causal mask gives them all. That is the exact likelihood of the
@@ -130,7 +131,7 @@ def token_scores(module, kind: str, tokens: torch.Tensor, context: torch.Tensor,
     B, L = tokens.shape
     context = first_clean(context)
     with torch.no_grad():
-        if kind == "causal":
+        if causal_lm:
             inp = causal_lm_inputs(tokens)
             logits = module(inp.tokens, inp.positions, None)[:-1]  # row l - 1 predicts x_l
             targets = tokens[:, 1:]
@@ -142,7 +143,7 @@ def token_scores(module, kind: str, tokens: torch.Tensor, context: torch.Tensor,
             targets = tokens
         logp = -vocab_parallel_nll(logits, targets)
         greedy = _is_argmax(logits, targets)
-    if kind == "causal":  # (position 0 is context: never scored)
+    if causal_lm:  # (position 0 is context: never scored)
         logp = torch.cat([logp.new_zeros(B, 1), logp], 1)
         greedy = torch.cat([greedy.new_ones(B, 1), greedy], 1)
     scored = ~(context | padding)

@@ -28,25 +28,24 @@ from setdiff_dist.config import ConfigError, load_config
 
 # torch and the rest are imported where they are used: --help answers without them
 
-KINDS = ("autoregressive", "block", "masked", "staggered")
-
-
 def describe_orders(cfg, out_png: str | None) -> None:
     import torch
 
-    from setdiff_dist.diffusion import make_schedule, sample_orders
+    from setdiff_dist.diffusion import sample_orders
+    from setdiff_dist.diffusion.kinds import order_kinds, order_of
 
     L = cfg.data.seq_len
     print(f"== order schedules at L={L} ==")
     samples = {}
-    for kind in KINDS:
-        if kind == "block" and L % cfg.order.block_size:
-            print(f"  {kind:<15} skipped: order.block_size={cfg.order.block_size} does not divide "
-                  f"data.seq_len={L}")
+    for kind in order_kinds():  # (every set-diffusion order, with this config's settings)
+        order = order_of(kind)
+        if order.causal_lm:
             continue
-        sched = make_schedule(kind, L, mean_set_size=cfg.order.mean_set_size,
-                              max_set_size=cfg.order.max_set_size,
-                              block_size=cfg.order.block_size)
+        problems = order.problems(cfg)
+        if problems:
+            print(f"  {kind:<15} skipped: {problems[0]}")
+            continue
+        sched = order.schedule(cfg.order, L)
         o = sample_orders(sched, L, range(64), seed=cfg.train.seed)
         ranks = torch.argsort(o.order, dim=1).double()       # reveal rank of each position
         displacement = (ranks - torch.arange(L)).abs().mean().item()
@@ -139,7 +138,9 @@ def train(cfg, steps: int) -> dict:
     from setdiff_dist.model.reference import AsTrainingModel, ReferenceTransformer
 
     L, m = cfg.data.seq_len, cfg.model
-    if cfg.order.kind == "causal":
+    from setdiff_dist.diffusion.kinds import order_of
+
+    if order_of(cfg.order).causal_lm:
         raise ConfigError(["order.kind=causal: setdiff-demo trains set-diffusion orders; the "
                            "causal baseline is setdiff-train's"])
     train_set = Blend.open(cfg.data.train_shards, "train", seq_len=L)

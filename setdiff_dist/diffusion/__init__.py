@@ -1,31 +1,51 @@
 """The mathematics of set diffusion (docs/method.md §§2-4), in pure torch with no distributed code:
-order schedules, the set-causal mask, and the NELBO."""
+order kinds (:mod:`.kinds`), order schedules, the set-causal mask, and the NELBO.
 
-from .masks import (
-                    causal_mask,
-                    from_reveal_order,
-                    permuted_singleton_mask,
-                    permuted_singleton_mask_mod,
-                    set_causal_mask,
-                    set_causal_mask_mod,
-                    set_causal_rule,
-                    to_reveal_order,
-)
-from .nelbo import Nelbo, nelbo, noisy_copy, perplexity_bound, token_nll, two_copy_inputs
-from .orders import (
-                    AutoregressiveSchedule,
-                    BlockSchedule,
-                    MaskedSchedule,
-                    OrderSample,
-                    OrderSchedule,
-                    StaggeredSchedule,
-                    make_schedule,
-                    sample_generator,
-                    sample_orders,
-                    sample_seed,
-                    schedule_from_config,
-                    staggered_parameters,
-)
+Names are imported on first use (PEP 562), so that :mod:`.kinds`, which the config reads,
+loads without torch."""
+
+import importlib
+
+_WHERE = {
+    "AutoregressiveSchedule": "orders",
+    "BlockSchedule": "orders",
+    "MaskedSchedule": "orders",
+    "Nelbo": "nelbo",
+    "OrderSample": "orders",
+    "OrderSchedule": "orders",
+    "StaggeredSchedule": "orders",
+    "causal_mask": "masks",
+    "from_reveal_order": "masks",
+    "make_schedule": "orders",
+    "nelbo": "nelbo",
+    "noisy_copy": "nelbo",
+    "permuted_singleton_mask": "masks",
+    "permuted_singleton_mask_mod": "masks",
+    "perplexity_bound": "nelbo",
+    "sample_generator": "orders",
+    "sample_orders": "orders",
+    "sample_seed": "orders",
+    "schedule_from_config": "orders",
+    "set_causal_mask": "masks",
+    "set_causal_mask_mod": "masks",
+    "set_causal_rule": "masks",
+    "staggered_parameters": "orders",
+    "to_reveal_order": "masks",
+    "token_nll": "nelbo",
+    "two_copy_inputs": "nelbo",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    where = _WHERE[name]
+    module = importlib.import_module(f"{__name__}.{where}")
+    # every name of that module at once: the import just bound the submodule ``nelbo`` here,
+    # and the function of that name is what this package exports
+    globals().update({n: getattr(module, n) for n, m in _WHERE.items() if m == where})
+    return globals()[name]
+
 
 __all__ = [
     "AutoregressiveSchedule", "BlockSchedule", "MaskedSchedule", "Nelbo", "OrderSample",

@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .schedule import OrderSchedule
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -63,24 +65,6 @@ def staggered_parameters(seq_len: int, mean_set_size: float,
     w = s_max / (L + s_max - 1.0)
     target = D / (2.0 * L)
     return w, target / (w - target)
-
-
-class OrderSchedule:
-    """Base class. ``singleton`` schedules reveal one token per set and train with the
-    unweighted any-order AR loss; the others diffuse inside each set with weight 1/t."""
-
-    name: str = ""
-    singleton: bool = True
-
-    def draw(self, seq_len: int, gen: torch.Generator):
-        """One sample's body draws: ``(R [L] float64, group [L] long, u [L] or None,
-        t_group [G] or None)``. ``group`` labels the set of each position (the sets are then
-        numbered in reveal order); ``u`` are the within-set uniforms (a token is masked in the
-        noisy copy when ``u < t`` of its set)."""
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
 
 
 class AutoregressiveSchedule(OrderSchedule):
@@ -185,32 +169,25 @@ class MaskedSchedule(BlockSchedule):
 def make_schedule(kind: str, seq_len: int, *, mean_set_size: float = 4.0,
                   max_set_size: Optional[float] = None, block_size: int = 4,
                   t_min: float = 0.0, t_max: float = 1.0) -> OrderSchedule:
-    """The schedule named ``kind`` (``autoregressive``, ``masked``, ``block``, ``staggered``)."""
-    if kind == "autoregressive":
-        return AutoregressiveSchedule()
-    if kind == "staggered":
-        return StaggeredSchedule.from_mean_set_size(seq_len, mean_set_size, max_set_size)
-    if kind == "block":
-        if seq_len % block_size:
-            raise ValueError(f"block_size={block_size} must divide seq_len={seq_len}")
-        return BlockSchedule(block_size, t_min, t_max)
-    if kind == "masked":
-        return MaskedSchedule(t_min, t_max)
-    if kind == "causal":
-        raise ValueError("'causal' is the plain causal-LM baseline (L tokens, next-token loss), "
-                         "not a set-diffusion order: it has no schedule")
-    raise ValueError(f"unknown order kind {kind!r}; expected autoregressive, masked, block or "
-                     "staggered")
+    """The schedule of the order named ``kind`` (:mod:`setdiff_dist.diffusion.kinds`) with
+    these settings (those of ``OrderConfig``)."""
+    from types import SimpleNamespace
+
+    from .kinds import order_of
+
+    settings = SimpleNamespace(kind=kind, mean_set_size=mean_set_size,
+                               max_set_size=max_set_size, block_size=block_size, t_min=t_min,
+                               t_max=t_max)
+    return order_of(kind).schedule(settings, seq_len)
 
 
 def schedule_from_config(order_cfg, seq_len: int, evaluation: bool = False) -> OrderSchedule:
     """Build the schedule of a :class:`setdiff_dist.config.OrderConfig`. ``evaluation``: the
     likelihood bound's schedule, with the unclipped time range (a range clipped for training
     is not a valid ELBO)."""
-    t_min, t_max = (0.0, 1.0) if evaluation else (order_cfg.t_min, order_cfg.t_max)
-    return make_schedule(order_cfg.kind, seq_len, mean_set_size=order_cfg.mean_set_size,
-                         max_set_size=order_cfg.max_set_size, block_size=order_cfg.block_size,
-                         t_min=t_min, t_max=t_max)
+    from .kinds import order_of
+
+    return order_of(order_cfg).schedule(order_cfg, seq_len, evaluation=evaluation)
 
 
 @dataclass

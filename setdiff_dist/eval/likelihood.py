@@ -35,7 +35,9 @@ class Scorer:
         from setdiff_dist.inference.decoder import model_device
 
         self.model, self.cfg, self.tok = model, cfg, tokenizer
-        self.kind = "causal" if cfg.order.kind == "causal" else "set"
+        from setdiff_dist.diffusion.kinds import order_of
+
+        self.order = order_of(cfg.order)
         self.max_length = cfg.data.seq_len
         self.batch_size = batch_size
         self.device = model_device(model)
@@ -46,12 +48,12 @@ class Scorer:
     @property
     def exact(self) -> bool:
         """Whether the scores are exact log-likelihoods (causal and AR-trained models)."""
-        return self.cfg.order.kind in ("causal", "autoregressive")
+        return self.order.exact_likelihood
 
     @property
     def likelihood(self) -> str:
         """What the scores are, in words (for results files)."""
-        if self.kind == "causal":
+        if self.order.causal_lm:
             return "exact (causal LM)"
         return ("autoregressive-order log-likelihood: exact for decoding one token at a time "
                 f"(W = 1), a bound for this {self.cfg.order.kind}-order model")
@@ -114,7 +116,7 @@ class Scorer:
             context[b, :n_ctx] = True
             padding[b, len(s):] = True
         d = self.device
-        logp, greedy = token_scores(self.model, self.kind, tokens.to(d), context.to(d),
+        logp, greedy = token_scores(self.model, self.order.causal_lm, tokens.to(d), context.to(d),
                                     padding.to(d))
         sums = logp.double().sum(1).tolist()
         return [(s, bool(g)) for s, g in zip(sums, greedy.all(1).tolist())]

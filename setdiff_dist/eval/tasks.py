@@ -49,7 +49,7 @@ def perplexity(model, cfg, shards_dir: str, batches: int = 16, batch_size: int =
     per_token = total / tokens
     return {"nelbo_per_token": per_token, "ppl_bound": math.exp(min(per_token, 50.0)),
             "tokens": tokens, "sequences": n * batch_size, "order": cfg.order.kind,
-            "exact": cfg.order.kind in ("causal", "autoregressive")}
+            "exact": objective.order.exact_likelihood}
 
 
 def _ngrams(words, n):

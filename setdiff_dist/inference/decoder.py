@@ -494,7 +494,7 @@ class BaselineDecoder(SetDecoder):
     - :meth:`mdlm` (MDLM, a batch of one): no cache; every step runs the clean prompt and the
       whole noisy continuation again.
 
-    With ``trained_as`` ("block" or "masked": the checkpoint's ``order.kind``), :meth:`generate`
+    With ``trained_as`` ("block" or "mdlm": the decoder of the checkpoint's order), :meth:`generate`
     and :meth:`infill` decode as that order trained (:func:`decoder_for`): blocks of
     ``block_size`` on the grid, or MDLM's sampler; without it they are set decoding.
     """
@@ -502,13 +502,13 @@ class BaselineDecoder(SetDecoder):
     def __init__(self, model, tokenizer, *, context: int, trained_as: Optional[str] = None,
                  block_size: int = 4, keep_logits: bool = False):
         super().__init__(model, tokenizer, context=context, keep_logits=keep_logits)
-        if trained_as not in (None, "block", "masked"):
+        if trained_as not in (None, "block", "mdlm"):
             raise ValueError(f"unknown baseline {trained_as!r}")
         self.trained_as, self.block_size = trained_as, block_size
 
     @property
     def decoding(self) -> str:
-        return {"block": "block", "masked": "mdlm"}.get(self.trained_as, self.mode)
+        return self.trained_as or self.mode
 
     def check_infill(self) -> None:
         if self.trained_as == "block":
@@ -696,12 +696,15 @@ class BaselineDecoder(SetDecoder):
 
 
 def decoder_for(model, tokenizer, cfg, keep_logits: bool = False) -> SetDecoder:
-    """The decoder of the order a checkpoint trained with (``cfg.order.kind``): cached AR for
-    ``causal``, blocks on the training grid for ``block`` (BD3LM), MDLM's sampler for
-    ``masked``, set decoding for the set orders (staggered, autoregressive)."""
-    kind, context = cfg.order.kind, cfg.data.seq_len
-    if kind in ("block", "masked"):
-        return BaselineDecoder(model, tokenizer, context=context, trained_as=kind,
+    """The decoder of the order a checkpoint trained with, as the order says
+    (:attr:`setdiff_dist.diffusion.kinds.Order.decoder`): cached AR for ``causal``, blocks on
+    the training grid for ``block`` (BD3LM), MDLM's sampler for ``masked``, set decoding for
+    the set orders (staggered, autoregressive, ...)."""
+    from setdiff_dist.diffusion.kinds import order_of
+
+    decoding, context = order_of(cfg.order).decoder, cfg.data.seq_len
+    if decoding in ("block", "mdlm"):
+        return BaselineDecoder(model, tokenizer, context=context, trained_as=decoding,
                                block_size=cfg.order.block_size, keep_logits=keep_logits)
     return SetDecoder(model, tokenizer, context=context, keep_logits=keep_logits,
-                      mode="causal" if kind == "causal" else "set")
+                      mode=decoding)

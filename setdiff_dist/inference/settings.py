@@ -25,22 +25,13 @@ def inference_dtype(name: str):
 
 
 def default_window(order_cfg) -> Optional[int]:
-    """W when neither the config nor a flag sets it: the mean set size D for staggered orders
-    (the paper's GSM point), the block size for block, 1 for AR and causal, and None for
-    masked (MDLM's sampler has no window: every masked position is a candidate)."""
-    kind = order_cfg.kind
-    if kind == "staggered":
-        return max(1, round(order_cfg.mean_set_size))
-    if kind == "block":
-        return order_cfg.block_size
-    return None if kind == "masked" else 1
+    """W when neither the config nor a flag sets it, as the order says: the mean set size D for
+    staggered orders (the paper's GSM point), the block size for block, 1 for AR and causal,
+    and None for masked (MDLM's sampler has no window: every masked position is a
+    candidate)."""
+    from setdiff_dist.diffusion.kinds import order_of
 
-
-def largest_set(order_cfg) -> Optional[float]:
-    """S_max of a staggered order (2D unless set); None for the others."""
-    if order_cfg.kind != "staggered":
-        return None
-    return order_cfg.max_set_size or 2 * order_cfg.mean_set_size
+    return order_of(order_cfg).default_window(order_cfg)
 
 
 def decode_settings(cfg, preset: Optional[str] = None, **flags) -> dict:
@@ -60,25 +51,21 @@ def decode_settings(cfg, preset: Optional[str] = None, **flags) -> dict:
     for k, v in flags.items():
         if v is not None:
             out[k] = out["stop"] + list(v) if k == "stop" else v
+    from setdiff_dist.diffusion.kinds import order_of
     from setdiff_dist.errors import rank_and_world
     from setdiff_dist.inference.decoder import DecodeError, check_threshold
 
     # block and masked checkpoints decode as they trained (inference.decoder.decoder_for):
     # a block model's window is its block, MDLM has none; only a flag can ask otherwise
-    kind, asked = cfg.order.kind, flags.get("window")
-    if kind == "block" and asked is not None and asked != cfg.order.block_size:
-        raise DecodeError(f"--window {asked}: a block-diffusion (BD3LM) checkpoint decodes its "
-                          f"own blocks of order.block_size = {cfg.order.block_size}; drop "
-                          "--window")
-    if kind == "masked" and asked is not None:
-        raise DecodeError(f"--window {asked}: an MDLM (order.kind=masked) checkpoint has no "
-                          "window (every masked position is a candidate at every step); drop "
-                          "--window")
-    if out["window"] is None or kind in ("block", "masked"):
-        out["window"] = default_window(cfg.order)
+    order, asked = order_of(cfg.order), flags.get("window")
+    problem = order.window_problem(cfg.order, asked) if asked is not None else None
+    if problem:
+        raise DecodeError(problem)
+    if out["window"] is None or order.fixed_window:
+        out["window"] = order.default_window(cfg.order)
 
     check_threshold(out["threshold"])
-    s_max = largest_set(cfg.order)
+    s_max = order.largest_set(cfg.order)
     if s_max is not None and out["window"] > s_max and rank_and_world()[0] == 0:
         import sys
 

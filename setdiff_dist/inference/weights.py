@@ -59,7 +59,9 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
     cfg.model.attention_dropout = cfg.model.hidden_dropout = 0.0
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if pack is None:
-        pack = cfg.order.kind != "causal"
+        from setdiff_dist.diffusion.kinds import order_of
+
+        pack = not order_of(cfg.order).causal_lm
     pack = pack and device.type == "cpu" and dtype == torch.float32
     try:
         model = LeanTransformer.from_state_dict(

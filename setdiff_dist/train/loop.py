@@ -390,7 +390,7 @@ class Trainer:
         them from its first line), which hands them on with :meth:`request_stop`."""
         cfg = self.cfg
         L = cfg.data.seq_len
-        flops = training_flops_per_token(cfg.model, L, causal_lm=cfg.order.kind == "causal")
+        flops = training_flops_per_token(cfg.model, L, causal_lm=self.objective.order.causal_lm)
         metrics = MetricsLogger(cfg.run_dir, self.rank == 0, cfg.train.steps, flops,
                                 dist.get_world_size(), cfg.train.tensorboard, self.step,
                                 cfg.train.peak_tflops)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from setdiff_dist.diffusion.kinds import order_of
 from setdiff_dist.errors import SetdiffError
 
 GiB = 2 ** 30
@@ -160,7 +161,8 @@ def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
     m, par, d = cfg.model, cfg.parallel, cfg.data
     tp = par.tensor
     b = 2 if cfg.train.precision in ("bf16", "fp8") else 4
-    seq = d.seq_len if cfg.order.kind == "causal" else 2 * d.seq_len
+    order = order_of(cfg.order)
+    seq = order.model_len(d.seq_len)
     cp = par.context
     tokens = d.micro_batch_size * seq // cp  # (a context-parallel rank's share)
     h = m.hidden_size
@@ -182,7 +184,7 @@ def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
     if cfg.train.recompute == "full":    # layer inputs, plus one chunk's layers live
         chunk = min(cfg.train.recompute_num_layers, layers)
         saved = tokens * h / sp * b * layers + tokens * per_layer * b * chunk
-    mask = 0 if m.attention_backend in ("flex", "permuted_causal") or cfg.order.kind == "causal" \
+    mask = 0 if m.attention_backend in ("flex", "permuted_causal") or order.causal_lm \
         else d.micro_batch_size * seq * seq    # the dense boolean mask, shared by the layers
     if cp > 1:
         # this rank's rows of the mask (one for all samples in the permuted form), and the
