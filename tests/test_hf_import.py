@@ -176,8 +176,8 @@ def test_causal_logits_equal_transformers_at_tp1_and_tp2(hf, measured, arch):
 
 
 def test_rope_scaling_and_head_dim_are_imported(hf):
+    from setdiff_dist.model.dims import rotary_inv_freq
     from setdiff_dist.model.hf import HFCheckpoint
-    from setdiff_dist.model.transformer import rotary_inv_freq
 
     llama = HFCheckpoint(str(hf["dirs"]["llama"])).model_cfg
     assert (llama.rope_scaling, llama.rope_scaling_factor, llama.rope_original_max_positions,

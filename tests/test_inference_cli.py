@@ -84,6 +84,26 @@ def test_same_greedy_output_at_any_tp_and_after_export(run, tmp_path):
     assert "Traceback" not in res.stderr
 
 
+def test_generation_at_tp1_imports_neither_megatron_nor_deepspeed(run):
+    """The decode-time engine is plain torch: setdiff-generate at TP=1 (a checkpoint trained at
+    TP=2 under ZeRO-3) never imports megatron-core or DeepSpeed, whose imports were most of its
+    start-up."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['setdiff-generate'] + sys.argv[1:]\n"
+            "try:\n"
+            "    runpy.run_module('setdiff_dist.cli.generate', run_name='__main__')\n"
+            "except SystemExit as exc:\n"
+            "    assert not exc.code, exc.code\n"
+            # (setdiff_dist registers its own lazy megatron.core.jit, without megatron)
+            "print(sorted({'megatron', 'megatron.core', 'deepspeed', 'transformer_engine',\n"
+            "              'apex'} & set(sys.modules)))\n")
+    res = subprocess.run([sys.executable, "-c", code, "--checkpoint", str(run), "--prompt",
+                          "Shall I", "--max-new-tokens", "2", "--greedy"],
+                         capture_output=True, text=True, timeout=300, env=child_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout
+
+
 def test_bad_checkpoints_are_named(run, tmp_path):
     broken = tmp_path / "no-tokenizer"
     shutil.copytree(run / "checkpoints" / "step_0000006", broken)

@@ -32,10 +32,9 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from setdiff_dist.errors import SetdiffError
-from setdiff_dist.inference.kv_cache import KVCache, decode_step
+from setdiff_dist.inference.kv_cache import DecodeStep, KVCache
 
 
 def model_device(model) -> torch.device:
@@ -317,9 +316,9 @@ class SetDecoder:
         cache.reserve(n)  # (may squeeze out cropped slots: before the mask is built)
         allowed = torch.cat([cache.valid[:, None, :].expand(B, n, cache.length)
                              & valid[:, :, None], own], dim=2)
-        with torch.no_grad(), decode_step(cache, allowed):
+        with torch.no_grad():
             logits = self.model(tokens, positions, None, logits_from=0 if self.mode == "causal"
-                                else C)
+                                else C, step=DecodeStep(cache, allowed))
         # the commits are each row's leading slots: the cache keeps the first C
         cache.commit(valid[:, :C], positions[:, :C], leading=True)
         logits = self._full_vocab(logits).transpose(0, 1)  # [B, s, V], on the device
@@ -383,10 +382,10 @@ class SetDecoder:
 
     def _full_vocab(self, logits):
         """Gather vocab-parallel logits ``[s, b, V/TP]`` and keep the real vocabulary."""
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            parts = [torch.empty_like(logits) for _ in
-                     range(ps.get_tensor_model_parallel_world_size())]
-            dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        tp = getattr(self.model, "tp_size", 1)  # (the lean model's tensor-parallel group)
+        if tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits.contiguous(), group=self.model.tp_group)
             logits = torch.cat(parts, dim=-1)
         return logits[..., : self.vocab]
 
@@ -559,8 +558,8 @@ class BaselineDecoder(SetDecoder):
                              own[None]], dim=2).to(self.device)
         tokens = torch.tensor(tokens, device=self.device)[None]
         positions = torch.tensor(positions, device=self.device)[None]
-        with torch.no_grad(), decode_step(cache, allowed):
-            logits = self.model(tokens, positions, None)
+        with torch.no_grad():
+            logits = self.model(tokens, positions, None, step=DecodeStep(cache, allowed))
         keep = [commit] * n if isinstance(commit, bool) else list(commit)
         cache.commit(torch.tensor([keep], dtype=torch.bool, device=self.device), positions)
         return self._full_vocab(logits)[:, 0].float().cpu()  # [n, V]
@@ -633,8 +632,9 @@ class BaselineDecoder(SetDecoder):
             cache.reserve(n)
             allowed = torch.cat([cache.valid[:, None, :].expand(B, n, cache.length)
                                  & valid[:, :, None], own.to(dev)], dim=2)
-            with torch.no_grad(), decode_step(cache, allowed):
-                logits = self.model(tokens, positions, None, logits_from=C)
+            with torch.no_grad():
+                logits = self.model(tokens, positions, None, logits_from=C,
+                                    step=DecodeStep(cache, allowed))
             cache.commit(valid[:, :C], positions[:, :C], leading=True)
             logits = self._full_vocab(logits).transpose(0, 1).float().cpu()  # [B, Q, V]
             for b, (s, st) in enumerate(zip(samples, plan)):

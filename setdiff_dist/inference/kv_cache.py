@@ -1,21 +1,20 @@
-"""The KV cache of committed (clean) tokens, and the hook through which attention uses it.
+"""The KV cache of committed (clean) tokens, and the decoding step that attends over it.
 
 A clean token's keys and values never change once computed (docs/method.md §3), so the cache is
 exact. During a decoding step the model runs on a few *new* tokens (the tokens committed by the
-previous step, and [MASK] queries); :func:`decode_step` makes the lean model's attention
-(:mod:`setdiff_dist.inference.lean`) attend ``[cache ; new]`` under the step's mask, writing the
-new keys and values into the preallocated cache right after its live prefix; afterwards
+previous step, and [MASK] queries); given a :class:`DecodeStep` as its ``step`` argument, the
+lean model's attention (:mod:`setdiff_dist.inference.lean`) attends ``[cache ; new]`` under the
+step's mask, writing the new keys and values into the preallocated cache right after its live
+prefix; afterwards
 :meth:`KVCache.commit` keeps those of the committed tokens only. Each tensor-parallel rank caches
 its own heads. Keys are cached after rotary embedding, at each token's own position."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 
-_ACTIVE: Optional["DecodeStep"] = None
 INITIAL_CAPACITY = 64  # slots per sample before the first doubling
 
 
@@ -136,38 +135,28 @@ class KVCache:
 
 
 class DecodeStep:
+    """One KV-cached decoding step, handed to the model as its ``step`` argument (as gpt-fast
+    and nanochat hand theirs the cache): the cache and what each new token may attend,
+    ``allowed [b, new, cache + new]`` (True = may attend). The model's attention calls
+    :meth:`attend` layer by layer."""
+
     def __init__(self, cache: KVCache, allowed: torch.Tensor):
-        self.cache, self.allowed = cache, allowed  # allowed: [b, new, cache + new]
+        self.cache, self.allowed = cache, allowed
         new = allowed.shape[2] - cache.length
         if new != allowed.shape[1] or cache.length + new > cache.capacity:
             raise ValueError(f"a decoding step's mask covers {allowed.shape[2]} keys for "
                              f"{allowed.shape[1]} new tokens over a cache of {cache.length}: "
                              "call cache.reserve(new tokens) before building it")
 
+    def attend(self, layer: int, q, k, v, scale=None):
+        """Attention of the new queries ``q [b, n, s, d]`` over ``[cache ; new]`` (``k, v``
+        un-expanded ``[b, g, s, d]``), staging the new keys and values for
+        :meth:`KVCache.commit`."""
+        import torch.nn.functional as F
 
-@contextlib.contextmanager
-def decode_step(cache: KVCache, allowed: torch.Tensor):
-    """Within this context the model's ``sdpa`` attention runs one KV-cached decoding step."""
-    global _ACTIVE
-    _ACTIVE = DecodeStep(cache, allowed)
-    try:
-        yield
-    finally:
-        _ACTIVE = None
-
-
-def active() -> Optional[DecodeStep]:
-    return _ACTIVE
-
-
-def attend(layer: int, q, k, v, scale):
-    """Attention of the new queries ``q [b, n, s, d]`` over ``[cache ; new]`` (``k, v`` un-expanded
-    ``[b, g, s, d]``), staging the new keys and values for :meth:`KVCache.commit`."""
-    import torch.nn.functional as F
-
-    step = _ACTIVE
-    k, v = step.cache.write(layer, k, v)
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=step.allowed[:, None], scale=scale)
+        k, v = self.cache.write(layer, k, v)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed[:, None],
+                                              scale=scale)

@@ -35,8 +35,7 @@ from torch import nn
 
 from setdiff_dist.checkpoint.sharding import split_shard
 from setdiff_dist.errors import SetdiffError
-from setdiff_dist.inference import kv_cache
-from setdiff_dist.model.transformer import padded_vocab_size, rotary_inv_freq
+from setdiff_dist.model.dims import padded_vocab_size, rotary_inv_freq
 
 # Weights stored transposed, ``[in, out]``, and applied as ``x @ w``: the ones wider than they
 # are deep (the fused qkv, fc1 and the output head). For the few rows of a decoding step MKL's
@@ -252,7 +251,12 @@ class LeanTransformer(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None, logits_from: int = 0):
+                attention_mask: Optional[torch.Tensor] = None, logits_from: int = 0,
+                step=None):
+        """Logits ``[s - logits_from, b, V]`` of ``tokens`` at ``positions`` (``[b, s]``), under
+        ``attention_mask`` (``[b, 1, s, s]``, True = may attend; None = causal), or, with
+        ``step`` (a :class:`~setdiff_dist.inference.kv_cache.DecodeStep`), over its KV cache
+        under its own mask."""
         b, s = tokens.shape
         x = self._embed(tokens)
         if self._inv_freq.device != tokens.device:
@@ -261,7 +265,6 @@ class LeanTransformer(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # [b, s, 1, d]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         rep, d = self.heads // self.groups, self.head_dim
-        step = kv_cache.active()
         for i in range(self.model_cfg.num_layers):
             h = self._norm(x, f"{i}.norm1")
             qkv = self._linear(h, f"{i}.qkv").view(b, s, self.groups, rep + 2, d)
@@ -275,7 +278,7 @@ class LeanTransformer(nn.Module):
                 q, k = qk[:, :, :, :rep].reshape(b, s, self.heads, d), qk[:, :, :, rep]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, n, s, d]
             if step is not None:
-                o = kv_cache.attend(i, q, k, v, None)
+                o = step.attend(i, q, k, v)
             else:
                 if rep > 1:
                     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)

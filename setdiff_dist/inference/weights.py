@@ -40,18 +40,27 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
     for set-diffusion models, whose steps carry several rows) hands the large weights to oneDNN
     (see :data:`setdiff_dist.inference.lean._PACK_MIN`)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    from setdiff_dist.parallel import initialize_model_parallel
+    from setdiff_dist.parallel.state import init_distributed
 
     from .lean import LeanError, LeanTransformer
 
     # tensors are read one at a time, as needed; the EMA of the weights unless ``raw``; the
     # ranks of a tensor-parallel model share the checksums of the files
     locate(path)  # (a wrong path is said before any process group is set up)
-    if not ps.model_parallel_is_initialized() or \
-            ps.get_tensor_model_parallel_world_size() != tensor:
-        initialize_model_parallel(tensor=tensor, seed=0)
+    tp_rank, tp_group = 0, None
+    if tensor == 1:  # torch.distributed alone: inference at TP=1 never imports megatron-core
+        init_distributed()
+    else:
+        from megatron.core import parallel_state as ps
+
+        from setdiff_dist.parallel import initialize_model_parallel
+
+        if not ps.model_parallel_is_initialized() or \
+                ps.get_tensor_model_parallel_world_size() != tensor:
+            initialize_model_parallel(tensor=tensor, seed=0)
+        tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), \
+            ps.get_tensor_model_parallel_group()
     group = dist.group.WORLD if dist.get_world_size() > 1 else None
     state, cfg, tok, _ = open_weights(path, raw=raw, group=group)
     # the lean model takes dense masks: scoring (setdiff-eval ppl) builds them for sdpa
@@ -64,9 +73,8 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
         pack = not order_of(cfg.order).causal_lm
     pack = pack and device.type == "cpu" and dtype == torch.float32
     try:
-        model = LeanTransformer.from_state_dict(
-            cfg.model, state, ps.get_tensor_model_parallel_rank(), tensor,
-            ps.get_tensor_model_parallel_group(), pack=pack, device=device, dtype=dtype)
+        model = LeanTransformer.from_state_dict(cfg.model, state, tp_rank, tensor, tp_group,
+                                                pack=pack, device=device, dtype=dtype)
     except LeanError as exc:
         raise LoadError(f"{path}: {exc}") from None
     return model.to(device=device, dtype=dtype).eval(), cfg, tok

@@ -165,9 +165,10 @@ def initialize_model_parallel(tensor: int = 1, pipeline: int = 1,
 
 
 def destroy_model_parallel() -> None:
-    from megatron.core import parallel_state as ps
+    if "megatron.core.parallel_state" in sys.modules:  # (a megatron-free command skips it)
+        from megatron.core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
