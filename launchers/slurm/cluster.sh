@@ -119,11 +119,13 @@ start() {
     start_munge
     write_conf "$n"
     add_hosts
-    # (from $BASE: a daemon that dumps core leaves it there, not in the caller's directory)
-    (cd "$BASE" && setsid nohup slurmctld -D -i -f "$CONF" >>"$BASE/log/slurmctld.out" 2>&1 \
-        </dev/null &)
+    # (from $BASE: a daemon that dumps core leaves it there, not in the caller's directory;
+    # exec: no shell lingers holding the caller's stdout, which a caller that captures it, as
+    # tests/test_slurm.py does, would wait on for as long as the daemons live)
+    (cd "$BASE" && exec setsid nohup slurmctld -D -i -f "$CONF" >>"$BASE/log/slurmctld.out" \
+        2>&1 </dev/null &)
     for node in $(node_names); do
-        (cd "$BASE" && setsid nohup slurmd -D -N "$node" -f "$CONF" \
+        (cd "$BASE" && exec setsid nohup slurmd -D -N "$node" -f "$CONF" \
             >>"$BASE/log/slurmd-$node.out" 2>&1 </dev/null &)
     done
     wait_idle
