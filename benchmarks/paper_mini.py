@@ -218,11 +218,15 @@ def distinct(samples: list[list[int]], n: int) -> float:
 
 
 def _decoders(model, tok, m: Model, context: int = 128):
-    from setdiff_dist.inference.decoder import BaselineDecoder, SetDecoder
+    from setdiff_dist.inference.decoder import BlockDecoder, MDLMDecoder, SetDecoder
 
     if m.decoder == "causal":
         return SetDecoder(model, tok, context=context, mode="causal")
-    return BaselineDecoder(model, tok, context=context)  # (a SetDecoder too: set decoding)
+    if m.decoder == "block":
+        return BlockDecoder(model, tok, context=context, block_size=m.window)
+    if m.decoder == "mdlm":
+        return MDLMDecoder(model, tok, context=context)
+    return SetDecoder(model, tok, context=context)
 
 
 def _decode(dec, m: Model, prompt, n, tau, sampling, right=None):

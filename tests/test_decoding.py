@@ -330,29 +330,37 @@ def test_block_and_mdlm_baselines_decode_through_the_same_model(tmp_path):
 
 
 def _baselines(rank, out):
-    from setdiff_dist.inference.decoder import BaselineDecoder, Sampling, StopCriteria
+    from setdiff_dist.inference.decoder import (
+        BlockDecoder,
+        MDLMDecoder,
+        Sampling,
+        SetDecoder,
+        StopCriteria,
+    )
     from setdiff_dist.parallel import initialize_model_parallel
 
     initialize_model_parallel(seed=0)
 
     greedy = Sampling(greedy=True)
     block_model = lean_copy(model_for("block", 1))
-    dec = BaselineDecoder(block_model, Chars(), context=L)
+    blocks = BlockDecoder(block_model, Chars(), context=L)
+    mdlms = MDLMDecoder(block_model, Chars(), context=L)
+    dec = SetDecoder(block_model, Chars(), context=L)
     prompt = [5, 9, 2, 7]
-    b = dec.block(prompt, 8, block_size=4, sampling=greedy)
-    m = dec.mdlm(prompt, 8, sampling=greedy)
-    fast = dec.mdlm(prompt, 8, threshold=0.0, sampling=greedy)
-    b1 = dec.block(prompt, 8, block_size=1, sampling=greedy)
+    b = blocks.block(prompt, 8, block_size=4, sampling=greedy)
+    m = mdlms.mdlm(prompt, 8, sampling=greedy)
+    fast = mdlms.mdlm(prompt, 8, threshold=0.0, sampling=greedy)
+    b1 = blocks.block(prompt, 8, block_size=1, sampling=greedy)
     # MDLM infilling: the right context is given; an empty one is plain continuation
-    m_empty = dec.mdlm(prompt, 8, sampling=greedy, right=[])
-    m_infill = dec.mdlm(prompt, 3, sampling=greedy, right=[4, 4, 6])
+    m_empty = mdlms.mdlm(prompt, 8, sampling=greedy, right=[])
+    m_infill = mdlms.mdlm(prompt, 3, sampling=greedy, right=[4, 4, 6])
     ar = dec.generate([prompt], 8, window=1, sampling=greedy)[0]
-    grid = dec.block(prompt + [3], 8, block_size=4, threshold=0.0, sampling=greedy)
-    stopped = dec.block(prompt, 8, block_size=4, sampling=greedy,
+    grid = blocks.block(prompt + [3], 8, block_size=4, threshold=0.0, sampling=greedy)
+    stopped = blocks.block(prompt, 8, block_size=4, sampling=greedy,
                         stop=StopCriteria(max_repeat_run=1))
     many = [prompt, prompt + [3, 1], prompt[:1], prompt + [3]]
-    alone = [dec.block(p, 7, block_size=4, threshold=0.5, sampling=greedy) for p in many]
-    batched = dec.blocks(many, 7, block_size=4, threshold=0.5, sampling=greedy)
+    alone = [blocks.block(p, 7, block_size=4, threshold=0.5, sampling=greedy) for p in many]
+    batched = blocks.blocks(many, 7, block_size=4, threshold=0.5, sampling=greedy)
     from setdiff_dist.config import load_config
     from setdiff_dist.inference.decoder import DecodeError, decoder_for
 
@@ -380,7 +388,7 @@ def _baselines(rank, out):
                 "block_window_error": errors.get("window", ""),
                 "block_infill_error": errors.get("infill", ""),
                 "mdlm_generate": [r.tokens for r in mdlm_generate],
-                "mdlm2": dec.mdlm(prompt + [3], 8, sampling=greedy).tokens,
+                "mdlm2": mdlms.mdlm(prompt + [3], 8, sampling=greedy).tokens,
                 "mdlm_stopped": mdlm_stopped.tokens, "mdlm_infill_generic": mdlm_infill.tokens,
                 "mdlm_infill_tokens": m_infill.tokens, "traces": [b.trace, m.trace],
                 "alone": [a.tokens for a in alone], "batched": [b.tokens for b in batched],
@@ -399,18 +407,19 @@ def test_choices_on_the_device_equal_the_per_sample_path():
     for that sample alone, with the same confidences; a top-p draw never leaves the nucleus."""
     from types import SimpleNamespace
 
-    from setdiff_dist.inference.decoder import Sampling, SetDecoder, _Sample
+    from setdiff_dist.inference.decoder import Sample, Sampling, SetDecoder
+    from setdiff_dist.inference.sampling import pick
 
     model = SimpleNamespace(mask_id=V, vocab_size=V, device=torch.device("cpu"))
     dec = SetDecoder(model, Chars(), context=L)
     logits = torch.randn(3, 4, V, generator=torch.Generator().manual_seed(0)) * 3
-    samples = [_Sample(tokens=[1, 5, 7, None, None], region=[3, 4], prompt_len=3),
-               _Sample(tokens=[2, 2, None, None, 9], region=[2, 3], prompt_len=2),
-               _Sample(tokens=[0, None, None, None, None], region=[1, 2, 3, 4], prompt_len=1)]
+    samples = [Sample(tokens=[1, 5, 7, None, None], region=[3, 4], prompt_len=3),
+               Sample(tokens=[2, 2, None, None, 9], region=[2, 3], prompt_len=2),
+               Sample(tokens=[0, None, None, None, None], region=[1, 2, 3, 4], prompt_len=1)]
     cands = [[3, 4], [2, 3], [1, 2, 3, 4]]
     for penalty in (1.0, 1.7):
         sampling = Sampling(greedy=True, repetition_penalty=penalty)
-        toks, conf = dec._pick(logits, samples, sampling, None)
+        toks, conf = pick(logits, sampling, None, [s.seen() for s in samples])
         for b, s in enumerate(samples):
             ref = dec._choose(logits[b, :len(cands[b])], cands[b], s, sampling, None, 0.0)
             assert [(p, t) for p, t, _ in ref] == [(pos, toks[b][j])
@@ -421,7 +430,7 @@ def test_choices_on_the_device_equal_the_per_sample_path():
     gen = torch.Generator().manual_seed(3)
     sampling = Sampling(temperature=1.0, top_p=0.5)
     for _ in range(20):
-        toks, _ = dec._pick(logits, samples, sampling, gen)
+        toks, _ = pick(logits, sampling, gen, [s.seen() for s in samples])
         for b in range(3):
             for j in range(4):
                 p, idx = torch.softmax(logits[b, j], -1).sort(descending=True)

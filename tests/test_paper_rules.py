@@ -26,7 +26,7 @@ def test_the_gsm_stop_waits_for_the_whole_number():
     """Committed one digit at a time, ``#### 42`` stops only once a terminator follows, and
     the answer extracted is the whole number (the old rule stopped at ``#### 4``)."""
     from setdiff_dist.eval.tasks import GSM_STOP, _answer
-    from setdiff_dist.inference.decoder import SetDecoder, StopCriteria, _Sample
+    from setdiff_dist.inference.decoder import Sample, SetDecoder, StopCriteria
 
     tok = Digits()
     model = SimpleNamespace(mask_id=tok.vocab_size, vocab_size=tok.vocab_size,
@@ -36,7 +36,7 @@ def test_the_gsm_stop_waits_for_the_whole_number():
     for text, answer in (("ab #### 42\nabc", "42"), ("#### 1,234 a", "1234"),
                          ("#### 3.5.\n", "3.5"), ("#### 7", None)):
         ids = tok.encode(text)
-        s = _Sample(tokens=[None] * len(ids), region=list(range(len(ids))), prompt_len=0)
+        s = Sample(tokens=[None] * len(ids), region=list(range(len(ids))), prompt_len=0)
         for j, t in enumerate(ids):  # commit left to right, one token per step
             s.commit([(j, t)])
             dec._check_stop(s, stop)
@@ -81,9 +81,9 @@ def test_the_trainer_and_the_evaluation_draw_their_own_ranges(kind):
 def test_the_window_is_positional():
     """Candidates are the masked positions in [f, f + W): a hole (5 committed) leaves three
     candidates, not the first four masked positions (which would reach 7)."""
-    from setdiff_dist.inference.decoder import _Sample
+    from setdiff_dist.inference.decoder import Sample
 
-    s = _Sample(tokens=[1, 2, 3, None, None, 9, None, None, None], region=list(range(3, 9)),
+    s = Sample(tokens=[1, 2, 3, None, None, 9, None, None, None], region=list(range(3, 9)),
                 prompt_len=3)
     assert s.window(4) == [3, 4, 6] and s.masked(4) == [3, 4, 6, 7]
     s.commit([(3, 1), (4, 1)])

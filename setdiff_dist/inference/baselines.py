@@ -1,0 +1,225 @@
+"""The two diffusion baselines, siblings of the set decoder (:mod:`.decoder`), through the same
+lean model, KV cache, sampling and acceptance rule (:class:`~.decoding.Decoder`):
+
+- :class:`BlockDecoder` (BD3LM; :meth:`~BlockDecoder.blocks` for a batch,
+  :meth:`~BlockDecoder.block` for one prompt): blocks of ``block_size`` on the training grid,
+  left to right; inside a block every step re-runs the whole block as the noisy copy (decoded
+  tokens as ids, the rest [MASK]) over the cache, bidirectionally. A finished block enters the
+  cache as clean tokens inside the next block's first pass (and the prompt inside the first
+  block's), as the reference code does: one forward per denoising step, no pass of its own.
+  The cache grows once per block, not per step.
+- :class:`MDLMDecoder` (MDLM, a batch of one at a time): no cache; every step runs the clean
+  prompt and the whole noisy continuation again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from itertools import groupby
+from typing import Optional
+
+import torch
+
+from .decoding import DecodeError, Decoder, Result, Sample, Sampling, StopCriteria
+from .kv_cache import DecodeStep, KVCache
+
+
+class BlockDecoder(Decoder):
+    """BD3LM's decoder for a checkpoint trained with the block order: its window is its block
+    (``order.block_size``), and it cannot condition on a right context."""
+
+    decoding = "block"
+
+    def __init__(self, model, tokenizer, *, context: int, block_size: int = 4,
+                 keep_logits: bool = False):
+        super().__init__(model, tokenizer, context=context, keep_logits=keep_logits)
+        self.block_size = block_size
+
+    def check_infill(self) -> None:
+        raise DecodeError("a block-diffusion (BD3LM) checkpoint decodes left to right and "
+                          "cannot condition on the right context: infilling needs a "
+                          "staggered (SetDLM) or masked (MDLM) checkpoint")
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, window: int = 16,
+                 threshold: float = math.inf, sampling: Sampling = Sampling(),
+                 stop: StopCriteria = StopCriteria()) -> list[Result]:
+        """Blocks of the checkpoint's ``block_size``: ``window`` must be that size (the
+        order's sets are its blocks)."""
+        if window != self.block_size:
+            raise DecodeError(f"window {window}: a block-diffusion (BD3LM) checkpoint decodes "
+                              f"its own blocks of order.block_size = {self.block_size}; use "
+                              f"--window {self.block_size} or leave it unset")
+        return self.blocks(prompts, max_new_tokens, self.block_size, threshold, sampling, stop)
+
+    def infill(self, left, right, middle_len, window: int = 16, threshold: float = math.inf,
+               sampling: Sampling = Sampling()) -> list[Result]:
+        self.check_infill()
+
+    def block(self, prompt: list[int], max_new_tokens: int, block_size: int,
+              threshold: float = math.inf, sampling: Sampling = Sampling(),
+              stop: StopCriteria = StopCriteria()) -> Result:
+        """:meth:`blocks` for one prompt."""
+        return self.blocks([prompt], max_new_tokens, block_size, threshold, sampling, stop)[0]
+
+    def blocks(self, prompts: list[list[int]], max_new_tokens: int, block_size: int,
+               threshold: float = math.inf, sampling: Sampling = Sampling(),
+               stop: StopCriteria = StopCriteria()) -> list[Result]:
+        """Block decoding of a batch. Blocks lie on the training grid, ``[k B, (k + 1) B)`` in
+        absolute positions (the block order's sets): after a prompt of ``P`` tokens the first
+        block is ``[P, ceil(P / B) B)``, the rest of the block the prompt occupies. Each row
+        keeps its own blocks (prompts may differ in length); one forward per step serves all
+        rows, padded. Stop criteria are checked on each row's committed prefix after every
+        step; a stopped row idles while the others finish."""
+        N, bs = max_new_tokens, block_size
+        if N < 1 or bs < 1:
+            raise DecodeError(f"max_new_tokens ({N}) and block_size ({bs}) must be at least 1")
+        samples, plan = [], []
+        for i, p in enumerate(prompts):
+            if not p:
+                raise DecodeError(f"prompt {i} is empty")
+            P = len(p)
+            if P + N > self.context:
+                raise DecodeError(f"prompt {i}: {P} + {N} tokens exceed the model's context of "
+                                  f"{self.context}")
+            samples.append(Sample(tokens=list(p) + [None] * N, region=list(range(P, P + N)),
+                                   prompt_len=P))
+            # the region's positions grouped by their block k = p // B; and the clean tokens
+            # waiting to enter the cache, with their own attention pattern: the prompt
+            # (causal), then each finished block (a set)
+            plan.append({"blocks": [list(g) for _, g in groupby(range(P, P + N),
+                                                                 key=lambda p: p // bs)],
+                         "k": 0, "pending": list(range(P)),
+                         "own": torch.ones(P, P).tril().bool()})
+        B = len(samples)
+        gen = torch.Generator().manual_seed(sampling.seed)
+        cache = KVCache(self.model.config.num_layers, B, self.device)
+        start = time.perf_counter()
+        while not all(s.done for s in samples):
+            rows = [([], torch.ones(0, 0, dtype=torch.bool), []) if s.done else
+                    (st["pending"], st["own"], st["blocks"][st["k"]])
+                    for s, st in zip(samples, plan)]
+            C = max(len(r[0]) for r in rows)
+            Q = max(len(r[2]) for r in rows)
+            n = C + Q
+            tok_rows, pos_rows, val_rows = [], [], []
+            own = torch.zeros(B, n, n, dtype=torch.bool)
+            for b, (s, (pend, pend_own, block)) in enumerate(zip(samples, rows)):
+                c, q = len(pend), len(block)
+                tok_rows.append([s.tokens[p] for p in pend] + [self.mask_id] * (C - c)
+                                + [self.mask_id if s.tokens[p] is None else s.tokens[p]
+                                   for p in block] + [self.mask_id] * (Q - q))
+                pos_rows.append(pend + [0] * (C - c) + block + [0] * (Q - q))
+                val_rows.append([True] * c + [False] * (C - c) + [True] * q + [False] * (Q - q))
+                # the pending clean tokens see the cache and their own pattern; the noisy block
+                # sees them and itself, bidirectionally; only the clean ones are cached
+                own[b, :c, :c] = pend_own
+                own[b, C:C + q, :c] = True
+                own[b, C:C + q, C:C + q] = True
+            own |= torch.eye(n, dtype=torch.bool)  # (a padded slot attends itself: no empty row)
+            dev = self.device
+            tokens = torch.tensor(tok_rows, dtype=torch.long, device=dev)
+            positions = torch.tensor(pos_rows, dtype=torch.long, device=dev)
+            valid = torch.tensor(val_rows, dtype=torch.bool, device=dev)
+            cache.reserve(n)
+            allowed = torch.cat([cache.valid[:, None, :].expand(B, n, cache.length)
+                                 & valid[:, :, None], own.to(dev)], dim=2)
+            with torch.no_grad():
+                logits = self.model(tokens, positions, None, logits_from=C,
+                                    step=DecodeStep(cache, allowed))
+            cache.commit(valid[:, :C], positions[:, :C], leading=True)
+            logits = self._full_vocab(logits).transpose(0, 1).float().cpu()  # [B, Q, V]
+            for b, (s, st) in enumerate(zip(samples, plan)):
+                if s.done:
+                    continue
+                block = st["blocks"][st["k"]]
+                st["pending"], st["own"] = [], torch.ones(0, 0, dtype=torch.bool)
+                masked = [j for j, p in enumerate(block) if s.tokens[p] is None]
+                picks = self._choose(logits[b, masked], [block[j] for j in masked], s, sampling,
+                                     gen, threshold)
+                s.commit([(p, t) for p, t, _ in picks])
+                s.trace.append(sorted((p, c) for p, _, c in picks))
+                s.steps += 1
+                self._check_stop(s, stop)
+                if all(s.tokens[p] is not None for p in block):
+                    st["k"] += 1
+                    st["pending"], st["own"] = block, torch.ones(len(block), len(block),
+                                                                 dtype=torch.bool)
+                    s.done = s.done or st["k"] == len(st["blocks"])
+        seconds = time.perf_counter() - start
+        return [s.result(self.tok, seconds) for s in samples]
+
+
+class MDLMDecoder(Decoder):
+    """MDLM's sampler for a checkpoint trained with the masked order: no window (every masked
+    position is a candidate at every step), and infilling sees both contexts."""
+
+    decoding = "mdlm"
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, window=None,
+                 threshold: float = math.inf, sampling: Sampling = Sampling(),
+                 stop: StopCriteria = StopCriteria()) -> list[Result]:
+        """Each prompt in turn (``window`` is unused: MDLM has none)."""
+        return [self.mdlm(p, max_new_tokens, threshold, sampling, stop=stop) for p in prompts]
+
+    def infill(self, left: list[list[int]], right: list[list[int]], middle_len: list[int],
+               window=None, threshold: float = math.inf, sampling: Sampling = Sampling()
+               ) -> list[Result]:
+        """Fills each span seeing both its contexts."""
+        for i, n in enumerate(middle_len):
+            if n < 1:
+                raise DecodeError(f"infill {i}: the middle must have at least one token")
+        return [self.mdlm(lt, n, threshold, sampling, right=rt)
+                for lt, rt, n in zip(left, right, middle_len)]
+
+    def _forward(self, cache, tokens, positions, own, commit):
+        """One pass over ``tokens``; ``commit``: whether the cache keeps them (a bool, or one
+        per token: the leading ones, in a fused pass)."""
+        n = len(tokens)
+        cache.reserve(n)
+        allowed = torch.cat([cache.valid.cpu()[:, None, :].expand(1, n, cache.length),
+                             own[None]], dim=2).to(self.device)
+        tokens = torch.tensor(tokens, device=self.device)[None]
+        positions = torch.tensor(positions, device=self.device)[None]
+        with torch.no_grad():
+            logits = self.model(tokens, positions, None, step=DecodeStep(cache, allowed))
+        keep = [commit] * n if isinstance(commit, bool) else list(commit)
+        cache.commit(torch.tensor([keep], dtype=torch.bool, device=self.device), positions)
+        return self._full_vocab(logits)[:, 0].float().cpu()  # [n, V]
+
+    def mdlm(self, prompt: list[int], max_new_tokens: int, threshold: float = math.inf,
+             sampling: Sampling = Sampling(), right: Optional[list[int]] = None,
+             stop: StopCriteria = StopCriteria()) -> Result:
+        """MDLM's sampler; with ``right`` it infills ``max_new_tokens`` between ``prompt`` and
+        ``right``, both given as context (revealed first, causal in position order, as the
+        training order treats context), which the masked span sees in full. The whole span is
+        decoded before ``stop`` is applied to it (MDLM has no left-to-right prefix to check
+        earlier)."""
+        if not prompt:
+            raise DecodeError("the prompt is empty")
+        gen = torch.Generator().manual_seed(sampling.seed)
+        right = list(right or [])
+        P, N, R = len(prompt), max_new_tokens, len(right)
+        if P + N + R > self.context:
+            raise DecodeError(f"{P} + {N} + {R} tokens exceed the model's context of "
+                              f"{self.context}")
+        s = Sample(tokens=list(prompt) + [None] * N + right, region=list(range(P, P + N)),
+                    prompt_len=P)
+        # the context is causal in position order and never sees the span; the span is one
+        # set: it sees all of the context and itself
+        T = P + N + R
+        own = torch.ones(T, T).tril().bool()
+        own[:, P:P + N] = False
+        own[P:P + N, :] = True
+        start = time.perf_counter()
+        while s.masked():
+            cache = KVCache(self.model.config.num_layers, 1, self.device)  # nothing is reused
+            ids = [self.mask_id if t is None else t for t in s.tokens]
+            logits = self._forward(cache, ids, list(range(T)), own, False)
+            masked = s.masked()
+            picks = self._choose(logits[masked], masked, s, sampling, gen, threshold)
+            s.commit([(p, t) for p, t, _ in picks])
+            s.trace.append(sorted((p, c) for p, _, c in picks))
+            s.steps += 1
+        self._check_stop(s, stop)
+        return s.result(self.tok, time.perf_counter() - start)

@@ -1,0 +1,243 @@
+"""What every decoder shares: the errors and checks of its inputs, the stop criteria, one
+sample's state while it decodes and the result it returns, and :class:`Decoder`, the base of the
+set decoder (:mod:`.decoder`) and of its siblings, the BD3LM and MDLM baselines
+(:mod:`.baselines`): the model, the vocabulary gather, choosing and recording a step's tokens
+(:mod:`.sampling`), and the stop criteria on the committed prefix."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from setdiff_dist.errors import SetdiffError
+
+from .sampling import accept, pick
+
+
+class DecodeError(SetdiffError, ValueError):
+    """Bad decoding input; the message says what and how to fix it."""
+
+
+def check_threshold(threshold: float) -> None:
+    if math.isnan(threshold) or threshold < 0:
+        raise DecodeError(f"threshold={threshold!r}: a confidence in [0, 1] (or inf: one token "
+                          "per step)")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    greedy: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = (("temperature", self.temperature, lambda v: v >= 0, "0 or more"),
+                  ("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+                  ("repetition_penalty", self.repetition_penalty, lambda v: v > 0,
+                   "above 0 (1 = none)"))
+        for name, value, ok, want in checks:
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
+                raise DecodeError(f"{name}={value!r}: it must be a finite number {want}")
+
+
+def check_text(what: str, text: str) -> None:
+    """Text from a command line or a file must be Unicode: bytes that are not UTF-8 reach
+    Python as lone surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DecodeError(f"{what} is not valid UTF-8 text (character {exc.start}: "
+                          f"{text[exc.start:exc.start + 1]!r}); re-encode it as UTF-8") from None
+
+
+def model_device(model) -> torch.device:
+    """Where a model's weights live (the lean model keeps them as buffers)."""
+    device = getattr(model, "device", None)
+    return device if isinstance(device, torch.device) else next(model.parameters()).device
+
+
+@dataclass(frozen=True)
+class StopCriteria:
+    eos_id: Optional[int] = None
+    stop: Sequence[str] = ()
+    max_repeat_run: Optional[int] = None
+
+    def __post_init__(self):
+        for pattern in self.stop:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as exc:
+                    raise DecodeError(f"stop pattern {pattern!r} is not a valid regular "
+                                      f"expression: {exc}; escape special characters or "
+                                      "drop the 're:' prefix for a plain string") from None
+            elif not pattern:
+                raise DecodeError("an empty stop string would stop at once; give some text")
+        if self.max_repeat_run is not None and self.max_repeat_run < 1:
+            raise DecodeError(f"max_repeat_run={self.max_repeat_run}: must be 1 or more")
+
+
+@dataclass
+class Sample:
+    tokens: list                 # token id per position, None while masked
+    region: list                 # positions to generate, in position order
+    prompt_len: int
+    pending: list = field(default_factory=list)  # accepted last step, not yet in the cache
+    done: bool = False
+    end: Optional[int] = None    # generation stops before this position
+    steps: int = 0
+    logits: dict = field(default_factory=dict)   # position -> logits when decoded (tests)
+    trace: list = field(default_factory=list)    # per forward: [(position, confidence)] taken
+    left: int = 0        # region[:left] is committed (the left prefix)
+    checked: int = 0     # region[:checked] was searched for stops
+    committed: int = 0   # positions of the region committed so far
+
+    def seen(self) -> set:
+        """The token ids this sample holds (for a repetition penalty)."""
+        return {t for t in self.tokens if t is not None}
+
+    def advance(self) -> None:
+        while self.left < len(self.region) and self.tokens[self.region[self.left]] is not None:
+            self.left += 1
+
+    def masked(self, limit: Optional[int] = None) -> list:
+        """The still-masked positions of the region, in order (the first ``limit``)."""
+        self.advance()
+        out = []
+        for p in self.region[self.left:]:
+            if self.tokens[p] is None:
+                out.append(p)
+                if len(out) == limit:
+                    break
+        return out
+
+    def window(self, width: int) -> list:
+        """The masked positions in ``[f, f + width)``, ``f`` the leftmost masked position."""
+        self.advance()
+        if self.left == len(self.region):
+            return []
+        f, out = self.region[self.left], []
+        for p in self.region[self.left:]:
+            if p >= f + width:
+                break
+            if self.tokens[p] is None:
+                out.append(p)
+        return out
+
+    def finished(self) -> bool:
+        self.advance()
+        return self.left == len(self.region)
+
+    def commit(self, picks) -> None:
+        for pos, tok in picks:
+            self.tokens[pos] = tok
+        self.committed += len(picks)
+
+    def output(self) -> list:
+        """The generated token ids, up to a stop (the stop marker excluded)."""
+        end = self.end if self.end is not None else self.region[-1] + 1
+        return [self.tokens[p] for p in self.region if p < end and self.tokens[p] is not None]
+
+    def result(self, tok, seconds: float) -> "Result":
+        ids = self.output()
+        return Result(ids, tok.decode(ids), self.steps, seconds,
+                      trace=[[p for p, _ in step] for step in self.trace],
+                      trace_confidence=[[c for _, c in step] for step in self.trace])
+
+
+@dataclass
+class Result:
+    tokens: list        # generated token ids (stop marker excluded)
+    text: str
+    steps: int          # forward passes, every one (the prefill's included: it is fused)
+    seconds: float
+    trace: Optional[list] = None  # per forward step: the absolute positions committed in it
+    trace_confidence: Optional[list] = None  # and the confidence of each
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens per forward pass: what decides the speed."""
+        return len(self.tokens) / max(self.steps, 1)
+
+
+class Decoder:
+    """The base of every decoder: the model (the lean decode-time model, any tensor-parallel
+    size), its tokenizer and context, and the steps all of them take alike."""
+
+    #: what :meth:`generate` runs: "set", "causal" (AR), "block" (BD3LM) or "mdlm"
+    decoding = ""
+
+    def __init__(self, model, tokenizer, *, context: int, keep_logits: bool = False):
+        self.model, self.tok, self.context = model, tokenizer, context
+        self.mask_id = model.mask_id
+        self.device = model_device(model)
+        self.keep_logits = keep_logits
+        self._last_logits: dict = {}  # position -> logits of the last call (keep_logits=True)
+        self.vocab = model.vocab_size
+
+    def check_infill(self) -> None:
+        """Raise if this decoder cannot condition on a right context (before any decoding)."""
+
+    def _full_vocab(self, logits):
+        """Gather vocab-parallel logits ``[s, b, V/TP]`` and keep the real vocabulary."""
+        tp = getattr(self.model, "tp_size", 1)  # (the lean model's tensor-parallel group)
+        if tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits.contiguous(), group=self.model.tp_group)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.vocab]
+
+    def _choose(self, logits, cands, s, sampling, gen, threshold):
+        """One sample's choices for ``logits [M, V]`` (recorded with ``keep_logits``); accept
+        the most confident and all above the threshold."""
+        if self.keep_logits:
+            for j, pos in enumerate(cands):
+                s.logits[pos] = logits[j].clone()
+                self._last_logits[pos] = logits[j].clone()
+        toks, conf = pick(logits[None], sampling, gen, [s.seen()])
+        return accept(toks[0], conf[0], cands, threshold)
+
+    def _check_stop(self, s, stop):
+        """End-of-text, stop strings / regex and repeated runs, on the committed left prefix;
+        generation ends at the earliest of them. Only the part of the prefix committed since
+        the last check is searched for end-of-text and runs (the rest was searched before)."""
+        s.advance()
+        lo, hi = s.checked, s.left  # region indices of the newly committed prefix
+        if hi == lo:
+            return
+        s.checked = hi
+        tok = lambda j: s.tokens[s.region[j]]  # noqa: E731
+        ends = []  # candidate end positions (exclusive)
+        if stop.eos_id is not None:
+            hit = next((j for j in range(lo, hi) if tok(j) == stop.eos_id), None)
+            if hit is not None:
+                ends.append(s.region[hit])
+        k = stop.max_repeat_run
+        if k:
+            for j in range(max(lo, k - 1), hi):  # the earliest run of k equal tokens
+                if all(tok(i) == tok(j) for i in range(j - k + 1, j)):
+                    ends.append(s.region[j] + 1)
+                    break
+        if stop.stop:
+            ids = [tok(j) for j in range(hi)]
+            text = self.tok.decode(ids)
+            for pattern in stop.stop:
+                if pattern.startswith("re:"):
+                    m = re.search(pattern[3:], text)
+                    hit = m.end() if m else -1
+                else:
+                    hit = text.find(pattern) + len(pattern) if pattern in text else -1
+                if hit >= 0:  # the shortest prefix whose text contains the match
+                    k_tokens = next(k for k in range(1, len(ids) + 1)
+                                    if len(self.tok.decode(ids[:k])) >= hit)
+                    ends.append(s.region[k_tokens - 1] + 1)
+        if ends:
+            s.end = min(ends)
+            s.done = True
