@@ -162,3 +162,20 @@ def test_causal_attention_with_lse_has_exact_gradients(dtype):
     for a, w in zip(got, want):
         assert torch.allclose(a.double(), w, atol=tol * 4, rtol=tol), float((a.double() - w)
                                                                              .abs().max())
+
+
+def test_a_decoding_steps_mask_is_the_training_masks_rule():
+    """The decoders' per-step mask (step_mask) is the training mask restricted to the step's
+    tokens: any clean and noisy tokens of any sets, taken from [clean ; noisy]."""
+    from setdiff_dist.diffusion.masks import step_mask
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        L = 12
+        set_ids = torch.sort(torch.randint(0, 6, (L,), generator=g)).values
+        set_ids = set_ids[torch.randperm(L, generator=g)]
+        full = set_causal_mask(set_ids[None])[0]
+        index = torch.randperm(2 * L, generator=g)[:9]  # (a step's tokens, from both halves)
+        noisy = index >= L
+        got = step_mask(set_ids[index % L], noisy)
+        assert torch.equal(got, full[index][:, index])

@@ -29,6 +29,7 @@ _WHERE = {
     "set_causal_mask": "masks",
     "set_causal_mask_mod": "masks",
     "set_causal_rule": "masks",
+    "step_mask": "masks",
     "staggered_parameters": "orders",
     "to_reveal_order": "masks",
     "token_nll": "nelbo",
@@ -53,6 +54,6 @@ __all__ = [
     "nelbo", "noisy_copy", "permuted_singleton_mask", "permuted_singleton_mask_mod",
     "perplexity_bound", "sample_generator", "sample_orders", "sample_seed",
     "schedule_from_config", "set_causal_mask", "set_causal_mask_mod", "set_causal_rule",
-    "staggered_parameters",
+    "staggered_parameters", "step_mask",
     "to_reveal_order", "token_nll", "two_copy_inputs",
 ]

@@ -38,6 +38,19 @@ def set_causal_rule(q_idx, kv_idx, s_q, s_k, L):
             | (q_noisy & k_noisy & (s_k == s_q)))
 
 
+def step_mask(set_ids: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+    """The set-causal rule over the tokens of one decoding step, ``[n, n]`` (True = may
+    attend) for tokens whose sets are ``set_ids [n]`` (numbered in reveal order) and which are
+    clean (``noisy`` False: committed tokens, context) or noisy (``[MASK]`` queries): clean
+    tokens see the clean tokens of their set and earlier ones, a noisy token the clean tokens
+    of earlier sets and the noisy tokens of its own set, as in training (the KV cache holds
+    the earlier sets)."""
+    n = set_ids.shape[-1]
+    i = torch.arange(n, device=set_ids.device)
+    idx = torch.where(noisy, i + n, i)  # (an index into [clean ; noisy] of n tokens a half)
+    return set_causal_rule(idx[:, None], idx[None, :], set_ids[:, None], set_ids[None, :], n)
+
+
 def _half_index(idx, L):
     return torch.where(idx >= L, idx - L, idx)
 

@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from setdiff_dist.diffusion.masks import step_mask
+
 from .decoding import DecodeError, Decoder, Result, Sample, Sampling, StopCriteria
 from .kv_cache import DecodeStep, KVCache
 
@@ -85,37 +87,39 @@ class BlockDecoder(Decoder):
             samples.append(Sample(tokens=list(p) + [None] * N, region=list(range(P, P + N)),
                                    prompt_len=P))
             # the region's positions grouped by their block k = p // B; and the clean tokens
-            # waiting to enter the cache, with their own attention pattern: the prompt
-            # (causal), then each finished block (a set)
+            # waiting to enter the cache, with their sets: the prompt (a set each: causal),
+            # then each finished block (one set)
             plan.append({"blocks": [list(g) for _, g in groupby(range(P, P + N),
                                                                  key=lambda p: p // bs)],
-                         "k": 0, "pending": list(range(P)),
-                         "own": torch.ones(P, P).tril().bool()})
+                         "k": 0, "pending": list(range(P)), "sets": list(range(P))})
         B = len(samples)
         gen = torch.Generator().manual_seed(sampling.seed)
         cache = KVCache(self.model.config.num_layers, B, self.device)
         start = time.perf_counter()
         while not all(s.done for s in samples):
-            rows = [([], torch.ones(0, 0, dtype=torch.bool), []) if s.done else
-                    (st["pending"], st["own"], st["blocks"][st["k"]])
+            rows = [([], [], []) if s.done else (st["pending"], st["sets"], st["blocks"][st["k"]])
                     for s, st in zip(samples, plan)]
             C = max(len(r[0]) for r in rows)
             Q = max(len(r[2]) for r in rows)
             n = C + Q
             tok_rows, pos_rows, val_rows = [], [], []
             own = torch.zeros(B, n, n, dtype=torch.bool)
-            for b, (s, (pend, pend_own, block)) in enumerate(zip(samples, rows)):
+            for b, (s, (pend, sets, block)) in enumerate(zip(samples, rows)):
                 c, q = len(pend), len(block)
                 tok_rows.append([s.tokens[p] for p in pend] + [self.mask_id] * (C - c)
                                 + [self.mask_id if s.tokens[p] is None else s.tokens[p]
                                    for p in block] + [self.mask_id] * (Q - q))
                 pos_rows.append(pend + [0] * (C - c) + block + [0] * (Q - q))
                 val_rows.append([True] * c + [False] * (C - c) + [True] * q + [False] * (Q - q))
-                # the pending clean tokens see the cache and their own pattern; the noisy block
-                # sees them and itself, bidirectionally; only the clean ones are cached
-                own[b, :c, :c] = pend_own
-                own[b, C:C + q, :c] = True
-                own[b, C:C + q, C:C + q] = True
+                # the set-causal rule over the step: the pending clean tokens see the cache and
+                # their sets; the noisy block, one set after them, sees them and itself,
+                # bidirectionally; only the clean ones are cached
+                rule = step_mask(torch.tensor(sets + [max(sets, default=-1) + 1] * q,
+                                              dtype=torch.long),
+                                 torch.tensor([False] * c + [True] * q, dtype=torch.bool))
+                own[b, :c, :c] = rule[:c, :c]
+                own[b, C:C + q, :c] = rule[c:, :c]
+                own[b, C:C + q, C:C + q] = rule[c:, c:]
             own |= torch.eye(n, dtype=torch.bool)  # (a padded slot attends itself: no empty row)
             dev = self.device
             tokens = torch.tensor(tok_rows, dtype=torch.long, device=dev)
@@ -133,7 +137,7 @@ class BlockDecoder(Decoder):
                 if s.done:
                     continue
                 block = st["blocks"][st["k"]]
-                st["pending"], st["own"] = [], torch.ones(0, 0, dtype=torch.bool)
+                st["pending"], st["sets"] = [], []
                 masked = [j for j, p in enumerate(block) if s.tokens[p] is None]
                 picks = self._choose(logits[b, masked], [block[j] for j in masked], s, sampling,
                                      gen, threshold)
@@ -143,8 +147,7 @@ class BlockDecoder(Decoder):
                 self._check_stop(s, stop)
                 if all(s.tokens[p] is not None for p in block):
                     st["k"] += 1
-                    st["pending"], st["own"] = block, torch.ones(len(block), len(block),
-                                                                 dtype=torch.bool)
+                    st["pending"], st["sets"] = block, [0] * len(block)
                     s.done = s.done or st["k"] == len(st["blocks"])
         seconds = time.perf_counter() - start
         return [s.result(self.tok, seconds) for s in samples]
@@ -205,12 +208,13 @@ class MDLMDecoder(Decoder):
                               f"{self.context}")
         s = Sample(tokens=list(prompt) + [None] * N + right, region=list(range(P, P + N)),
                     prompt_len=P)
-        # the context is causal in position order and never sees the span; the span is one
-        # set: it sees all of the context and itself
+        # the set-causal rule: the context a set each, in position order (causal), never seeing
+        # the span; the span one noisy set after it, seeing all of the context and itself
         T = P + N + R
-        own = torch.ones(T, T).tril().bool()
-        own[:, P:P + N] = False
-        own[P:P + N, :] = True
+        span = torch.zeros(T, dtype=torch.bool)
+        span[P:P + N] = True
+        sets = torch.where(span, T, torch.arange(T))
+        own = step_mask(sets, span)
         start = time.perf_counter()
         while s.masked():
             cache = KVCache(self.model.config.num_layers, 1, self.device)  # nothing is reused

@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from setdiff_dist.diffusion.masks import step_mask
+
 from .baselines import BlockDecoder, MDLMDecoder
 from .decoding import (
     DecodeError,
@@ -239,15 +241,15 @@ class SetDecoder(Decoder):
                 cache.crop(self.context - need)
 
     def _step_pattern(self, C: int, n: int):
-        """The step's own-token mask for ``C`` commits among ``n`` tokens, before validity:
-        commits causal among themselves, [MASK] queries see every commit (and themselves,
-        through the identity, which also keeps a padded row from attending nothing)."""
+        """The step's own-token mask for ``C`` commits among ``n`` tokens, before validity, by
+        the set-causal rule (:func:`setdiff_dist.diffusion.masks.step_mask`): the commits are
+        clean singleton sets in commit order (causal among themselves), each [MASK] query a
+        noisy singleton after them (it sees every commit and itself; the identity also keeps a
+        padded row from attending nothing)."""
         key = (C, n)
         if key not in self._patterns:
             i = torch.arange(n)
-            is_commit = i < C
-            pattern = (is_commit[:, None] & is_commit[None, :] & (i[None, :] <= i[:, None])) \
-                | (~is_commit[:, None] & is_commit[None, :])
+            pattern = step_mask(i, i >= C)
             self._patterns[key] = (pattern[None].to(self.device),
                                    torch.eye(n, dtype=torch.bool, device=self.device)[None])
         return self._patterns[key]
