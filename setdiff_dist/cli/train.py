@@ -38,7 +38,8 @@ import subprocess
 import sys
 
 from setdiff_dist.cli import EXIT_INTERRUPTED, command, count
-from setdiff_dist.config import ConfigError, load_config, world_problems
+from setdiff_dist.config import ConfigError, load_config
+from setdiff_dist.config_checks import world_problems
 from setdiff_dist.errors import SetdiffError
 
 

@@ -100,7 +100,7 @@ class Plan:
 
 
 def _layout_problems(cfg, world_size: int) -> list[str]:
-    from setdiff_dist.config import validate, world_problems
+    from setdiff_dist.config_checks import validate, world_problems
 
     return list(validate(cfg)) + world_problems(cfg, world_size)
 
