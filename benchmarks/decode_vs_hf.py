@@ -19,8 +19,9 @@ greedy decoding of N new tokens after a 16-token prompt:
 Steady-state tokens/s = (N_long - N_short) / (t(N_long) - t(N_short)) per sample, so model
 loading, the prompt and warm-up are excluded; medians over the repeats. The greedy tokens of
 ``causal`` must equal transformers' (checked, printed). Shapes: ``small`` = 4 layers x 256
-hidden, vocabulary 50,304; ``110m`` = configs/models/110m.yaml as a Llama (RMSNorm, SwiGLU at
-2048 wide); ``1.3b`` = configs/models/1.3b.yaml. fp32 on the CPU by default; on a GPU
+hidden, vocabulary 50,304; ``small-2k`` the same with a vocabulary of 2,048; ``110m`` =
+configs/models/110m.yaml as a Llama (RMSNorm, SwiGLU at 2048 wide); ``1.3b`` =
+configs/models/1.3b.yaml. fp32 on the CPU by default; on a GPU
 (``--device cuda --dtype bfloat16``, as tests/gpu/run.sh runs it) the same comparison in bf16.
 """
 
@@ -39,6 +40,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"small": ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4",
                     "model.vocab_size=50304"],
+          # the shape of issue 32's set-step target: per-step work, not the head, dominates
+          "small-2k": ["model.num_layers=4", "model.hidden_size=256",
+                       "model.num_attention_heads=4", "model.vocab_size=2048"],
           # the 110m shape as a Llama (transformers has no GPT-2 with our rotary / untied
           # layout): RMSNorm + SwiGLU at 2048 = 8/3 x hidden keeps the parameter count
           "110m": ["model.normalization=rmsnorm", "model.activation=swiglu",
@@ -59,8 +63,8 @@ def _weights(shape: str):
     from setdiff_dist.config import load_config
     from setdiff_dist.model.transformer import build_model, global_name, transformer_config
 
-    path = os.path.join(ROOT, "configs", "models", f"{shape}.yaml") if shape != "small" \
-        else None
+    path = os.path.join(ROOT, "configs", "models", f"{shape}.yaml") \
+        if not shape.startswith("small") else None
     cfg = load_config(path, ["order.kind=causal", *SHAPES[shape]])
     model = build_model(cfg.model, transformer_config(cfg.model), seed=0)
     rows = cfg.model.vocab_size + 1

@@ -48,8 +48,13 @@ _WIDE = ("qkv", "fc1", "head")
 # on the dense layout costs about twice as much for the 4-8 rows of a set-decoding step (W
 # queries and a commit) or of a batch as for one row; oneDNN's packed kernel stays near the
 # one-row cost (measured in a decoding loop, 110m shape: a W=4 set step 39 -> 27 ms) but costs
-# ~10% more for a single row, and adds ~15 us per call, which small weights do not repay.
-_PACK_MIN = 1 << 20
+# ~10% more for a single row, and adds ~15 us per call. Small weights repay it too for the 5
+# rows of a W=4 step (2 quiet Xeon cores, us per call, MKL against oneDNN: 256 x 768 qkv 51 /
+# 28, 256 x 2048 fc1 134 / 52, 1024 x 256 fc2 72 / 32, a 2048-row head 124 / 45); only the
+# smallest (256 x 256 proj: 17 / 22) do not. At 4 x 256 with a 2,048 vocabulary, packing from
+# 1M elements left every weight on MKL and a set step cost 1.5x a causal step; from 128k it
+# costs about the same (benchmarks/decode_vs_hf.py, shape small-2k).
+_PACK_MIN = 1 << 17
 _MATMULS = ("qkv", "proj", "fc1", "fc2", "head")
 
 
