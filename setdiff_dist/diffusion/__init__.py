@@ -48,12 +48,4 @@ def __getattr__(name: str):
     return globals()[name]
 
 
-__all__ = [
-    "AutoregressiveSchedule", "BlockSchedule", "MaskedSchedule", "Nelbo", "OrderSample",
-    "OrderSchedule", "StaggeredSchedule", "causal_mask", "from_reveal_order", "make_schedule",
-    "nelbo", "noisy_copy", "permuted_singleton_mask", "permuted_singleton_mask_mod",
-    "perplexity_bound", "sample_generator", "sample_orders", "sample_seed",
-    "schedule_from_config", "set_causal_mask", "set_causal_mask_mod", "set_causal_rule",
-    "staggered_parameters", "step_mask",
-    "to_reveal_order", "token_nll", "two_copy_inputs",
-]
+__all__ = sorted(_WHERE)

@@ -24,7 +24,7 @@ import torch
 from setdiff_dist.diffusion.masks import step_mask
 
 from .decoding import DecodeError, Decoder, Result, Sample, Sampling, StopCriteria
-from .kv_cache import DecodeStep, KVCache
+from .kv_cache import KVCache
 
 
 class BlockDecoder(Decoder):
@@ -125,14 +125,8 @@ class BlockDecoder(Decoder):
             tokens = torch.tensor(tok_rows, dtype=torch.long, device=dev)
             positions = torch.tensor(pos_rows, dtype=torch.long, device=dev)
             valid = torch.tensor(val_rows, dtype=torch.bool, device=dev)
-            cache.reserve(n)
-            allowed = torch.cat([cache.valid[:, None, :].expand(B, n, cache.length)
-                                 & valid[:, :, None], own.to(dev)], dim=2)
-            with torch.no_grad():
-                logits = self.model(tokens, positions, None, logits_from=C,
-                                    step=DecodeStep(cache, allowed))
-            cache.commit(valid[:, :C], positions[:, :C], leading=True)
-            logits = self._full_vocab(logits).transpose(0, 1).float().cpu()  # [B, Q, V]
+            logits = self._cached_pass(cache, tokens, positions, valid, own.to(dev), C,
+                                       logits_from=C).float().cpu()  # [B, Q, V]
             for b, (s, st) in enumerate(zip(samples, plan)):
                 if s.done:
                     continue
@@ -175,21 +169,6 @@ class MDLMDecoder(Decoder):
         return [self.mdlm(lt, n, threshold, sampling, right=rt)
                 for lt, rt, n in zip(left, right, middle_len)]
 
-    def _forward(self, cache, tokens, positions, own, commit):
-        """One pass over ``tokens``; ``commit``: whether the cache keeps them (a bool, or one
-        per token: the leading ones, in a fused pass)."""
-        n = len(tokens)
-        cache.reserve(n)
-        allowed = torch.cat([cache.valid.cpu()[:, None, :].expand(1, n, cache.length),
-                             own[None]], dim=2).to(self.device)
-        tokens = torch.tensor(tokens, device=self.device)[None]
-        positions = torch.tensor(positions, device=self.device)[None]
-        with torch.no_grad():
-            logits = self.model(tokens, positions, None, step=DecodeStep(cache, allowed))
-        keep = [commit] * n if isinstance(commit, bool) else list(commit)
-        cache.commit(torch.tensor([keep], dtype=torch.bool, device=self.device), positions)
-        return self._full_vocab(logits)[:, 0].float().cpu()  # [n, V]
-
     def mdlm(self, prompt: list[int], max_new_tokens: int, threshold: float = math.inf,
              sampling: Sampling = Sampling(), right: Optional[list[int]] = None,
              stop: StopCriteria = StopCriteria()) -> Result:
@@ -214,12 +193,15 @@ class MDLMDecoder(Decoder):
         span = torch.zeros(T, dtype=torch.bool)
         span[P:P + N] = True
         sets = torch.where(span, T, torch.arange(T))
-        own = step_mask(sets, span)
+        dev = self.device
+        own = step_mask(sets, span)[None].to(dev)
+        positions = torch.arange(T, device=dev)[None]
+        valid = torch.ones(1, T, dtype=torch.bool, device=dev)
         start = time.perf_counter()
         while s.masked():
-            cache = KVCache(self.model.config.num_layers, 1, self.device)  # nothing is reused
-            ids = [self.mask_id if t is None else t for t in s.tokens]
-            logits = self._forward(cache, ids, list(range(T)), own, False)
+            cache = KVCache(self.model.config.num_layers, 1, dev)  # nothing is kept (no commits)
+            ids = torch.tensor([[self.mask_id if t is None else t for t in s.tokens]], device=dev)
+            logits = self._cached_pass(cache, ids, positions, valid, own, 0)[0].float().cpu()
             masked = s.masked()
             picks = self._choose(logits[masked], masked, s, sampling, gen, threshold)
             s.commit([(p, t) for p, t, _ in picks])

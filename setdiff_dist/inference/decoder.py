@@ -48,7 +48,7 @@ from .decoding import (
     check_threshold,
     model_device,
 )
-from .kv_cache import DecodeStep, KVCache
+from .kv_cache import KVCache
 from .sampling import accept, pick
 
 __all__ = ["BlockDecoder", "DecodeError", "Decoder", "MDLMDecoder", "Result", "Sample",
@@ -186,15 +186,9 @@ class SetDecoder(Decoder):
         # what each new token may attend: valid cache entries, then the step's own tokens
         pattern, eye = self._step_pattern(C, n)
         own = (pattern & valid[:, None, :] & valid[:, :, None]) | eye
-        cache.reserve(n)  # (may squeeze out cropped slots: before the mask is built)
-        allowed = torch.cat([cache.valid[:, None, :].expand(B, n, cache.length)
-                             & valid[:, :, None], own], dim=2)
-        with torch.no_grad():
-            logits = self.model(tokens, positions, None, logits_from=0 if self.mode == "causal"
-                                else C, step=DecodeStep(cache, allowed))
-        # the commits are each row's leading slots: the cache keeps the first C
-        cache.commit(valid[:, :C], positions[:, :C], leading=True)
-        logits = self._full_vocab(logits).transpose(0, 1)  # [B, s, V], on the device
+        # [B, s, V], on the device; the cache keeps the first C (the commits)
+        logits = self._cached_pass(cache, tokens, positions, valid, own, C,
+                                   logits_from=0 if self.mode == "causal" else C)
         if self.mode == "causal":  # each sample's prediction comes from its last commit
             last = [max(len(c) - 1, 0) for c in commits]
             if min(last) == max(last):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from setdiff_dist.errors import SetdiffError
 
+from .kv_cache import DecodeStep
 from .sampling import accept, pick
 
 
@@ -184,6 +185,24 @@ class Decoder:
 
     def check_infill(self) -> None:
         """Raise if this decoder cannot condition on a right context (before any decoding)."""
+
+    def _cached_pass(self, cache, tokens, positions, valid, own, commits: int,
+                     logits_from: int = 0):
+        """One forward of a step's padded rows (``tokens``, ``positions``, ``valid [B, n]``,
+        on the device) over ``cache``: each token attends the cache's valid entries and, among
+        the step's tokens, what ``own [B, n, n]`` allows; the cache then keeps each row's first
+        ``commits`` slots. Returns the logits ``[B, n - logits_from, V]`` (the real vocabulary,
+        gathered over tensor-parallel ranks), on the device."""
+        B, n = tokens.shape
+        cache.reserve(n)  # (may squeeze out cropped slots: before the mask is built)
+        allowed = torch.cat([cache.valid[:, None, :].expand(B, n, cache.length)
+                             & valid[:, :, None], own], dim=2)
+        with torch.no_grad():
+            logits = self.model(tokens, positions, None, logits_from=logits_from,
+                                step=DecodeStep(cache, allowed))
+        # (the commits are each row's leading slots)
+        cache.commit(valid[:, :commits], positions[:, :commits], leading=True)
+        return self._full_vocab(logits).transpose(0, 1)
 
     def _full_vocab(self, logits):
         """Gather vocab-parallel logits ``[s, b, V/TP]`` and keep the real vocabulary."""
