@@ -37,6 +37,22 @@ def test_identical_fp32_loss_curves_across_layouts(trained, layouts):
         assert losses[-1] < losses[0]  # it learns
 
 
+def _grad_norms(run_dir):
+    return [json.loads(line)["grad_norm"] for line in open(run_dir / "metrics.jsonl")
+            if '"grad_norm"' in line]
+
+
+def test_the_clipping_norm_counts_the_tied_embedding_once_under_pipeline_parallelism(
+        trained, layouts):
+    """The last stage's copy of the tied embedding is left out of the gradient norm (its
+    gradient is the first stage's, summed between them): the norm DeepSpeed clips by is the
+    one-stage run's (before, it was ~1.35x on the tiny model, the embedding counted twice)."""
+    ref = _grad_norms(trained())
+    for name in ("pp2", "tp2xpp2", "bf16-pp2"):
+        got = _grad_norms(layouts[2] / name)
+        assert got == pytest.approx(ref, rel=0.02 if "bf16" in name else 1e-4), name
+
+
 def test_metrics_and_run_directory(sonnets, tmp_path):
     res = run_train(tmp_path, sonnets, "train.tensorboard=true", "train.log_interval=2",
                     "train.peak_tflops=0.1", nproc=1, steps=4)

@@ -131,6 +131,11 @@ class SetDiffusionTransformer(MegatronModule):
                 config=dataclasses.replace(config, sequence_parallel=False),
                 init_method=config.init_method, bias=False, gather_output=False,
                 skip_weight_param_allocation=pre_process and self.tie)
+            if self.tie and not pre_process:
+                # the last stage's copy of the tied embedding: its gradient is the first
+                # stage's (summed between them), so the gradient norm for clipping counts it
+                # once, on the first stage (DeepSpeed skips parameters marked so)
+                self.output_layer.weight.ds_pipe_replicated = True
         _mark_tensor_parallel(self)
         _sum_partial_grads_over_tensor_parallel_ranks(self)
         self.register_buffer("inv_freq", rotary_inv_freq(model_cfg, config.kv_channels),
@@ -148,12 +153,20 @@ class SetDiffusionTransformer(MegatronModule):
             return self.embedding.weight
         return self.output_layer.weight
 
+    def tied_embedding_weight(self):
+        """This stage's copy of the embedding tied across pipeline stages, or None (also when
+        the output projection is not tied to the embedding)."""
+        if not self.tie or ps.get_pipeline_model_parallel_world_size() == 1 \
+                or not ps.is_rank_in_embedding_group():
+            return None
+        return self.embedding.weight if self.pre_process else self.output_layer.weight
+
     def sync_tied_embedding_grads(self, main_grad=None) -> None:
         """All-reduce the tied embedding gradient between the first and last pipeline stages
         (``main_grad(weight)``: where the gradient accumulates, default ``weight.grad``)."""
-        if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
+        w = self.tied_embedding_weight()
+        if w is None:
             return
-        w = self.embedding.weight if self.pre_process else self.output_layer.weight
         grad = main_grad(w) if main_grad is not None else w.grad
         if grad is not None:
             torch.distributed.all_reduce(grad, group=ps.get_embedding_group())
