@@ -116,8 +116,14 @@ class ZeroConfig:
                     min=0, max=3)
     offload_optimizer: str = _f("none", "optimizer state offload", choices=("none", "cpu"))
     offload_params: str = _f("none", "parameter offload (stage 3 only)", choices=("none", "cpu"))
-    overlap_comm: bool = _f(False, "overlap gradient reduction with backward")
-    reduce_bucket_size: int = _f(500_000_000, "elements per gradient-reduction bucket", min=1)
+    overlap_comm: bool = _f(True, "reduce gradients during the backward, bucket by bucket, to "
+                            "the rank that owns each partition (ZeRO 1/2; at stage 1 once a "
+                            "step, in the last micro-batch's backward, from fp32 accumulators); "
+                            "false = one reduction after the backward (bf16 ZeRO-1: "
+                            "DeepSpeed's BF16_Optimizer, an all-reduce)")
+    reduce_bucket_size: int = _f(40_000_000, "elements per gradient-reduction and parameter "
+                                 "all-gather bucket (megatron's default: smaller buckets start "
+                                 "the reduction earlier in the backward)", min=1)
 
 
 @dataclass
@@ -191,6 +197,10 @@ class TrainConfig:
     tensorboard: bool = _f(True, "write tensorboard logs into run_dir/tensorboard")
     peak_tflops: Optional[float] = _f(None, "peak dense TFLOP/s of one device, for MFU; null = "
                                       "known GPUs only (H100/H200 bf16: 989)", min=0.0)
+    profile_steps: Optional[list[int]] = _f(None, "[a, b]: a torch.profiler trace of steps a "
+                                            "to b on every rank, in run_dir/profile/ (open "
+                                            "it in Perfetto or tensorboard); null = none",
+                                            min=1)
     exit_at_step: Optional[int] = _f(None, "checkpoint and stop after this step (split a run "
                                      "into jobs; resume=auto continues it)", min=1)
 

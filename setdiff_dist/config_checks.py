@@ -107,6 +107,9 @@ def validate(cfg) -> list[str]:
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
         p.append(f"optimizer.min_lr={cfg.optimizer.min_lr} is above "
                  f"optimizer.lr={cfg.optimizer.lr}")
+    prof = cfg.train.profile_steps
+    if prof is not None and (len(prof) != 2 or prof[0] > prof[1]):
+        p.append(f"train.profile_steps={prof} must be two steps [a, b] with a <= b")
     if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):
         p.append(f"optimizer.betas={cfg.optimizer.betas} must be two numbers in [0, 1)")
     if cfg.optimizer.warmup_steps > cfg.train.steps:

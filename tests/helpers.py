@@ -223,6 +223,21 @@ def fit_layouts(rank, shards, root, layouts, out):
         torch.save(found, out)
 
 
+def mark_steps(trainer) -> list:
+    """The times the trainer's steps start, appended as they do."""
+    import time
+
+    starts, start_step = [], trainer.timers.start_step
+
+    def marked():
+        if trainer.timers._step_start is None:  # (a step starts once)
+            starts.append(time.perf_counter())
+        start_step()
+
+    trainer.timers.start_step = marked
+    return starts
+
+
 def run_layouts(shards, root, layouts=None):
     """Every layout of ``layouts`` (default :data:`LAYOUTS`), one spawn per world size, each in
     a child process whose standard error is kept: ``({name: result}, {name: stderr of its

@@ -51,16 +51,20 @@ def latest(run_dir):
     return open(os.path.join(run_dir, "checkpoints", "latest")).read().strip()
 
 
+@pytest.mark.parametrize("layout", [
+    pytest.param(("zero.stage=2",), id="zero2"),
+    # the default bf16 path: ZeRO-1, the reduction overlapped with the backward
+    pytest.param(("train.precision=bf16",), id="bf16-zero1", marks=pytest.mark.slow)])
 def test_stop_and_resume_reproduces_the_uninterrupted_curve_bit_exactly(trained, sonnets,
-                                                                          tmp_path):
-    """ZeRO-2 on two ranks: from step 3, to ``train.exit_at_step=5`` (a checkpoint, then exit
-    0), then on to the end: every step's loss is the uninterrupted run's, bit for bit."""
-    ref = trained("zero.stage=2")
+                                                                          tmp_path, layout):
+    """Two ranks: from step 3, to ``train.exit_at_step=5`` (a checkpoint, then exit 0), then on
+    to the end: every step's loss is the uninterrupted run's, bit for bit."""
+    ref = trained(*layout)
     run = rewound(ref, tmp_path)
-    res = train(run, sonnets, "zero.stage=2", "train.exit_at_step=5")
+    res = train(run, sonnets, *layout, "train.exit_at_step=5")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and latest(run) == "step_0000005"
-    res = train(run, sonnets, "zero.stage=2")  # resume=auto
+    res = train(run, sonnets, *layout)  # resume=auto
     assert res.returncode == 0, res.stderr[-3000:]
     assert losses(run) == losses(ref)  # every step, bit for bit
 
@@ -80,6 +84,61 @@ def test_pipeline_parallel_resume_is_bit_exact_too(trained, sonnets, tmp_path, p
     res = train(run, sonnets, *layout)
     assert res.returncode == 0, res.stderr[-3000:]
     assert losses(run) == losses(ref)
+
+
+@pytest.mark.slow
+def test_a_bf16_checkpoint_saved_before_the_overlap_default_resumes_with_it(trained, sonnets,
+                                                                           tmp_path):
+    """Saved by BF16_Optimizer (``zero.overlap_comm=false``), resumed with the overlapped ZeRO
+    optimizer (the default): the optimizer state goes through DeepSpeed's universal form and
+    the curve goes on (bf16: the same fp32 sums in another order)."""
+    before = ("train.precision=bf16", "zero.overlap_comm=false")
+    ref = trained(*before)
+    run = rewound(ref, tmp_path)
+    res = train(run, sonnets, "train.precision=bf16")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (run / "checkpoints" / "step_0000003" / "universal" / "zero").is_dir()
+    got, want = losses(run), losses(ref)
+    assert sorted(got) == sorted(want)
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=1e-3), step
+
+
+def test_a_change_of_optimizer_state_form_is_converted_or_refused(tmp_path):
+    """Pure logic: bf16 ZeRO-1 with and without overlap keep different optimizer states; without
+    pipeline parallelism the resume converts it, with it the refusal names the setting."""
+    import yaml
+
+    from setdiff_dist.checkpoint.format import FORMAT
+    from setdiff_dist.checkpoint.manifest import (
+        check_compatible,
+        optimizer_changes,
+        optimizer_form,
+    )
+    from setdiff_dist.config import load_config
+
+    assert optimizer_form({}) == "zero"  # fp32
+    assert optimizer_form({"train": {"precision": "bf16"}}) == "bf16_optimizer"  # before
+    assert optimizer_form({"train": {"precision": "bf16"}, "zero": {"overlap_comm": True}}) \
+        == "zero"
+    cfg = load_config("configs/tiny-cpu.yaml", ["train.precision=bf16", "parallel.pipeline=2"])
+    saved = cfg.to_dict()
+    saved["zero"]["overlap_comm"] = False
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert optimizer_changes(str(tmp_path), cfg) == \
+        "zero.overlap_comm: checkpoint false, this run true"
+    manifest = {"format": FORMAT, "layout": {"tensor": 1, "pipeline": 2,
+                "data": 1, "world": 2, "context": 1}, "zero_stage": 1, "model": saved["model"],
+                "order": saved["order"], "seq_len": cfg.data.seq_len, "seed": cfg.train.seed,
+                "tokenizer": {"sha256": "x", "spec": "bytes"}}
+    with pytest.raises(CheckpointError) as err:
+        check_compatible(manifest, str(tmp_path), cfg, {"sha256": "x", "spec": "bytes"},
+                         dict(manifest["layout"]))
+    assert "resume with zero.overlap_comm=false" in str(err.value)
+    saved["zero"]["overlap_comm"] = True
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    check_compatible(manifest, str(tmp_path), cfg, {"sha256": "x", "spec": "bytes"},
+                     dict(manifest["layout"]))
 
 
 def test_a_checkpoint_of_another_shape_or_layout_is_refused(trained, sonnets, tmp_path):

@@ -81,6 +81,25 @@ def test_nccl_training_run(byte_shards, tmp_path):
     assert len(losses) == 4 and all(l == l for l in losses) and losses[-1] < losses[0]
 
 
+def test_overlapped_bf16_default_step_with_its_timers(byte_shards, tmp_path):
+    """The default bf16 path (ZeRO-1, gradient reduction overlapped with the backward) on NCCL,
+    with its phase timers: every logged step's phases add up to its time within 5% with the
+    device synchronized at phase boundaries; the timings are printed for the log."""
+    import json
+
+    n = torch.cuda.device_count()
+    res = _train(tmp_path, byte_shards, n, "parallel.backend=nccl", "train.precision=bf16",
+                 "zero.reduce_bucket_size=20000")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    rows = [r for r in rows if "loss" in r]
+    phases = ("data_wait", "forward", "backward", "grad_reduce", "optimizer")
+    for r in rows[1:]:  # (the first step warms up the kernels)
+        print({k: round(r[k] * 1e3, 2) for k in ["step_time", *(f"time_{p}" for p in phases)]})
+        assert sum(r[f"time_{p}"] for p in phases) == pytest.approx(r["step_time"], rel=0.05)
+        assert r["time_forward"] > 0 and r["time_backward"] > 0
+
+
 def _needs_fp8():
     pytest.importorskip("transformer_engine")
     if torch.cuda.get_device_capability() < (8, 9):

@@ -45,43 +45,49 @@ def _trainer(shards, run_dir, *overrides):
 
 
 def _accumulators(rank, shards, run_root, out):
-    """Build bf16 trainers at ZeRO 1/2/3 (DP2) and PP2 and report where gradients accumulate."""
+    """Build bf16 trainers at ZeRO 1/2/3 (DP2) and PP2, with the overlapped reduction (the
+    default) and without, and report where gradients accumulate."""
     from megatron.core import parallel_state as ps
 
     from setdiff_dist.model.pipeline import forward_backward
-    from setdiff_dist.train.engine import main_grad
+    from setdiff_dist.train.engine import GradientSync
 
     found = {}
-    for name, overrides in (("zero1", ["zero.stage=1"]), ("zero2", ["zero.stage=2"]),
-                            ("zero3", ["zero.stage=3"]),
-                            ("pp2", ["zero.stage=1", "parallel.pipeline=2"])):
+    no_overlap = "zero.overlap_comm=false"
+    for name, overrides in (("zero1", ["zero.stage=1"]), ("zero1-after", [no_overlap]),
+                            ("zero2", ["zero.stage=2"]), ("zero3", ["zero.stage=3"]),
+                            ("pp2", ["parallel.pipeline=2"]),
+                            ("pp2-after", ["parallel.pipeline=2", no_overlap])):
         t = _trainer(shards, f"{run_root}/{name}", "train.precision=bf16", *overrides)
         cfg = t.cfg
         opt = t.engine.optimizer
         weights = {p.dtype for p in t.engine.module.parameters()}
-        if name == "zero1" or name == "pp2":
-            info = {"optimizer": type(opt).__name__,
-                    "accumulator": {str(g.dtype) for g in opt.fp32_groups_gradients_flat},
-                    "immediate": opt.immediate_grad_update}
-        elif name == "zero2":
-            info = {"optimizer": type(opt).__name__,
-                    "accumulator": {str(opt.gradient_accumulation_dtype)},
-                    "communication": str(opt.communication_data_type)}
+        info = {"optimizer": type(opt).__name__}
+        if info["optimizer"] == "BF16_Optimizer":
+            info.update(accumulator={str(g.dtype) for g in opt.fp32_groups_gradients_flat},
+                        immediate=opt.immediate_grad_update)
+        elif name != "zero3":
+            info.update(accumulator={str(opt.gradient_accumulation_dtype)},
+                        communication=str(opt.communication_data_type),
+                        grad_accum=opt.use_grad_accum_attribute, overlap=opt.overlap_comm)
         else:
-            info = {"optimizer": type(opt).__name__,
-                    "accumulator": {str(opt.grad_partitions_flat_buffer.dtype)}}
+            info["accumulator"] = {str(opt.grad_partitions_flat_buffer.dtype)}
         info["weights"] = {str(d) for d in weights}
-        if name == "pp2":
+        if name.startswith("pp2"):
             # megatron's 1F1B schedule runs the backward itself (not engine.backward): the bf16
-            # gradients must still land in the fp32 buffers, micro-batch by micro-batch
+            # gradients must still land in fp32, micro-batch by micro-batch, and (overlapped)
+            # be reduced once, from the last micro-batch's backward and the tied embedding's
             batches = [b.to(t.device) for b in next(iter(t.loader(0)))]
             forward_backward(t.engine.module, batches, t.objective.model_seq_len,
                              cfg.data.micro_batch_size, t.objective.step, loss_scale=1.0,
-                             main_grad=main_grad(t.engine))
+                             sync=GradientSync(t.engine))
+            t.engine.allreduce_gradients()
             info["bf16_grads_left"] = sum(p.grad is not None
                                           for p in t.engine.module.parameters())
-            info["fp32_grad_norm"] = float(torch.stack(
-                [g.norm() for g in opt.fp32_groups_gradients_flat]).norm())
+            fp32 = opt.fp32_groups_gradients_flat if name == "pp2-after" else \
+                [g.flat_partition for g in opt.averaged_gradients.values()]
+            info["fp32_dtypes"] = {str(g.dtype) for g in fp32}
+            info["fp32_grad_norm"] = float(torch.stack([g.norm() for g in fp32]).norm())
             info["stage"] = ps.get_pipeline_model_parallel_rank()
         found[name] = info
     torch.save(found, out / f"rank{rank}.pt")
@@ -108,10 +114,16 @@ def test_bf16_gradients_accumulate_in_fp32_on_every_path(probes):
         for name, info in found.items():
             assert info["weights"] == {"torch.bfloat16"}, (name, info)  # bf16 compute
             assert info["accumulator"] == {"torch.float32"}, (name, info)
-        assert found["zero1"]["optimizer"] == "BF16_Optimizer" and found["zero1"]["immediate"]
-        assert found["zero2"]["communication"] == "torch.float32"
-        assert found["pp2"]["bf16_grads_left"] == 0
-        assert found["pp2"]["fp32_grad_norm"] > 0
+        after = found["zero1-after"]
+        assert after["optimizer"] == "BF16_Optimizer" and after["immediate"]
+        for name in ("zero1", "zero2", "pp2"):  # the ZeRO optimizer, overlapped
+            assert found[name]["optimizer"] == "DeepSpeedZeroOptimizer", name
+            assert found[name]["communication"] == "torch.float32" and found[name]["overlap"]
+        assert found["zero1"]["grad_accum"]  # (stage 2 accumulates in its fp32 partitions)
+        for name in ("pp2", "pp2-after"):
+            assert found[name]["bf16_grads_left"] == 0, name
+            assert found[name]["fp32_dtypes"] == {"torch.float32"}, name
+            assert found[name]["fp32_grad_norm"] > 0, name
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -119,6 +119,30 @@ def layout_differences(saved: dict, here: dict, zero_saved: int, zero_here: int,
     return diffs
 
 
+def optimizer_form(config: dict) -> str:
+    """The form of the ZeRO optimizer state a run of ``config`` (a config as a dict) saves:
+    ``"bf16_optimizer"`` (DeepSpeed's ``BF16_Optimizer``: bf16 or fp8 at ZeRO-1 without
+    ``zero.overlap_comm`` or optimizer offload) or ``"zero"`` (its ZeRO optimizer). A config
+    from before ``zero.overlap_comm`` existed ran without it."""
+    zero, train = config.get("zero", {}), config.get("train", {})
+    if train.get("precision", "fp32") in ("bf16", "fp8") and zero.get("stage", 1) == 1 \
+            and not zero.get("overlap_comm", False) \
+            and zero.get("offload_optimizer", "none") == "none":
+        return "bf16_optimizer"
+    return "zero"
+
+
+def optimizer_changes(path: str, cfg) -> Optional[str]:
+    """``"zero.overlap_comm: checkpoint X, this run Y"`` when the checkpoint at ``path`` keeps
+    its optimizer state in another form than this run (DeepSpeed converts it through the
+    universal form), else None."""
+    saved = saved_config(path)
+    if not saved or optimizer_form(saved) == optimizer_form(cfg.to_dict()):
+        return None
+    before = str(saved.get("zero", {}).get("overlap_comm", False)).lower()
+    return f"zero.overlap_comm: checkpoint {before}, this run {str(cfg.zero.overlap_comm).lower()}"
+
+
 def check_compatible(manifest: dict, path: str, cfg, tokenizer_identity: dict,
                      here: dict) -> dict:
     """``manifest`` (of the checkpoint at ``path``), or a CheckpointError listing every
@@ -131,6 +155,11 @@ def check_compatible(manifest: dict, path: str, cfg, tokenizer_identity: dict,
     # a width saved as null the value it stood for
     diffs = model_differences(cfg.to_dict()["model"], resolved_model(m["model"]))
     diffs += layout_differences(m["layout"], here, m["zero_stage"], cfg.zero.stage, path)
+    changed = optimizer_changes(path, cfg)
+    if changed and here["pipeline"] > 1:
+        diffs.append(f"{changed} (bf16 ZeRO-1 keeps its optimizer state in another form with "
+                     "overlap_comm; with pipeline parallelism it cannot be converted: resume "
+                     f"with zero.overlap_comm={str(not cfg.zero.overlap_comm).lower()})")
     # the order schedule and the seed define what the run learns: another one is another run
     order = cfg.to_dict()["order"]
     for key in sorted(set(order) | set(m.get("order", {}))):

@@ -42,7 +42,7 @@ from setdiff_dist.checkpoint.format import (
     rng_file,
     tag_of,
 )
-from setdiff_dist.checkpoint.manifest import PICKLED_GLOBALS, build_manifest
+from setdiff_dist.checkpoint.manifest import PICKLED_GLOBALS, build_manifest, optimizer_changes
 from setdiff_dist.checkpoint.saving import check_space, save_failed, write_failure
 
 
@@ -101,18 +101,19 @@ def universal_info(model) -> dict:
             C.ORIGINAL_VOCAB_SIZE: model.vocab_size + 1, C.PADDED_VOCAB_SIZE: model.padded_vocab}
 
 
-def needs_universal(path: str) -> bool:
+def needs_universal(path: str, cfg) -> bool:
     """Whether resuming ``path`` in this run's layout changes the data- or tensor-parallel size
-    (without pipeline parallelism): the optimizer state must then be re-partitioned through
-    DeepSpeed's universal checkpoint. :func:`check_compatible` refuses the changes it cannot
-    make."""
+    or the form of the optimizer state (:func:`optimizer_form`; without pipeline parallelism):
+    the optimizer state must then be re-partitioned through DeepSpeed's universal checkpoint.
+    :func:`check_compatible` refuses the changes it cannot make."""
     try:
         with open(os.path.join(path, MANIFEST)) as fh:
             saved = json.load(fh)["layout"]
     except (OSError, ValueError, KeyError):
         return False  # (check_compatible says what is wrong with it)
     here = layout()
-    return (saved["data"] != here["data"] or saved["tensor"] != here["tensor"]) and \
+    return (saved["data"] != here["data"] or saved["tensor"] != here["tensor"]
+            or optimizer_changes(path, cfg) is not None) and \
         saved["pipeline"] == here["pipeline"] == 1
 
 

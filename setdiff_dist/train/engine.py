@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 
@@ -81,6 +82,10 @@ def deepspeed_config(cfg, dp_size: int, load_universal: bool = False) -> dict:
     o, z = cfg.optimizer, cfg.zero
     offload = z.offload_optimizer == "cpu"
     zero = {"stage": z.stage, "overlap_comm": z.overlap_comm,
+            "contiguous_gradients": True,
+            # each gradient slice reduced to the rank that owns its partition (a reduce-scatter),
+            # not all-reduced whole
+            "use_multi_rank_bucket_allreduce": False,
             "reduce_bucket_size": z.reduce_bucket_size,
             "allgather_bucket_size": z.reduce_bucket_size}
     if offload:
@@ -137,31 +142,102 @@ def compute_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
 
 
-def main_grad(engine):
-    """``param -> the tensor that accumulates its gradient``: the fp32 buffer of DeepSpeed's
-    ``BF16_Optimizer`` (ZeRO-1 with bf16), else ``param.grad``. Gradients synchronized by hand
-    (the tied embedding across pipeline stages) must be reduced there."""
+class GradientSync:
+    """Where DeepSpeed keeps each parameter's gradient and when it reduces it, for the code that
+    runs the backward itself (megatron's pipeline schedule) and for a skipped step.
+
+    - :meth:`main_grad` is the tensor a parameter's gradient accumulates in over a step's
+      micro-batches: ``BF16_Optimizer``'s fp32 buffer, the ZeRO optimizer's fp32 ``grad_accum``
+      (bf16 weights), else ``param.grad``. Gradients synchronized by hand (the tied embedding
+      across pipeline stages) are summed there.
+    - With ``zero.overlap_comm`` on the ZeRO-1/2 optimizer, a parameter's gradient is reduced
+      over the data-parallel ranks by a hook as soon as the last micro-batch's backward has
+      produced it. :meth:`no_sync` is megatron's ``no_sync_func``: the micro-batches inside it
+      only accumulate. :meth:`held` keeps some parameters out of that reduction until
+      :meth:`release` (the tied embedding, whose stages must first sum their halves: an
+      all-reduce between stages inside the hooks would deadlock the pipeline)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        opt = engine.optimizer
+        self._buffers = {}
+        if hasattr(opt, "bf16_groups") and hasattr(opt, "fp32_groups_gradients"):
+            for i, group in enumerate(opt.bf16_groups):
+                for j, p in enumerate(group):
+                    self._buffers[id(p)] = opt.fp32_groups_gradients[i][j]
+        self._grad_accum = bool(getattr(opt, "use_grad_accum_attribute", False))
+        # the ZeRO optimizer reducing in its backward hooks (stage 2 always, stage 1 with
+        # overlap_comm): at the gradient-accumulation boundary only, unless stage 2
+        self.overlapped = bool(getattr(opt, "overlap_comm", False)) and \
+            hasattr(opt, "reduce_ready_partitions_and_remove_grads") and \
+            not getattr(opt, "partition_gradients", False)
+        self._group_of = {}
+        for i, group in enumerate(getattr(opt, "bit16_groups", [])):
+            for p in group:
+                self._group_of[id(p)] = i
+
+    def main_grad(self, param):
+        if id(param) in self._buffers:
+            return self._buffers[id(param)]
+        if self._grad_accum:
+            return param.grad_accum
+        return param.grad
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        opt = self.engine.optimizer
+        opt.set_gradient_accumulation_boundary(False)
+        try:
+            yield
+        finally:
+            opt.set_gradient_accumulation_boundary(True)
+
+    @contextlib.contextmanager
+    def held(self, params):
+        """Inside, ``params``' gradients accumulate but are not reduced (DeepSpeed's own flag
+        for gradients that are not final yet)."""
+        if not self.overlapped:
+            yield
+            return
+        for p in params:
+            p.ds_grad_is_ready = False
+        try:
+            yield
+        finally:
+            for p in params:
+                p.ds_grad_is_ready = True
+
+    def release(self, param) -> None:
+        """Reduce the held ``param``'s gradient now (into the current bucket)."""
+        if self.overlapped:
+            self.engine.optimizer.reduce_ready_partitions_and_remove_grads(
+                param, self._group_of[id(param)])
+
+    def drop(self) -> None:
+        """Zero every gradient of this step, wherever DeepSpeed keeps it before or after the
+        reduction (the parameters' ``.grad`` and ``grad_accum``, ``BF16_Optimizer``'s fp32
+        buffers, the ZeRO optimizer's reduced partitions)."""
+        engine = self.engine
+        for p in engine.module.parameters():
+            for t in (p.grad, getattr(p, "grad_accum", None)):
+                if t is not None:
+                    t.zero_()
+        if hasattr(engine.optimizer, "clear_hp_grads"):
+            engine.optimizer.clear_hp_grads()
+        for g in getattr(engine.optimizer, "averaged_gradients", {}).values():
+            for t in (g if isinstance(g, (list, tuple)) else [g]):
+                if t is not None:
+                    t.zero_()
+
+
+def time_gradient_reduction(engine, timers) -> None:
+    """Time DeepSpeed's gradient reductions as the ``grad_reduce`` phase of ``timers``
+    (:class:`setdiff_dist.train.timers.PhaseTimers`): the engine's reduction after the backward
+    and, where the ZeRO optimizer reduces in its backward hooks, each bucket's."""
+    engine.allreduce_gradients = timers.timed("grad_reduce", engine.allreduce_gradients)
     opt = engine.optimizer
-    buffers = {}
-    if hasattr(opt, "bf16_groups") and hasattr(opt, "fp32_groups_gradients"):
-        for i, group in enumerate(opt.bf16_groups):
-            for j, p in enumerate(group):
-                buffers[id(p)] = opt.fp32_groups_gradients[i][j]
-
-    def get(param):
-        return buffers.get(id(param), param.grad)
-
-    return get
-
-
-def drop_gradients(engine) -> None:
-    """Zero every gradient of this step, wherever DeepSpeed keeps it before the reduction (the
-    parameters' ``.grad``, ``BF16_Optimizer``'s fp32 buffers)."""
-    for p in engine.module.parameters():
-        if p.grad is not None:
-            p.grad.zero_()
-    if hasattr(engine.optimizer, "clear_hp_grads"):
-        engine.optimizer.clear_hp_grads()
+    if hasattr(opt, "reduce_ipg_grads"):
+        opt.reduce_ipg_grads = timers.timed("grad_reduce", opt.reduce_ipg_grads)
 
 
 def lr_multiplier(opt_cfg, total_steps: int):
@@ -242,6 +318,32 @@ def skip_deepspeed_shm_build() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def zero_optimizer_for_bf16(wanted: bool):
+    """While DeepSpeed builds its engine, make ZeRO-1 with bf16 weights and fp32 gradient
+    accumulation run the ZeRO optimizer (``DeepSpeedZeroOptimizer``, as with CPU offload)
+    instead of ``BF16_Optimizer``, whose gradient reduction is one all-reduce after the backward.
+    The ZeRO optimizer accumulates each micro-batch's gradient in an fp32 copy per parameter
+    (``grad_accum``) and, in the last micro-batch's backward, reduces them in buckets to the
+    ranks that own their partitions as they become ready (``overlap_comm``)."""
+    if not wanted:
+        yield
+        return
+    from deepspeed.runtime import engine as ds_engine
+
+    original = ds_engine.DeepSpeedEngine._do_optimizer_sanity_check
+
+    def check(self, basic_optimizer):
+        kind = original(self, basic_optimizer)
+        return ds_engine.ZERO_OPTIMIZATION if kind == ds_engine.BFLOAT16 else kind
+
+    ds_engine.DeepSpeedEngine._do_optimizer_sanity_check = check
+    try:
+        yield
+    finally:
+        ds_engine.DeepSpeedEngine._do_optimizer_sanity_check = original
+
+
 def build_engine(cfg, model, load_universal: bool = False):
     """``deepspeed.initialize`` over ``model`` with megatron's groups."""
     skip_deepspeed_shm_build()
@@ -249,10 +351,11 @@ def build_engine(cfg, model, load_universal: bool = False):
 
     dp = ps.get_data_parallel_world_size()
     schedule = lr_multiplier(cfg.optimizer, cfg.train.steps)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
-        config=deepspeed_config(cfg, dp, load_universal), mpu=MegatronMPU(),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    with zero_optimizer_for_bf16(cfg.zero.overlap_comm and cfg.zero.stage == 1):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
+            config=deepspeed_config(cfg, dp, load_universal), mpu=MegatronMPU(),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     # DeepSpeed names checkpoint files by the mpu's model-parallel rank, which is the TP rank
     # (see MegatronMPU): pipeline stages would overwrite each other's files. Number them by the
     # rank in the TP x PP grid instead (only file naming reads this attribute).

@@ -15,6 +15,7 @@ back-propagate zero, and the optimizer runs at LR 0) and counted; after
 from __future__ import annotations
 
 import math
+import os
 import signal
 from typing import Optional
 
@@ -39,17 +40,18 @@ from setdiff_dist.parallel import initialize_model_parallel
 from . import checkpoint
 from .ema import EMA, load_ema
 from .engine import (
+    GradientSync,
     build_engine,
     check_precision,
     compute_dtype,
-    drop_gradients,
     follow_schedule,
-    main_grad,
     micro_batches_per_step,
     partitioned_construction,
     schedule_changes,
+    time_gradient_reduction,
 )
 from .metrics import MetricsLogger
+from .timers import PhaseTimers, Profile
 
 # what a signal asks for, by precedence: a preemption (requeue) outranks a user's pause
 STOPS = {signal.SIGINT: "paused", signal.SIGTERM: "preempted", signal.SIGUSR1: "preempted"}
@@ -106,11 +108,13 @@ class Trainer:
         self.model = self._initial_model(config).to(self.device)
         # a checkpoint of another data-parallel size resumes through its universal form
         self.universal = self.resume_path is not None and \
-            checkpoint.needs_universal(self.resume_path)
+            checkpoint.needs_universal(self.resume_path, cfg)
         self.engine = build_engine(cfg, self.model, load_universal=self.universal)
         # the EMA of the weights starts at the initial weights (or the checkpoint's, on resume)
         self.ema = EMA(self.engine.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
-        self.main_grad = main_grad(self.engine)  # where each parameter's gradient accumulates
+        self.sync = GradientSync(self.engine)  # where gradients accumulate, when they reduce
+        self.timers = PhaseTimers()
+        time_gradient_reduction(self.engine, self.timers)
         self.objective = Objective(cfg, seed=cfg.train.seed)
         self.eval_objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1, evaluation=True)
         self.n_micro = micro_batches_per_step(cfg, self.dp)
@@ -275,14 +279,16 @@ class Trainer:
         dropped and its LR set to 0, so the optimizer step changes no weight."""
         finite = bool(torch.isfinite(total).all())
         if not finite:
-            drop_gradients(self.engine)
+            self.sync.drop()
             self._zero_lr()
         return finite
 
     def train_step(self, micro_batches) -> dict:
-        engine = self.engine
-        micro_batches = [b.to(self.device) for b in micro_batches]
-        global_tokens = self._global_tokens(micro_batches)
+        engine, timers = self.engine, self.timers
+        timers.start_step()  # (fit started it before waiting for the batch)
+        with timers.phase("data_wait"):
+            micro_batches = [b.to(self.device) for b in micro_batches]
+            global_tokens = self._global_tokens(micro_batches)
         scale = (self.n_micro * self.dp / global_tokens.clamp_min(1.0)).to(torch.float32)
         # DeepSpeed averages gradients over data x context-parallel ranks, each of which holds
         # its share of the tokens' loss: the context-parallel size makes up for it (megatron's
@@ -296,36 +302,47 @@ class Trainer:
             # only (megatron's schedules set this themselves on the pipeline path)
             engine.module.set_is_first_microbatch()
             for i, b in enumerate(micro_batches):
-                out, terms = self.objective.step(engine, b)
-                total, _ = terms(out)
-                local_sum += total.detach()
-                engine.backward(total * (scale * cp))
-                if i == len(micro_batches) - 1:  # the boundary: DeepSpeed has reduced
-                    step_sum = self._sum_from_last_stage(local_sum.reshape(1).clone())
-                    finite = self._skip_if_nonfinite(step_sum)
-                engine.step()
+                with timers.phase("forward"):
+                    out, terms = self.objective.step(engine, b)
+                    total, _ = terms(out)
+                    local_sum += total.detach()
+                with timers.phase("backward"):  # (the last one reduces: grad_reduce)
+                    engine.backward(total * (scale * cp))
+                    if i == len(micro_batches) - 1:  # the boundary: DeepSpeed has reduced
+                        step_sum = self._sum_from_last_stage(local_sum.reshape(1).clone())
+                        finite = self._skip_if_nonfinite(step_sum)
+                with timers.phase("optimizer"):
+                    engine.step()
         else:
-            stats = forward_backward(engine.module, micro_batches, self.objective.model_seq_len,
-                                     self.cfg.data.micro_batch_size, self.objective.step,
-                                     loss_scale=scale, main_grad=self.main_grad)
-            for s in stats:
-                local_sum += s["nll_sum"]
-            step_sum = self._sum_from_last_stage(local_sum.reshape(1).clone())
-            # the schedule has already back-propagated: a non-finite step's gradients are dropped
-            finite = self._skip_if_nonfinite(step_sum)
-            engine.allreduce_gradients()
-            engine.step()
-        if self.ema is not None:
-            self.ema.update()
-        if getattr(engine, "skipped_steps", 0) != skipped_before and engine.lr_scheduler:
-            # DeepSpeed skipped the update (a non-finite gradient) and with it the LR schedule:
-            # keep the schedule on the trainer's step count, as for a step we skip ourselves
-            engine.lr_scheduler.step()
+            with timers.phase("backward"):  # the schedule, less its forward steps
+                stats = forward_backward(engine.module, micro_batches,
+                                         self.objective.model_seq_len,
+                                         self.cfg.data.micro_batch_size,
+                                         timers.timed("forward", self.objective.step),
+                                         loss_scale=scale, sync=self.sync)
+                for s in stats:
+                    local_sum += s["nll_sum"]
+                step_sum = self._sum_from_last_stage(local_sum.reshape(1).clone())
+                # the schedule has already back-propagated: a non-finite step's gradients are
+                # dropped
+                finite = self._skip_if_nonfinite(step_sum)
+            engine.allreduce_gradients()  # (timed as grad_reduce)
+            with timers.phase("optimizer"):
+                engine.step()
+        with timers.phase("optimizer"):
+            if self.ema is not None:
+                self.ema.update()
+            if getattr(engine, "skipped_steps", 0) != skipped_before and engine.lr_scheduler:
+                # DeepSpeed skipped the update (a non-finite gradient) and with it the LR
+                # schedule: keep the schedule on the trainer's step count, as for a step we
+                # skip ourselves
+                engine.lr_scheduler.step()
+            norm = engine.get_global_grad_norm()
+            grad_norm = float(norm) if norm is not None else float("nan")
+            loss_sum, tokens = torch.cat([step_sum, global_tokens]).tolist()
         self.step += 1
         self.samples_seen += self.cfg.data.global_batch_size
-        norm = engine.get_global_grad_norm()
-        grad_norm = float(norm) if norm is not None else float("nan")
-        loss_sum, tokens = torch.cat([step_sum, global_tokens]).tolist()
+        timers.end_step()
         # a non-finite gradient norm with a finite loss (an overflow in the backward) is just as
         # fatal if it repeats: count it too (DeepSpeed has skipped the update, except fp32 ZeRO-0)
         if finite and (norm is None or math.isfinite(grad_norm)):
@@ -398,19 +415,31 @@ class Trainer:
             print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
         # a resumed run already has a checkpoint of its first step
         tokens_since, saved_at, outcome = 0, self.step if self.resumed_from else None, "completed"
+        timers, profile = self.timers, Profile(cfg.train.profile_steps, cfg.run_dir, self.rank)
         try:
-            for micro_batches in self._steps(self.loader(self.step)):
-                if self.step >= cfg.train.steps:
-                    break
+            steps = self._steps(self.loader(self.step))
+            while self.step < cfg.train.steps:
+                profile.before(self.step + 1)
+                timers.start_step()
+                with timers.phase("data_wait"):
+                    micro_batches = next(steps)
                 record = self.train_step(micro_batches)
+                trace = profile.after(self.step, last=self.step == cfg.train.steps)
+                if trace and self.rank == 0:
+                    print(f"profiler trace of steps {profile.first}-{self.step}: "
+                          f"{os.path.dirname(trace)}/rank*.pt.trace.json", flush=True)
                 tokens_since += cfg.data.global_batch_size * L
                 if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps:
-                    metrics.log(record, tokens_since)
+                    record.update(timers.report(self.device))  # (all ranks)
+                    metrics.log(record, tokens_since, record["train_seconds"])
                     tokens_since = 0
                 if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
-                    metrics.log_eval(self.step, self.evaluate())
+                    with timers.phase("eval"):
+                        values = self.evaluate()
+                    metrics.log_eval(self.step, values)
                 if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
-                    self.save()
+                    with timers.phase("checkpoint"):
+                        self.save()
                     saved_at = self.step
                 stop = self._agreed_stop()
                 if stop is not None:
@@ -428,5 +457,6 @@ class Trainer:
                 if self.rank == 0:
                     print(f"checkpoint {path} ({outcome})", flush=True)
         finally:
+            profile.after(self.step, last=True)  # a stop inside the window keeps its trace
             metrics.close()
         return outcome

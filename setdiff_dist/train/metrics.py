@@ -2,8 +2,10 @@
 
 Only global rank 0 writes. Every logged step appends one JSON object to
 ``<run_dir>/metrics.jsonl`` (``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
-``samples_seen``, and more); tensorboard gets the same scalars plus the perplexity bound, MFU and
-memory.
+``samples_seen``, the phase timers' ``time_<phase>`` seconds per step and the ranks' step times
+``step_time_min`` / ``_median`` / ``_max`` with the ``slowest_rank``, and more); tensorboard gets
+the same scalars plus the perplexity bound, MFU and memory. tokens/s and MFU count training
+time only (:mod:`setdiff_dist.train.timers`).
 """
 
 from __future__ import annotations
@@ -54,9 +56,13 @@ class MetricsLogger:
                 self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"),
                                             purge_step=start_step + 1)
 
-    def log(self, record: dict, tokens_since_last: int) -> None:
+    def log(self, record: dict, tokens_since_last: int,
+            train_seconds: Optional[float] = None) -> None:
+        """One line for ``record``; tokens/s (and MFU) over ``train_seconds``, the steps' own
+        time since the last line (without evaluation and checkpoints), else the wall time."""
         now = time.perf_counter()
-        tps = tokens_since_last / max(now - self._last_t, 1e-9)
+        seconds = train_seconds if train_seconds is not None else now - self._last_t
+        tps = tokens_since_last / max(seconds, 1e-9)
         self._last_t = now
         record["tokens_per_s"] = tps
         if not self.enabled:
@@ -79,7 +85,7 @@ class MetricsLogger:
         mfu = f"  mfu {record['mfu'] * 100:4.1f}%" if "mfu" in record else ""
         print(f"step {step:>6}/{self.total}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
               f"grad {record['grad_norm']:.3f}  {tps:9.0f} tok/s{mfu}  "
-              f"eta {_hms(eta)}", flush=True)
+              f"eta {_hms(eta)}{_times(record)}", flush=True)
 
     def log_eval(self, step: int, values: dict) -> None:
         if not self.enabled:
@@ -96,6 +102,23 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+
+
+# the phases of the progress line, by their short names
+_SHORT = {"data_wait": "data", "forward": "fwd", "backward": "bwd", "grad_reduce": "reduce",
+          "optimizer": "opt"}
+
+
+def _times(record: dict) -> str:
+    """``  step 0.52s [data 1% fwd 38% bwd 50% reduce 3% opt 8%] max 0.60s rank 3`` from the
+    phase timers' fields of ``record`` (nothing without them)."""
+    step = record.get("step_time")
+    if not step:
+        return ""
+    shares = " ".join(f"{short} {record[f'time_{name}'] / step * 100:.0f}%"
+                      for name, short in _SHORT.items())
+    return (f"  step {step:.3g}s [{shares}] max {record['step_time_max']:.3g}s rank "
+            f"{record['slowest_rank']}")
 
 
 def _hms(seconds: float) -> str:

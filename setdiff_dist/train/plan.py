@@ -8,10 +8,11 @@ follows from how our DeepSpeed engine keeps them (:func:`setdiff_dist.train.engi
 deepspeed_config`):
 
 - weights in the compute dtype (bf16 or fp32), partitioned over DP under ZeRO-3;
-- gradients: the per-parameter gradient in the compute dtype, plus the fp32 accumulation
-  buffer of bf16 training; partitioned over DP from ZeRO-2 on; plus DeepSpeed's contiguous
-  gradient-reduction bucket of ``zero.reduce_bucket_size`` fp32 elements (two with
-  ``overlap_comm``), which it allocates whole;
+- gradients: the fp32 accumulator of every parameter (bf16 at ZeRO-1 with ``overlap_comm``:
+  each bf16 gradient is folded into it and freed as it comes; without: BF16_Optimizer keeps the
+  bf16 gradients too) and the reduced fp32 partition; partitioned over DP from ZeRO-2 on; plus
+  DeepSpeed's contiguous gradient-reduction bucket of ``zero.reduce_bucket_size`` fp32 elements
+  (two with ``overlap_comm``), which it allocates whole;
 - optimizer: AdamW's two fp32 moments and the fp32 master weights that DeepSpeed's ZeRO
   optimizers keep (in fp32 training too), partitioned over DP from ZeRO-1 on; none of these on
   the device when ``zero.offload_optimizer=cpu``;
@@ -220,13 +221,15 @@ def rank_memory(cfg, params: int, dp: int, in_flight: int, activations: float) -
     else:
         optim = 12.0 * params / dp       # fp32 master weights and two moments, sharded
         step = 8.0 * params / dp         # the flat fp32 gradient partition, AdamW temporaries
-        if z.stage == 1 and bf16:        # BF16_Optimizer: bf16 grads, fp32 accumulation
+        bf16_optimizer = z.stage == 1 and bf16 and not z.overlap_comm
+        if bf16_optimizer:               # BF16_Optimizer: bf16 grads, fp32 accumulation
             grads = 6.0 * params
-        elif z.stage == 1:
-            grads = 4.0 * params
+        elif z.stage == 1:               # the full fp32 accumulator (bf16: each bf16 gradient
+            # is folded into it and freed as it comes), and the reduced fp32 partition
+            grads = 4.0 * params + (4.0 * params / dp if bf16 else 0.0)
         else:                            # reduced into fp32 partitions during the backward
             grads = 4.0 * params / dp
-        if not (z.stage == 1 and bf16):  # the contiguous gradient-reduction bucket(s)
+        if not bf16_optimizer:           # the contiguous gradient-reduction bucket(s)
             grads += 4.0 * z.reduce_bucket_size * (2 if z.overlap_comm else 1)
         if z.stage == 3:                 # parameter prefetch and the gathered working set
             grads += b * 5e7

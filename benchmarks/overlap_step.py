@@ -1,0 +1,89 @@
+"""Step time with the gradient reduction overlapped (the default) and after the backward
+(``zero.overlap_comm=false``), side by side in one run, from the phase timers.
+
+    python benchmarks/overlap_step.py [--model 110m] [--nproc 2] [--rounds 2] [--steps 8]
+
+Runs the real ``setdiff-train`` at DP=``--nproc`` (every local GPU, or CPU ranks on gloo), bf16,
+ZeRO-1, alternating the two settings ``--rounds`` times (this machine is noisy: A B A B), and
+prints per setting the median step time and its phases over the steps after ``--warmup``, and
+the ratio. On CPU ranks gloo's collectives block the thread that issued them, so the overlapped
+reduction cannot hide behind compute there: what the CPU shows is the bytes (a reduce-scatter
+instead of an all-reduce), not the overlap, which needs a GPU's separate stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+PHASES = ("data_wait", "forward", "backward", "grad_reduce", "optimizer")
+
+
+def run(args, shards, tmp, overlap: bool, i: int) -> list[dict]:
+    run_dir = os.path.join(tmp, f"{overlap}-{i}")
+    cmd = [sys.executable, "-m", "setdiff_dist.cli.train", "--nproc-per-node", str(args.nproc),
+           "--config", os.path.join(ROOT, "configs", "models", f"{args.model}.yaml"),
+           f"run_dir={run_dir}", f"data.train_shards={shards}", f"data.seq_len={args.seq_len}",
+           f"data.micro_batch_size={args.micro_batch}",
+           f"data.global_batch_size={2 * args.micro_batch * args.nproc}",
+           f"train.steps={args.steps}", "train.log_interval=1", "train.precision=bf16",
+           "train.eval_batches=1", "zero.stage=1", f"zero.overlap_comm={str(overlap).lower()}",
+           "checkpoint.save_at_end=false", "checkpoint.save_on_signal=false",
+           "train.tensorboard=false", "resume=never", "data.num_workers=1"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise SystemExit(f"setdiff-train failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            rows = [json.loads(line) for line in fh]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return [r for r in rows if "step_time" in r][args.warmup:]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="110m")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from train_throughput import synthetic_shards
+
+    rows = {True: [], False: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        shards = synthetic_shards(tmp, args.seq_len)
+        for i in range(args.rounds):
+            for overlap in (True, False):
+                rows[overlap] += run(args, shards, tmp, overlap, i)
+    print(f"{args.model}, DP={args.nproc}, bf16 ZeRO-1, L={args.seq_len}, "
+          f"{args.micro_batch} x 2 micro-batches per rank; medians over "
+          f"{len(rows[True])} steps each (ms)")
+    print(f"{'':<24} {'step':>8} " + " ".join(f"{p:>11}" for p in PHASES))
+    med = {}
+    for overlap, name in ((False, "after the backward"), (True, "overlapped (default)")):
+        med[overlap] = {k: statistics.median(r[k] for r in rows[overlap])
+                        for k in ["step_time"] + [f"time_{p}" for p in PHASES]}
+        print(f"{name:<24} {med[overlap]['step_time'] * 1e3:>8.1f} "
+              + " ".join(f"{med[overlap][f'time_{p}'] * 1e3:>11.1f}" for p in PHASES))
+    on, off = med[True], med[False]
+    print(f"step time overlapped / after: {on['step_time'] / off['step_time']:.2f}x; exposed "
+          f"reduction {on['time_grad_reduce'] / off['time_grad_reduce']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
