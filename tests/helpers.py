@@ -200,9 +200,14 @@ LAYOUTS = {
 
 def fit_layouts(rank, shards, root, layouts, out):
     """(In a spawned rank.) ``Trainer.fit`` for each ``(name, overrides)`` of ``layouts``,
-    quiet as setdiff-train is; rank 0 saves {name: curve, or (error type, message)}."""
+    quiet as setdiff-train is; rank 0 saves {name: curve, or (error type, message)}. Every
+    rank also writes, per layout, the bytes its collectives sent in each step (a recording
+    wrapper of torch.distributed, tests/comm_record.py) to ``root/comm/<name>.rank<R>.json``:
+    test_scale_model holds the scale model to them."""
     import torch
+    from comm_record import CommRecorder
 
+    recorder = CommRecorder().__enter__()  # before DeepSpeed and megatron start
     from setdiff_dist.quiet import quiet
 
     quiet()
@@ -210,13 +215,19 @@ def fit_layouts(rank, shards, root, layouts, out):
     from setdiff_dist.train.loop import Trainer
 
     found = {}
+    os.makedirs(f"{root}/comm", exist_ok=True)
     for name, overrides in layouts:
         run_dir = f"{root}/{name}"
         cfg = train_config(run_dir, shards, "checkpoint.save_at_end=false", *overrides,
                            steps=REFERENCE_STEPS)
         try:
-            Trainer(cfg).fit()
+            t = Trainer(cfg)
+            starts = mark_steps(t)
+            first = len(recorder.calls)
+            t.fit()
             found[name] = curve(run_dir) if rank == 0 else None
+            with open(f"{root}/comm/{name}.rank{rank}.json", "w") as fh:
+                json.dump(_bytes_per_step(recorder.calls[first:], starts), fh)
         except SetdiffError as exc:
             found[name] = (type(exc).__name__, str(exc))
     if rank == 0:
@@ -236,6 +247,19 @@ def mark_steps(trainer) -> list:
 
     trainer.timers.start_step = marked
     return starts
+
+
+def _bytes_per_step(calls, starts) -> list:
+    """``[{kind: bytes sent}]`` for each step that ``starts`` bound."""
+    bounds = list(starts) + [float("inf")]
+    steps = []
+    for a, b in zip(bounds, bounds[1:]):
+        sent = {}
+        for c in calls:
+            if a <= c.t < b:
+                sent[c.kind] = sent.get(c.kind, 0.0) + c.wire
+        steps.append(sent)
+    return steps
 
 
 def run_layouts(shards, root, layouts=None):

@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 4 -m setdiff_dist.cli.train --config ...           # or torchrun
     srun ... python -m setdiff_dist.cli.train --config ...                        # or Slurm
     setdiff-train --dry-run --world-size 64 --config ... [--device-memory 80]    # plan only
+        [--hardware h100|h200|b200]                 # ... and predict a step's time and MFU
 
 Everything goes into ``run_dir``: ``config.yaml`` (the resolved config), ``metrics.jsonl``,
 ``tensorboard/``, ``checkpoints/step_*/`` and ``checkpoints/latest``. ``resume=auto`` (the
@@ -15,7 +16,9 @@ this launcher) checkpoints at the next step boundary and exits with code 75, for
 (megatron's layout of each pipeline stage, built on the meta device under a fake process group)
 and prints per stage the parameters of each rank and its peak memory by kind; with
 ``--device-memory`` it flags the stages that would not fit (exit code 2 if any). See
-:mod:`setdiff_dist.train.plan`.
+:mod:`setdiff_dist.train.plan`. ``--hardware`` also predicts a step on those GPUs: the compute
+at their peak, the bytes of every collective over the link it uses, what overlap hides, and so
+the step time and MFU (:mod:`setdiff_dist.train.scale`).
 
 Ctrl-C (SIGINT) is a clean stop too: the ranks agree on the next step boundary, save a checkpoint
 and exit with code 130 (outcome ``"paused"``); a second Ctrl-C aborts at once, without one.
@@ -41,6 +44,7 @@ from setdiff_dist.cli import EXIT_INTERRUPTED, command, count
 from setdiff_dist.config import ConfigError, load_config
 from setdiff_dist.config_checks import world_problems
 from setdiff_dist.errors import SetdiffError
+from setdiff_dist.train.scale import HARDWARE
 
 
 class PeerLost(SetdiffError):
@@ -117,13 +121,16 @@ def _parse(argv):
                          "replica)")
     ap.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                     help="with --dry-run: memory per device, to flag stages that do not fit")
+    ap.add_argument("--hardware", choices=sorted(HARDWARE), default=None,
+                    help="with --dry-run: predict a step's time, communication and MFU on "
+                         "these GPUs (8 per node)")
     ap.add_argument("--force", action="store_true",
                     help="with resume=never: train over the checkpoints already in run_dir")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     return ap.parse_intermixed_args(argv)
 
 
-def dry_run(cfg, world_size: int, device_memory) -> int:
+def dry_run(cfg, world_size: int, device_memory, hardware=None) -> int:
     from setdiff_dist.train.plan import PlanError, plan
 
     try:
@@ -131,6 +138,8 @@ def dry_run(cfg, world_size: int, device_memory) -> int:
     except PlanError as exc:
         raise PlanError(f"the layout cannot run on {world_size} ranks:\n{exc}") from None
     print(p.table(device_memory))
+    if hardware:
+        print(p.predict(cfg, hardware).table())
     fits = device_memory is None or all(s.total <= device_memory * 2 ** 30 for s in p.stages)
     return 0 if fits else 2
 
@@ -371,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         SIGNALS.restore(STOP_SIGNALS)  # (nothing to checkpoint: Ctrl-C just stops it)
         p = cfg.parallel
         return dry_run(cfg, args.world_size or p.tensor * p.pipeline * p.context,
-                       args.device_memory)
-    if args.world_size or args.device_memory:
-        raise ConfigError(["--world-size and --device-memory go with --dry-run"], "the flags")
+                       args.device_memory, args.hardware)
+    if args.world_size or args.device_memory or args.hardware:
+        raise ConfigError(["--world-size, --device-memory and --hardware go with --dry-run"],
+                          "the flags")
     if args.nproc_per_node and "RANK" not in os.environ:
         problems = world_problems(cfg, args.nproc_per_node)
         if problems:  # (said once, here, rather than by every rank it would start)

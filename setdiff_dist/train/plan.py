@@ -100,6 +100,18 @@ class Plan:
         return head + "\n".join(rows) + tail
 
 
+    def predict(self, cfg, hardware: str):
+        """The scale model's step on this layout (:func:`setdiff_dist.train.scale.predict`)."""
+        from setdiff_dist.model.dims import padded_vocab_size
+        from setdiff_dist.train.scale import predict
+
+        tied = 0
+        if cfg.model.tie_embeddings and self.pipeline > 1:
+            tied = padded_vocab_size(cfg.model.vocab_size, self.tensor) // self.tensor \
+                * cfg.model.hidden_size
+        return predict(cfg, self.world_size, hardware, [s.params for s in self.stages], tied)
+
+
 def _layout_problems(cfg, world_size: int) -> list[str]:
     from setdiff_dist.config_checks import validate, world_problems
 
