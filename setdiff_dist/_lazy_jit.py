@@ -29,7 +29,9 @@ def noop_decorator(func):
 
 
 def lazy_compile(func):
-    """``torch.compile(func)``, made at the first call."""
+    """``torch.compile(func)``, made at the first call; on a machine without CUDA the function
+    itself (inductor's CPU code generation would take longer than these elementwise functions
+    ever run in a CPU job: the fusion's gain there is the memory of its autograd function)."""
     compiled = None
 
     @functools.wraps(func)
@@ -38,7 +40,7 @@ def lazy_compile(func):
         if compiled is None:
             import torch
 
-            compiled = torch.compile(func)
+            compiled = torch.compile(func) if torch.cuda.is_available() else func
         return compiled(*args, **kwargs)
 
     return call

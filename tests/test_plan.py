@@ -64,3 +64,92 @@ def test_the_dry_run_flags_what_does_not_fit_and_layouts_that_cannot_run():
     res = _dry_run("--world-size", "8", "--config", "configs/models/110m.yaml",
                    "parallel.tensor=5")
     assert res.returncode == 2 and "parallel.tensor=5 must divide" in res.stderr
+
+
+# -- the activation plan against the tensors real layers save ---------------------------------
+
+# backend x precision x recompute x GQA (CP2: tests below, on two ranks)
+SAVED_CASES = [
+    [f"model.attention_backend={backend}", f"train.precision={precision}",
+     f"train.recompute={recompute}", f"model.num_query_groups={groups}"]
+    for backend in ("sdpa", "permuted_causal") for precision in ("fp32", "bf16")
+    for recompute in ("none", "selective") for groups in (4, 2)]
+
+
+def saved_per_layer(overrides):
+    """``(planned, measured)`` bytes one layer saves for its backward: the middle layer of a
+    3-layer model, one micro-batch of the staggered NELBO, every tensor autograd saves during
+    its forward (by storage, parameters left out), in this process's group."""
+    import torch
+
+    from setdiff_dist.config import load_config
+    from setdiff_dist.data.loader import Batch
+    from setdiff_dist.model.transformer import build_model, transformer_config
+    from setdiff_dist.objective import Objective
+    from setdiff_dist.train.plan import layer_bytes
+
+    cfg = load_config("configs/tiny-cpu.yaml", [
+        "model.num_layers=3", "data.seq_len=64", "data.micro_batch_size=2",
+        "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=192",
+        *overrides])
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    config = transformer_config(cfg.model, compute_dtype=dtype, recompute=cfg.train.recompute,
+                                tensor=cfg.parallel.tensor)
+    model = build_model(cfg.model, config, seed=0).to(dtype)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    B, L = cfg.data.micro_batch_size, cfg.data.seq_len
+    batch = Batch(tokens=torch.randint(0, 200, (B, L)), indices=torch.arange(B),
+                  context=torch.zeros(B, L, dtype=torch.bool),
+                  padding=torch.zeros(B, L, dtype=torch.bool))
+    inside, saved = [False], {}
+    layer = model.decoder.layers[1]
+    layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if inside[0] and storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        Objective(cfg, seed=0).step(model, batch)
+    return layer_bytes(cfg), sum(saved.values())
+
+
+def test_the_plan_of_a_layers_saved_tensors_is_within_10_percent_of_real_layers():
+    from helpers import process_group
+
+    with process_group("gloo"):
+        found = {" ".join(case): saved_per_layer(case) for case in SAVED_CASES}
+    for case, (planned, measured) in found.items():
+        assert planned == pytest.approx(measured, rel=0.10), (case, planned, measured)
+
+
+def _saved_with_context_parallel(rank, out):
+    import torch
+
+    from setdiff_dist.parallel import initialize_model_parallel
+
+    initialize_model_parallel(1, 1, None, seed=0, backend="gloo", context=2)
+    found = {}
+    for backend in ("sdpa", "permuted_causal"):
+        for precision in ("fp32", "bf16"):
+            for groups in (4, 2):
+                case = [f"model.attention_backend={backend}", f"train.precision={precision}",
+                        f"model.num_query_groups={groups}", "parallel.context=2"]
+                found[" ".join(case)] = saved_per_layer(case)
+    torch.save(found, out / f"rank{rank}.pt")
+
+
+@pytest.mark.multiprocess
+def test_the_layer_plan_holds_under_context_parallelism(tmp_path):
+    """CP2: each rank's layer keeps the whole sequence's keys and values and its rows of the
+    mask; the plan is within 10% of what the layers save, on both ranks."""
+    import torch
+    from mp_harness import spawn
+
+    spawn(_saved_with_context_parallel, 2, tmp_path)
+    for rank in (0, 1):
+        for case, (planned, measured) in torch.load(tmp_path / f"rank{rank}.pt").items():
+            assert planned == pytest.approx(measured, rel=0.10), (rank, case, planned, measured)

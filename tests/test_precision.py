@@ -165,6 +165,9 @@ def _recompute(rank, out):
     found["other seed"] = tiny_nelbo_step("sdpa", device="cpu", overrides=[
         "model.hidden_dropout=0.1", "model.attention_dropout=0.1"])
     torch.save(found, out / "recompute.pt")
+    # megatron's fused SwiGLU (the default: it keeps fc1's output only) against autograd's
+    torch.save({fused: tiny_nelbo_step("sdpa", device="cpu", fused_activation=fused)
+                for fused in (True, False)}, out / "swiglu.pt")
 
 
 def test_activation_recompute_gives_identical_gradients(tmp_path):
@@ -180,6 +183,10 @@ def test_activation_recompute_gives_identical_gradients(tmp_path):
             assert torch.equal(grads[name], g), (backend, mode, layers, name)
     # dropout was on (another seed gives another loss): the recomputed forwards replayed it
     assert not torch.equal(other_seed, found["sdpa", "none", 1][0])
+    (fused_nll, fused), (nll, unfused) = torch.load(tmp_path / "swiglu.pt").values()
+    assert torch.equal(fused_nll, nll)  # the same forward
+    for name, g in unfused.items():  # the backward: the analytic derivative, fp32 rounding
+        assert torch.allclose(fused[name], g, rtol=1e-5, atol=1e-7), name
 
 
 def _first_microbatch_events(rank, shards, run_root, out):

@@ -48,8 +48,8 @@ def transformer_config(model_cfg, tensor: int = 1, pipeline: int = 1,
                        sequence_parallel: bool = False,
                        fp8_recipe: str | None = None,
                        compute_dtype: torch.dtype | None = None,
-                       recompute: str = "none", recompute_num_layers: int = 1
-                       ) -> TransformerConfig:
+                       recompute: str = "none", recompute_num_layers: int = 1,
+                       fused_activation: bool = True) -> TransformerConfig:
     """The megatron ``TransformerConfig`` of a :class:`setdiff_dist.config.ModelConfig`.
     ``fp8_recipe`` (``delayed`` or ``current``) turns on FP8: megatron then runs each layer of
     the Transformer Engine spec under TE's ``fp8_autocast`` with that recipe (hybrid E4M3/E5M2).
@@ -69,6 +69,10 @@ def transformer_config(model_cfg, tensor: int = 1, pipeline: int = 1,
         layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=m.activation == "swiglu",
         activation_func=F.silu if m.activation == "swiglu" else F.gelu,
+        # megatron's fused SwiGLU: its autograd function keeps only fc1's output and recomputes
+        # the activation in the backward, where the unfused one keeps five ffn-wide tensors per
+        # token (three with it): the largest share of a layer's activations
+        bias_activation_fusion=fused_activation and m.activation == "swiglu",
         add_bias_linear=False, init_method_std=m.init_std,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,

@@ -18,12 +18,12 @@ deepspeed_config`):
   the device when ``zero.offload_optimizer=cpu``;
 - activations of one micro-batch of ``data.micro_batch_size`` sequences at the model's sequence
   length (``2L`` for set diffusion, ``L`` for a causal LM): per layer, the tensors the layer
-  saves for its backward (norm inputs and outputs, the rotated queries, keys and values and the
-  fused qkv output, the attention output, the MLP's hidden activations), the shared attention
-  mask, and on the last stage the fp32 logits the cross-entropy keeps; under 1F1B, stage ``s``
-  of ``PP`` holds ``min(PP - s, micro-batches)`` micro-batches at once; recompute keeps layer
-  inputs instead; the optimizer step's transients (the flattened fp32 gradient partition and
-  AdamW's temporaries) take the activations' place at the step.
+  saves for its backward (:func:`layer_bytes`, calibrated against real layers: norms, rotary
+  tables, queries, keys and values, what the attention kernel keeps, the MLP's activations),
+  the shared attention mask, and on the last stage the fp32 logits the cross-entropy keeps;
+  under 1F1B, stage ``s`` of ``PP`` holds ``min(PP - s, micro-batches)`` micro-batches at
+  once; recompute keeps layer inputs instead; the optimizer step's transients (the flattened
+  fp32 gradient partition and AdamW's temporaries) take the activations' place at the step.
 
 The figures are estimates of the peak (a real step adds the allocator's slack and transient
 buffers); ``benchmarks/plan_vs_measured.py`` compares them with a real one-step run.
@@ -99,7 +99,6 @@ class Plan:
                     f"\nevery stage fits in {device_memory:g} GiB per device")
         return head + "\n".join(rows) + tail
 
-
     def predict(self, cfg, hardware: str):
         """The scale model's step on this layout (:func:`setdiff_dist.train.scale.predict`)."""
         from setdiff_dist.model.dims import padded_vocab_size
@@ -168,9 +167,70 @@ def _stage_model(cfg, world_size: int, stage: int):
         dist.destroy_process_group()
 
 
+def layer_bytes(cfg) -> float:
+    """The tensors one layer saves for its backward for one micro-batch on one rank, without
+    recompute or under selective recompute, as measured on the layers (tests/test_plan.py holds
+    it to the saved-tensor bytes of real layers within 10% across backend x precision x
+    recompute x GQA x CP):
+
+    - each RMSNorm: its input in fp32 (a cast under bf16), the inverse RMS, the normalized
+      input in fp32, and its output, the next linear's input (LayerNorm: the input, mean and
+      inverse deviation, the output);
+    - the rotary cos / sin of queries and keys, ``[s, b, 1, head_dim]`` four times, per layer;
+    - the rotated queries; with as many key/value heads as query heads the rotated keys and the
+      fused qkv output (the values are a view of it), with grouped-query attention the keys
+      and values expanded to the query heads; under context parallelism the whole sequence's
+      keys and values instead (gathered, then expanded);
+    - the kernel: ``sdpa`` its output (the projection's input too), its log-sum-exp and a copy
+      of the mask in the compute dtype (each layer converts the boolean mask); ``permuted_causal``
+      the outputs of its two causal calls, their merge in fp32 and log-sum-exps, and the
+      projection's input; ``flex`` / ``te`` their output and log-sum-exp; selective recompute
+      keeps only the projection's input;
+    - SwiGLU (megatron's fused function, which recomputes the activation in the backward):
+      fc1's output and fc2's input (3 x ffn; unfused it was 5); GeLU: fc1's output and the
+      activation (2 x ffn)."""
+    m, par, d = cfg.model, cfg.parallel, cfg.data
+    tp, cp = par.tensor, par.context
+    e = 2 if cfg.train.precision in ("bf16", "fp8") else 4
+    order = order_of(cfg.order)
+    seq = order.model_len(d.seq_len)
+    tokens = d.micro_batch_size * seq // cp  # (a context-parallel rank's share)
+    h, heads, groups = m.hidden_size, m.num_attention_heads, m.num_query_groups
+    dh, ffn = m.head_dim, m.ffn_hidden_size
+    q, kv = heads * dh / tp, groups * dh / tp
+    gqa = groups < heads
+    sp = tp if par.sequence_parallel else 1   # norms and residuals split over TP with SP
+    norm = (8 * h + 4 + e * h) if m.normalization == "rmsnorm" else (2 * e * h + 8)
+    per_token = 2 * norm / sp                # both norms
+    per_token += 4 * dh * e                  # rotary cos / sin
+    per_token += q * e                       # rotated queries
+    if cp > 1:   # the whole sequence's keys and values, per rank's token: x cp
+        per_token += 2 * (q if gqa else kv) * e * cp
+    elif gqa:
+        per_token += 2 * q * e               # keys and values expanded to the query heads
+    else:
+        per_token += kv * e + (q + 2 * kv) * e   # rotated keys, the fused qkv output
+    backend = m.attention_backend
+    selective = cfg.train.recompute == "selective"
+    if backend == "permuted_causal":
+        per_token += q * e                   # the projection's input
+        if not selective:
+            per_token += q * e + 2 * q + 12 * heads / tp   # halves, fp32 merge, lse
+    else:
+        per_token += q * e                   # the output (the projection's input)
+        if not selective:
+            per_token += 4 * heads / tp      # log-sum-exp
+            if backend == "sdpa" and not order.causal_lm:
+                per_token += seq * e         # this layer's copy of the mask: a row per token
+    per_token += (3 if m.activation == "swiglu" else 2) * ffn / tp * e
+    if m.hidden_dropout > 0:
+        per_token += 2 * h / sp              # two boolean dropout masks
+    return tokens * per_token
+
+
 def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
     """The tensors one micro-batch leaves saved for the backward on a rank of a stage with
-    ``layers`` layers (see the module docstring)."""
+    ``layers`` layers (see the module docstring and :func:`layer_bytes`)."""
     m, par, d = cfg.model, cfg.parallel, cfg.data
     tp = par.tensor
     b = 2 if cfg.train.precision in ("bf16", "fp8") else 4
@@ -179,32 +239,17 @@ def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
     cp = par.context
     tokens = d.micro_batch_size * seq // cp  # (a context-parallel rank's share)
     h = m.hidden_size
-    heads = m.num_attention_heads
-    groups, dh, ffn = m.num_query_groups, m.head_dim, m.ffn_hidden_size
-    q, kv = heads * dh, groups * dh
-    sp = tp if par.sequence_parallel else 1   # norms and residuals split over TP with SP
-    per_layer = (
-        4 * h / sp                       # norm 1 and 2: their inputs and outputs
-        + (q + 2 * kv) / tp              # the fused qkv output (v is a view of it)
-        + (q + kv) / tp                  # rotated queries and keys
-        + 2 * q / tp                     # attention output, and the projection's input
-        + (3 if m.activation == "swiglu" else 2) * ffn / tp)  # fc1 out (+ silu), fc2 input
-    if m.hidden_dropout > 0:
-        per_layer += 2 * h / sp / b      # two boolean dropout masks
-    if cfg.train.recompute == "selective":
-        per_layer -= q / tp              # the core attention's output is recomputed
-    saved = tokens * per_layer * b * layers
+    sp = tp if par.sequence_parallel else 1
+    saved = layer_bytes(cfg) * layers
     if cfg.train.recompute == "full":    # layer inputs, plus one chunk's layers live
         chunk = min(cfg.train.recompute_num_layers, layers)
-        saved = tokens * h / sp * b * layers + tokens * per_layer * b * chunk
+        saved = tokens * h / sp * b * layers + layer_bytes(cfg) * chunk
     mask = 0 if m.attention_backend in ("flex", "permuted_causal") or order.causal_lm \
         else d.micro_batch_size * seq * seq    # the dense boolean mask, shared by the layers
     if cp > 1:
-        # this rank's rows of the mask (one for all samples in the permuted form), and the
-        # whole sequence's keys and values, gathered and kept by every layer for its backward
+        # this rank's rows of the mask (one for all samples in the permuted form)
         mask = (1 if m.attention_backend == "permuted_causal" else d.micro_batch_size) \
             * (seq // cp) * seq
-        saved += d.micro_batch_size * seq * 2 * kv / tp * b * layers
     if first:
         saved += tokens * h * b                # the embedding output
     if last:
