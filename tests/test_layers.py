@@ -173,6 +173,7 @@ def test_a_lazily_fused_function_compiles_once_at_its_first_call(monkeypatch):
         return lambda *a: fn(*a) * 10
 
     monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
     @lazy_compile
     def add(a, b):
@@ -180,3 +181,12 @@ def test_a_lazily_fused_function_compiles_once_at_its_first_call(monkeypatch):
 
     assert compiled == [] and add.__name__ == "add"
     assert add(1, 2) == 30 and add(2, 2) == 40 and len(compiled) == 1
+    # without CUDA the function itself: inductor's CPU code generation costs more than these
+    # elementwise functions ever run in a CPU job
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    @lazy_compile
+    def mul(a, b):
+        return a * b
+
+    assert mul(2, 3) == 6 and len(compiled) == 1
