@@ -68,18 +68,19 @@ def test_the_dry_run_flags_what_does_not_fit_and_layouts_that_cannot_run():
 
 # -- the activation plan against the tensors real layers save ---------------------------------
 
-# backend x precision x recompute x GQA (CP2: tests below, on two ranks)
+# backend x precision x recompute x GQA (and each under CP2, on two ranks)
 SAVED_CASES = [
     [f"model.attention_backend={backend}", f"train.precision={precision}",
      f"train.recompute={recompute}", f"model.num_query_groups={groups}"]
     for backend in ("sdpa", "permuted_causal") for precision in ("fp32", "bf16")
-    for recompute in ("none", "selective") for groups in (4, 2)]
+    for recompute in ("none", "selective", "full") for groups in (4, 2)]
 
 
-def saved_per_layer(overrides):
+def saved_per_layer(overrides, backward: bool = False):
     """``(planned, measured)`` bytes one layer saves for its backward: the middle layer of a
     3-layer model, one micro-batch of the staggered NELBO, every tensor autograd saves during
-    its forward (by storage, parameters left out), in this process's group."""
+    its forward (by storage, parameters left out), in this process's group. ``backward``:
+    instead, the loss and the gradients of that step, ``{name: tensor}``."""
     import torch
 
     from setdiff_dist.config import load_config
@@ -94,27 +95,48 @@ def saved_per_layer(overrides):
         *overrides])
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     config = transformer_config(cfg.model, compute_dtype=dtype, recompute=cfg.train.recompute,
-                                tensor=cfg.parallel.tensor)
+                                recompute_num_layers=1, tensor=cfg.parallel.tensor)
     model = build_model(cfg.model, config, seed=0).to(dtype)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     B, L = cfg.data.micro_batch_size, cfg.data.seq_len
-    batch = Batch(tokens=torch.randint(0, 200, (B, L)), indices=torch.arange(B),
+    tokens = torch.randint(0, 200, (B, L), generator=torch.Generator().manual_seed(0))
+    batch = Batch(tokens=tokens, indices=torch.arange(B),
                   context=torch.zeros(B, L, dtype=torch.bool),
                   padding=torch.zeros(B, L, dtype=torch.bool))
-    inside, saved = [False], {}
-    layer = model.decoder.layers[1]
-    layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
-    layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    inside, saved, shared = [False], {}, set()
+    scopes = [model.decoder.layers[1]]
+    if cfg.train.recompute == "full":
+        # the checkpointed chunks save their inputs outside the layers' own forward: all the
+        # decoder saves, but for its final norm and the inputs every chunk shares (the mask
+        # and the rotary table, made before it), over its layers
+        def shared_inputs(module, args, kwargs):
+            shared.update(t.untyped_storage().data_ptr() for t in kwargs.values()
+                          if isinstance(t, torch.Tensor))
+
+        model.decoder.register_forward_pre_hook(shared_inputs, with_kwargs=True)
+        scopes = [model.decoder]
+        norm = model.decoder.final_layernorm
+        norm.register_forward_pre_hook(lambda *_: inside.__setitem__(0, False))
+        norm.register_forward_hook(lambda *_: inside.__setitem__(0, True))
+    for scope in scopes:
+        scope.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        scope.register_forward_hook(lambda *_: inside.__setitem__(0, False))
 
     def pack(t):
         storage = t.untyped_storage()
-        if inside[0] and storage.data_ptr() not in params:
+        if inside[0] and storage.data_ptr() not in params | shared:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
+    if backward:
+        out, terms = Objective(cfg, seed=0).step(model, batch)
+        loss = terms(out)[0]
+        loss.backward()
+        return {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         Objective(cfg, seed=0).step(model, batch)
-    return layer_bytes(cfg), sum(saved.values())
+    per = len(model.decoder.layers) if cfg.train.recompute == "full" else 1
+    return layer_bytes(cfg), sum(saved.values()) / per
 
 
 def test_the_plan_of_a_layers_saved_tensors_is_within_10_percent_of_real_layers():
@@ -133,13 +155,14 @@ def _saved_with_context_parallel(rank, out):
 
     initialize_model_parallel(1, 1, None, seed=0, backend="gloo", context=2)
     found = {}
-    for backend in ("sdpa", "permuted_causal"):
-        for precision in ("fp32", "bf16"):
-            for groups in (4, 2):
-                case = [f"model.attention_backend={backend}", f"train.precision={precision}",
-                        f"model.num_query_groups={groups}", "parallel.context=2"]
-                found[" ".join(case)] = saved_per_layer(case)
-    torch.save(found, out / f"rank{rank}.pt")
+    for case in SAVED_CASES:
+        found[" ".join(case)] = saved_per_layer([*case, "parallel.context=2"])
+    # recompute under CP (the layers' mask is a tensor megatron's checkpoint can save): the
+    # same loss and gradients as without
+    grads = {mode: saved_per_layer(["parallel.context=2", f"train.recompute={mode}"],
+                                   backward=True)
+             for mode in ("none", "selective", "full")}
+    torch.save((found, grads), out / f"rank{rank}.pt")
 
 
 @pytest.mark.multiprocess
@@ -151,5 +174,9 @@ def test_the_layer_plan_holds_under_context_parallelism(tmp_path):
 
     spawn(_saved_with_context_parallel, 2, tmp_path)
     for rank in (0, 1):
-        for case, (planned, measured) in torch.load(tmp_path / f"rank{rank}.pt").items():
+        found, grads = torch.load(tmp_path / f"rank{rank}.pt")
+        for case, (planned, measured) in found.items():
             assert planned == pytest.approx(measured, rel=0.10), (rank, case, planned, measured)
+        for mode in ("selective", "full"):
+            for name, g in grads["none"].items():
+                assert torch.equal(grads[mode][name], g), (rank, mode, name)

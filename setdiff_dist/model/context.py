@@ -70,13 +70,23 @@ def split(n: int, halves: int) -> Split:
                  keys=torch.cat([of(r) for r in range(cp)]))
 
 
-class ContextMask:
+class ContextMask(torch.Tensor):
     """What attention receives under context parallelism: this rank's rows of the mask
     (``rows [b or 1, 1, local tokens, all tokens]``, True = may attend), the keys in the order
-    :func:`gather` assembles them."""
+    :func:`gather` assembles them. A tensor (the rows themselves, marked by their type), so that
+    megatron's activation recompute, which saves a layer's inputs with ``save_for_backward``,
+    can keep it; its copies (``detach``, ``to``) stay one."""
 
-    def __init__(self, rows: torch.Tensor):
-        self.rows = rows
+    @staticmethod
+    def __new__(cls, rows: torch.Tensor):
+        return torch.Tensor._make_subclass(cls, rows)
+
+    def __init__(self, rows: torch.Tensor):  # (the tensor was made in __new__)
+        pass
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor)
 
 
 class _Gather(torch.autograd.Function):

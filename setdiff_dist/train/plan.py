@@ -168,10 +168,22 @@ def _stage_model(cfg, world_size: int, stage: int):
 
 
 def layer_bytes(cfg) -> float:
-    """The tensors one layer saves for its backward for one micro-batch on one rank, without
-    recompute or under selective recompute, as measured on the layers (tests/test_plan.py holds
-    it to the saved-tensor bytes of real layers within 10% across backend x precision x
-    recompute x GQA x CP):
+    """The tensors one layer saves for its backward for one micro-batch on one rank, as
+    measured on the layers (tests/test_plan.py holds it to the saved-tensor bytes of real layers
+    within 10% across backend x precision x recompute x GQA x CP). Under full recompute: its
+    input (:func:`kept_by_layer` is then what a recomputed layer holds in the backward)."""
+    if cfg.train.recompute != "full":
+        return kept_by_layer(cfg)
+    par = cfg.parallel
+    seq = order_of(cfg.order).model_len(cfg.data.seq_len)
+    e = 2 if cfg.train.precision in ("bf16", "fp8") else 4
+    sp = par.tensor if par.sequence_parallel else 1
+    return cfg.data.micro_batch_size * seq // par.context * cfg.model.hidden_size / sp * e
+
+
+def kept_by_layer(cfg) -> float:
+    """What a layer that runs its forward with autograd keeps for its backward (no recompute,
+    or the core attention recomputed under selective recompute):
 
     - each RMSNorm: its input in fp32 (a cast under bf16), the inverse RMS, the normalized
       input in fp32, and its output, the next linear's input (LayerNorm: the input, mean and
@@ -243,7 +255,7 @@ def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
     saved = layer_bytes(cfg) * layers
     if cfg.train.recompute == "full":    # layer inputs, plus one chunk's layers live
         chunk = min(cfg.train.recompute_num_layers, layers)
-        saved = tokens * h / sp * b * layers + layer_bytes(cfg) * chunk
+        saved += kept_by_layer(cfg) * chunk
     mask = 0 if m.attention_backend in ("flex", "permuted_causal") or order.causal_lm \
         else d.micro_batch_size * seq * seq    # the dense boolean mask, shared by the layers
     if cp > 1:
