@@ -45,7 +45,6 @@ class MetricsLogger:
         self.world_size = world_size
         self.peak = peak_tflops * 1e12 if peak_tflops else device_peak_flops()
         self._t0, self._step0 = time.perf_counter(), start_step
-        self._last_t, self._last_tokens = self._t0, 0
         self.writer = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
@@ -56,14 +55,11 @@ class MetricsLogger:
                 self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"),
                                             purge_step=start_step + 1)
 
-    def log(self, record: dict, tokens_since_last: int,
-            train_seconds: Optional[float] = None) -> None:
+    def log(self, record: dict, tokens_since_last: int, train_seconds: float) -> None:
         """One line for ``record``; tokens/s (and MFU) over ``train_seconds``, the steps' own
-        time since the last line (without evaluation and checkpoints), else the wall time."""
+        time since the last line (without evaluation and checkpoints)."""
         now = time.perf_counter()
-        seconds = train_seconds if train_seconds is not None else now - self._last_t
-        tps = tokens_since_last / max(seconds, 1e-9)
-        self._last_t = now
+        tps = tokens_since_last / max(train_seconds, 1e-9)
         record["tokens_per_s"] = tps
         if not self.enabled:
             return
