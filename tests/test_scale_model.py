@@ -22,28 +22,14 @@ OVERRIDES = {name: o for group in LAYOUTS.values() for name, o in group}
 
 def _predicted(name, shards, tmp_path):
     """{rank: bytes per step} of the scale model for the layout ``name``."""
-    from megatron.core.parallel_state import RankGenerator
-
-    from setdiff_dist.model.dims import padded_vocab_size
     from setdiff_dist.train.plan import plan
 
     world = WORLD[name]
     cfg = train_config(tmp_path / name, shards, *OVERRIDES[name], steps=REFERENCE_STEPS)
     p = plan(cfg, world)
-    par = cfg.parallel
-    tied = padded_vocab_size(cfg.model.vocab_size, par.tensor) // par.tensor \
-        * cfg.model.hidden_size if cfg.model.tie_embeddings and par.pipeline > 1 else 0
-    # megatron's rank order: each rank's pipeline stage
-    gen = RankGenerator(tp=par.tensor, ep=1, dp=world // (par.tensor * par.pipeline
-                                                        * par.context),
-                        pp=par.pipeline, cp=par.context, order="tp-cp-ep-dp-pp")
-    stage_of = {r: s for s, ranks in enumerate(zip(*gen.get_ranks("pp"))) for r in ranks}
-    out = {}
-    for rank in range(world):
-        stage = stage_of[rank]
-        flows = step_flows(cfg, p.stages[stage].params, stage, tied, "gloo", world)
-        out[rank] = sum(f.wire for f in flows)
-    return out
+    per_stage = world // cfg.parallel.pipeline  # (megatron's rank order: stages are blocks)
+    return {rank: sum(f.wire for f in step_flows(cfg, p, rank // per_stage, "gloo"))
+            for rank in range(world)}
 
 
 @pytest.mark.parametrize("name", CHECKED)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from setdiff_dist.checkpoint.manifest import optimizer_form
+
 
 class MegatronMPU:
     """What DeepSpeed asks an ``mpu`` for, answered from megatron's ``parallel_state``.
@@ -320,12 +322,14 @@ def skip_deepspeed_shm_build() -> bool:
 
 @contextlib.contextmanager
 def zero_optimizer_for_bf16(wanted: bool):
-    """While DeepSpeed builds its engine, make ZeRO-1 with bf16 weights and fp32 gradient
-    accumulation run the ZeRO optimizer (``DeepSpeedZeroOptimizer``, as with CPU offload)
-    instead of ``BF16_Optimizer``, whose gradient reduction is one all-reduce after the backward.
-    The ZeRO optimizer accumulates each micro-batch's gradient in an fp32 copy per parameter
-    (``grad_accum``) and, in the last micro-batch's backward, reduces them in buckets to the
-    ranks that own their partitions as they become ready (``overlap_comm``)."""
+    """While DeepSpeed builds its engine (``wanted``: when the config's optimizer form is
+    ``"zero"``, :func:`setdiff_dist.checkpoint.manifest.optimizer_form`), make ZeRO-1 with bf16
+    weights and fp32 gradient accumulation run the ZeRO optimizer (``DeepSpeedZeroOptimizer``,
+    as with CPU offload) instead of ``BF16_Optimizer``, whose gradient reduction is one
+    all-reduce after the backward. The ZeRO optimizer accumulates each micro-batch's gradient
+    in an fp32 copy per parameter (``grad_accum``) and, in the last micro-batch's backward,
+    reduces them in buckets to the ranks that own their partitions as they become ready
+    (``overlap_comm``)."""
     if not wanted:
         yield
         return
@@ -351,7 +355,8 @@ def build_engine(cfg, model, load_universal: bool = False):
 
     dp = ps.get_data_parallel_world_size()
     schedule = lr_multiplier(cfg.optimizer, cfg.train.steps)
-    with zero_optimizer_for_bf16(cfg.zero.overlap_comm and cfg.zero.stage == 1):
+    # (the form checkpoints are told apart by: one definition of which optimizer a config runs)
+    with zero_optimizer_for_bf16(optimizer_form(cfg.to_dict()) == "zero"):
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
             config=deepspeed_config(cfg, dp, load_universal), mpu=MegatronMPU(),

@@ -101,14 +101,9 @@ class Plan:
 
     def predict(self, cfg, hardware: str):
         """The scale model's step on this layout (:func:`setdiff_dist.train.scale.predict`)."""
-        from setdiff_dist.model.dims import padded_vocab_size
         from setdiff_dist.train.scale import predict
 
-        tied = 0
-        if cfg.model.tie_embeddings and self.pipeline > 1:
-            tied = padded_vocab_size(cfg.model.vocab_size, self.tensor) // self.tensor \
-                * cfg.model.hidden_size
-        return predict(cfg, self.world_size, hardware, [s.params for s in self.stages], tied)
+        return predict(cfg, self, hardware)
 
 
 def _layout_problems(cfg, world_size: int) -> list[str]:
@@ -174,11 +169,19 @@ def layer_bytes(cfg) -> float:
     input (:func:`kept_by_layer` is then what a recomputed layer holds in the backward)."""
     if cfg.train.recompute != "full":
         return kept_by_layer(cfg)
+    _, tokens, e, sp = _micro_batch(cfg)
+    return tokens * cfg.model.hidden_size / sp * e
+
+
+def _micro_batch(cfg) -> tuple:
+    """``(seq, tokens, e, sp)`` of one micro-batch on a rank: the model's sequence length, the
+    rank's tokens (its context-parallel share), the compute dtype's bytes, and the split of
+    norms and residuals over TP (sequence parallelism)."""
     par = cfg.parallel
     seq = order_of(cfg.order).model_len(cfg.data.seq_len)
-    e = 2 if cfg.train.precision in ("bf16", "fp8") else 4
-    sp = par.tensor if par.sequence_parallel else 1
-    return cfg.data.micro_batch_size * seq // par.context * cfg.model.hidden_size / sp * e
+    return (seq, cfg.data.micro_batch_size * seq // par.context,
+            2 if cfg.train.precision in ("bf16", "fp8") else 4,
+            par.tensor if par.sequence_parallel else 1)
 
 
 def kept_by_layer(cfg) -> float:
@@ -201,17 +204,13 @@ def kept_by_layer(cfg) -> float:
     - SwiGLU (megatron's fused function, which recomputes the activation in the backward):
       fc1's output and fc2's input (3 x ffn; unfused it was 5); GeLU: fc1's output and the
       activation (2 x ffn)."""
-    m, par, d = cfg.model, cfg.parallel, cfg.data
+    m, par = cfg.model, cfg.parallel
     tp, cp = par.tensor, par.context
-    e = 2 if cfg.train.precision in ("bf16", "fp8") else 4
-    order = order_of(cfg.order)
-    seq = order.model_len(d.seq_len)
-    tokens = d.micro_batch_size * seq // cp  # (a context-parallel rank's share)
+    seq, tokens, e, sp = _micro_batch(cfg)
     h, heads, groups = m.hidden_size, m.num_attention_heads, m.num_query_groups
     dh, ffn = m.head_dim, m.ffn_hidden_size
     q, kv = heads * dh / tp, groups * dh / tp
     gqa = groups < heads
-    sp = tp if par.sequence_parallel else 1   # norms and residuals split over TP with SP
     norm = (8 * h + 4 + e * h) if m.normalization == "rmsnorm" else (2 * e * h + 8)
     per_token = 2 * norm / sp                # both norms
     per_token += 4 * dh * e                  # rotary cos / sin
@@ -232,7 +231,7 @@ def kept_by_layer(cfg) -> float:
         per_token += q * e                   # the output (the projection's input)
         if not selective:
             per_token += 4 * heads / tp      # log-sum-exp
-            if backend == "sdpa" and not order.causal_lm:
+            if backend == "sdpa" and not order_of(cfg.order).causal_lm:
                 per_token += seq * e         # this layer's copy of the mask: a row per token
     per_token += (3 if m.activation == "swiglu" else 2) * ffn / tp * e
     if m.hidden_dropout > 0:
@@ -244,14 +243,9 @@ def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
     """The tensors one micro-batch leaves saved for the backward on a rank of a stage with
     ``layers`` layers (see the module docstring and :func:`layer_bytes`)."""
     m, par, d = cfg.model, cfg.parallel, cfg.data
-    tp = par.tensor
-    b = 2 if cfg.train.precision in ("bf16", "fp8") else 4
+    tp, cp, h = par.tensor, par.context, m.hidden_size
     order = order_of(cfg.order)
-    seq = order.model_len(d.seq_len)
-    cp = par.context
-    tokens = d.micro_batch_size * seq // cp  # (a context-parallel rank's share)
-    h = m.hidden_size
-    sp = tp if par.sequence_parallel else 1
+    seq, tokens, b, sp = _micro_batch(cfg)
     saved = layer_bytes(cfg) * layers
     if cfg.train.recompute == "full":    # layer inputs, plus one chunk's layers live
         chunk = min(cfg.train.recompute_num_layers, layers)

@@ -87,26 +87,23 @@ class Flow:
         return wire_bytes(self.kind, self.nbytes, self.size) * self.calls
 
 
-def step_flows(cfg, params: int, stage: int, embedding_params: int = 0,
-               backend: str = "nccl", world_size: Optional[int] = None) -> list[Flow]:
-    """The traffic of one optimizer step on a rank of pipeline stage ``stage`` holding
-    ``params`` parameters (``embedding_params``: those of the embedding tied across the first
-    and last stages, on those stages), as our training path issues it (``backend="gloo"``:
-    with gloo's stand-ins where it lacks a collective)."""
+def step_flows(cfg, plan, stage: int, backend: str = "nccl") -> list[Flow]:
+    """The traffic of one optimizer step on a rank of pipeline stage ``stage`` of the dry run's
+    ``plan`` (:class:`setdiff_dist.train.plan.Plan`: its world size, data-parallel size,
+    micro-batches, and each stage's parameters and layers), as our training path issues it
+    (``backend="gloo"``: with gloo's stand-ins where it lacks a collective)."""
+    from setdiff_dist.checkpoint.manifest import optimizer_form
     from setdiff_dist.diffusion.kinds import order_of
 
     par, d, m, z = cfg.parallel, cfg.data, cfg.model, cfg.zero
     tp, pp, cp = par.tensor, par.pipeline, par.context
-    world = world_size or tp * pp * cp
-    dp = world // (tp * pp * cp)
-    zero_dp = dp * cp                     # DeepSpeed's data-parallel group: data x context
-    micro = d.global_batch_size // (d.micro_batch_size * dp)
-    bf16 = cfg.train.precision in ("bf16", "fp8")
-    e = 2 if bf16 else 4
+    zero_dp = plan.data                   # DeepSpeed's data-parallel group: data x context
+    micro = plan.micro_batches
+    params, layers = plan.stages[stage].params, plan.stages[stage].layers
+    e = 2 if cfg.train.precision in ("bf16", "fp8") else 4
     b = d.micro_batch_size
     seq = order_of(cfg.order).model_len(d.seq_len) // cp    # a rank's share of the sequence
     h = m.hidden_size
-    layers = _stage_layers(m.num_layers, pp, stage)
     first, last = stage == 0, stage == pp - 1
     recompute = cfg.train.recompute == "full"
     flows = []
@@ -115,7 +112,7 @@ def step_flows(cfg, params: int, stage: int, embedding_params: int = 0,
     if zero_dp > 1:
         grads = 4.0 * params
         overlapped = z.overlap_comm
-        if z.stage == 0 or (z.stage == 1 and bf16 and not overlapped):
+        if z.stage == 0 or optimizer_form(cfg.to_dict()) == "bf16_optimizer":
             flows.append(Flow("gradient all-reduce", "data", zero_dp, "all_reduce", grads, 1))
         elif z.stage == 1:
             flows.append(Flow("gradient reduce-scatter", "data", zero_dp, "reduce", grads, 1,
@@ -170,9 +167,12 @@ def step_flows(cfg, params: int, stage: int, embedding_params: int = 0,
         hidden = seq * b * h * e / (tp if par.sequence_parallel else 1)
         sends = (0 if last else 1) + (0 if first else 1)
         flows.append(Flow("pipeline sends", "pipeline", 2, "send", hidden, sends * micro))
-        if (first or last) and embedding_params:
+        if (first or last) and m.tie_embeddings:  # its fp32 gradient, summed by both stages
+            from setdiff_dist.model.dims import padded_vocab_size
+
+            tied = padded_vocab_size(m.vocab_size, tp) // tp * h
             flows.append(Flow("tied embedding all-reduce", "embedding", 2, "all_reduce",
-                              4.0 * embedding_params, 1))
+                              4.0 * tied, 1))
 
     # context parallel: every layer gathers the keys and values, and sums their gradients
     if cp > 1:
@@ -185,11 +185,6 @@ def step_flows(cfg, params: int, stage: int, embedding_params: int = 0,
                           "all_reduce" if backend == "gloo" else "reduce_scatter",
                           gathered / 2, 2 * layers * micro))
     return flows
-
-
-def _stage_layers(num_layers: int, pp: int, stage: int) -> int:
-    base, extra = divmod(num_layers, pp)
-    return base + (1 if stage < extra else 0)
 
 
 def _packed_batch_bytes(micro: int, b: int, seq_len: int) -> float:
@@ -239,32 +234,26 @@ def _crosses_nodes(cfg, group: str, world: int, gpus_per_node: int) -> bool:
     return span > gpus_per_node
 
 
-def predict(cfg, world_size: int, hardware: str, stage_params: list[int],
-            embedding_params: int = 0) -> StepPrediction:
-    """The predicted step of ``cfg`` on ``world_size`` GPUs of ``hardware``; ``stage_params``
-    are the parameters a rank of each pipeline stage holds (from the dry run's plan). The
-    slowest stage sets the step."""
+def predict(cfg, plan, hardware: str) -> StepPrediction:
+    """The predicted step of ``cfg`` on the dry run's ``plan`` (its world size, micro-batches
+    and stages) on GPUs of ``hardware``. The slowest stage sets the step."""
     from setdiff_dist.diffusion.kinds import order_of
     from setdiff_dist.model.flops import training_flops_per_token
 
     hw = HARDWARE[hardware]
-    order = order_of(cfg.order)
-    pp = cfg.parallel.pipeline
+    world_size, micro = plan.world_size, plan.micro_batches
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     flops = training_flops_per_token(cfg.model, cfg.data.seq_len,
-                                     causal_lm=order.causal_lm) * tokens
+                                     causal_lm=order_of(cfg.order).causal_lm) * tokens
     peak = (hw.fp8 if cfg.train.precision == "fp8" else hw.bf16) * COMPUTE_EFFICIENCY
     hardware_flops = flops * (4 / 3 if cfg.train.recompute == "full" else 1.0)
     compute = hardware_flops / world_size / peak
-    dp = world_size // (cfg.parallel.tensor * pp * cfg.parallel.context)
-    micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp)
-    bubble = compute * (pp - 1) / micro
+    bubble = compute * (cfg.parallel.pipeline - 1) / micro
     backward = compute * 2 / 3            # the backward's share of a step's FLOPs
     best = None
-    for stage in range(pp):
+    for stage in range(cfg.parallel.pipeline):
         comm, exposed = {}, 0.0
-        for f in step_flows(cfg, stage_params[stage], stage, embedding_params, "nccl",
-                            world_size):
+        for f in step_flows(cfg, plan, stage):
             link = hw.network if _crosses_nodes(cfg, f.group, world_size, hw.gpus_per_node) \
                 else hw.nvlink
             seconds = f.wire / (link * LINK_EFFICIENCY)
