@@ -131,7 +131,9 @@ def test_the_circle_check_sees_a_circle():
     assert "setdiff_dist.errors" in graph["setdiff_dist.train.engine"]
     assert "setdiff_dist.parallel.cpu_compat" in graph["setdiff_dist.parallel.state"]
     graph["setdiff_dist.errors"] = graph["setdiff_dist.errors"] | {"setdiff_dist.train.engine"}
-    assert circles(graph) == [("setdiff_dist.errors", "setdiff_dist.train.engine")]
+    found = circles(graph)  # one circle, through whatever else the engine imports
+    assert len(found) == 1
+    assert {"setdiff_dist.errors", "setdiff_dist.train.engine"} <= set(found[0])
 
 
 def test_the_check_sees_relative_and_lazy_imports(tmp_path):
