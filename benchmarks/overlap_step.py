@@ -1,10 +1,12 @@
-"""Step time with the gradient reduction overlapped (the default) and after the backward
-(``zero.overlap_comm=false``), side by side in one run, from the phase timers.
+"""Step time with the gradient reduction and the parameter gather overlapped (the default), with
+the reduction overlapped only (``zero.overlap_param_gather=false``), and with both after the
+backward and the step (``zero.overlap_comm=false``), side by side in one run, from the phase
+timers.
 
     python benchmarks/overlap_step.py [--model 110m] [--nproc 2] [--rounds 2] [--steps 8]
 
 Runs the real ``setdiff-train`` at DP=``--nproc`` (every local GPU, or CPU ranks on gloo), bf16,
-ZeRO-1, alternating the two settings ``--rounds`` times (this machine is noisy: A B A B), and
+ZeRO-1, alternating the three settings ``--rounds`` times (this machine is noisy: A B C A B C), and
 prints per setting the median step time and its phases over the steps after ``--warmup``, and
 the ratio. On CPU ranks gloo's collectives block the thread that issued them, so the overlapped
 reduction cannot hide behind compute there: what the CPU shows is the bytes (a reduce-scatter
@@ -24,18 +26,23 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-PHASES = ("data_wait", "forward", "backward", "grad_reduce", "optimizer")
+PHASES = ("data_wait", "forward", "backward", "grad_reduce", "optimizer", "param_gather")
+# name -> (zero.overlap_comm, zero.overlap_param_gather)
+SETTINGS = {"after the backward": (False, False), "reduce overlapped": (True, False),
+            "both (default)": (True, True)}
 
 
-def run(args, shards, tmp, overlap: bool, i: int) -> list[dict]:
-    run_dir = os.path.join(tmp, f"{overlap}-{i}")
+def run(args, shards, tmp, setting: str, i: int) -> list[dict]:
+    run_dir = os.path.join(tmp, f"{setting.split()[0]}-{i}")
+    reduce, gather = SETTINGS[setting]
     cmd = [sys.executable, "-m", "setdiff_dist.cli.train", "--nproc-per-node", str(args.nproc),
            "--config", os.path.join(ROOT, "configs", "models", f"{args.model}.yaml"),
            f"run_dir={run_dir}", f"data.train_shards={shards}", f"data.seq_len={args.seq_len}",
            f"data.micro_batch_size={args.micro_batch}",
            f"data.global_batch_size={2 * args.micro_batch * args.nproc}",
            f"train.steps={args.steps}", "train.log_interval=1", "train.precision=bf16",
-           "train.eval_batches=1", "zero.stage=1", f"zero.overlap_comm={str(overlap).lower()}",
+           "train.eval_batches=1", "zero.stage=1", f"zero.overlap_comm={str(reduce).lower()}",
+           f"zero.overlap_param_gather={str(gather).lower()}",
            "checkpoint.save_at_end=false", "checkpoint.save_on_signal=false",
            "train.tensorboard=false", "resume=never", "data.num_workers=1"]
     try:
@@ -63,25 +70,29 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from train_throughput import synthetic_shards
 
-    rows = {True: [], False: []}
+    rows = {name: [] for name in SETTINGS}
     with tempfile.TemporaryDirectory() as tmp:
         shards = synthetic_shards(tmp, args.seq_len)
         for i in range(args.rounds):
-            for overlap in (True, False):
-                rows[overlap] += run(args, shards, tmp, overlap, i)
+            for name in SETTINGS:
+                rows[name] += run(args, shards, tmp, name, i)
     print(f"{args.model}, DP={args.nproc}, bf16 ZeRO-1, L={args.seq_len}, "
           f"{args.micro_batch} x 2 micro-batches per rank; medians over "
-          f"{len(rows[True])} steps each (ms)")
-    print(f"{'':<24} {'step':>8} " + " ".join(f"{p:>11}" for p in PHASES))
+          f"{len(rows[name])} steps each (ms)")
+    print(f"{'':<20} {'step':>8} " + " ".join(f"{p:>12}" for p in PHASES))
     med = {}
-    for overlap, name in ((False, "after the backward"), (True, "overlapped (default)")):
-        med[overlap] = {k: statistics.median(r[k] for r in rows[overlap])
-                        for k in ["step_time"] + [f"time_{p}" for p in PHASES]}
-        print(f"{name:<24} {med[overlap]['step_time'] * 1e3:>8.1f} "
-              + " ".join(f"{med[overlap][f'time_{p}'] * 1e3:>11.1f}" for p in PHASES))
-    on, off = med[True], med[False]
-    print(f"step time overlapped / after: {on['step_time'] / off['step_time']:.2f}x; exposed "
-          f"reduction {on['time_grad_reduce'] / off['time_grad_reduce']:.2f}x")
+    for name in SETTINGS:
+        med[name] = {k: statistics.median(r[k] for r in rows[name])
+                     for k in ["step_time"] + [f"time_{p}" for p in PHASES]}
+        print(f"{name:<20} {med[name]['step_time'] * 1e3:>8.1f} "
+              + " ".join(f"{med[name][f'time_{p}'] * 1e3:>12.1f}" for p in PHASES))
+    off = med["after the backward"]
+    for name in list(SETTINGS)[1:]:
+        on = med[name]
+        print(f"{name} / after the backward: step {on['step_time'] / off['step_time']:.2f}x, "
+              f"exposed reduction {on['time_grad_reduce'] / off['time_grad_reduce']:.2f}x, "
+              f"optimizer + exposed gather "
+              f"{(on['time_optimizer'] + on['time_param_gather']) / off['time_optimizer']:.2f}x")
     return 0
 
 

@@ -1,7 +1,9 @@
 """The scale model's table: exposed communication and predicted MFU of the 1.3B and 8B models
-at 8 / 64 / 256 / 1024 GPUs, with the gradient reduction after the backward (before:
-``zero.overlap_comm=false``, DeepSpeed's BF16_Optimizer all-reduce) and overlapped with it (the
-default: a reduce-scatter from the last micro-batch's backward).
+at 8 / 64 / 256 / 1024 GPUs, before the overlap (``zero.overlap_comm=false``: DeepSpeed's
+BF16_Optimizer all-reduces the gradients after the backward and all-gathers the parameters after
+the step), with the gradient reduction overlapped (a reduce-scatter from the last micro-batch's
+backward; ``zero.overlap_param_gather=false``), and the default, which also gathers the
+parameters during the next forward.
 
     python benchmarks/scale_model.py [--hardware h100] [--seq-len 2048] [--tokens 1048576]
 
@@ -26,7 +28,11 @@ MODELS = {"1.3b": [], "8b": ["parallel.tensor=4", "parallel.sequence_parallel=tr
 WORLDS = (8, 64, 256, 1024)
 
 
-def row(model, world, overlap, args):
+# (zero.overlap_comm, zero.overlap_param_gather) of the three columns
+SETTINGS = {"before": (False, False), "reduce": (True, False), "after": (True, True)}
+
+
+def row(model, world, setting, args):
     from setdiff_dist.config import load_config
     from setdiff_dist.train.plan import plan
 
@@ -35,7 +41,8 @@ def row(model, world, overlap, args):
     cfg = load_config(os.path.join(ROOT, "configs", "models", f"{model}.yaml"), [
         f"data.seq_len={args.seq_len}", "data.micro_batch_size=1",
         f"data.global_batch_size={seqs}", "train.precision=bf16", "zero.stage=1",
-        f"zero.overlap_comm={str(overlap).lower()}", *MODELS[model]])
+        f"zero.overlap_comm={str(SETTINGS[setting][0]).lower()}",
+        f"zero.overlap_param_gather={str(SETTINGS[setting][1]).lower()}", *MODELS[model]])
     p = plan(cfg, world)
     return p, p.predict(cfg, args.hardware)
 
@@ -50,18 +57,20 @@ def main(argv=None):
     from setdiff_dist.quiet import quiet
 
     quiet()
+    print("exposed communication per step and MFU: before the overlap / gradient reduction "
+          "overlapped / and the parameter gather (the default)")
     print(f"{'model':>5} {'GPUs':>5} {'layout':>15} {'tokens':>6} {'compute':>8} "
-          f"{'exposed before':>15} {'exposed after':>14} {'MFU before':>11} {'MFU after':>10} "
-          f"{'memory after':>12}")
+          f"{'exposed ms':>18} {'MFU %':>18} {'memory':>7}")
     for model in MODELS:
         for world in WORLDS:
-            before = row(model, world, False, args)[1]
-            p, after = row(model, world, True, args)
+            got = {s: row(model, world, s, args) for s in SETTINGS}
+            p, after = got["after"]
+            exposed = " / ".join(f"{got[s][1].exposed * 1e3:.0f}" for s in SETTINGS)
+            mfu = " / ".join(f"{got[s][1].mfu * 100:.1f}" for s in SETTINGS)
             layout = f"TP{p.tensor} DP{p.data} x{p.micro_batches}"
             print(f"{model:>5} {world:>5} {layout:>15} {after.tokens / 2**20:>5.1f}M "
-                  f"{after.compute * 1e3:>6.0f}ms {before.exposed * 1e3:>13.0f}ms "
-                  f"{after.exposed * 1e3:>12.0f}ms {before.mfu * 100:>10.1f}% "
-                  f"{after.mfu * 100:>9.1f}% {max(s.total for s in p.stages) / 2**30:>10.1f}G")
+                  f"{after.compute * 1e3:>6.0f}ms {exposed:>18} {mfu:>18} "
+                  f"{max(s.total for s in p.stages) / 2**30:>6.1f}G")
     print(f"(x N: micro-batches per rank per step; {after.hardware.source})")
 
 

@@ -121,6 +121,10 @@ class ZeroConfig:
                             "step, in the last micro-batch's backward, from fp32 accumulators); "
                             "false = one reduction after the backward (bf16 ZeRO-1: "
                             "DeepSpeed's BF16_Optimizer, an all-reduce)")
+    overlap_param_gather: bool = _f(True, "ZeRO 1/2: gather the updated parameters during the "
+                                    "next forward, bucket by bucket in the forward's order, "
+                                    "each from the rank that owns it (false: DeepSpeed's "
+                                    "all-gather at the end of the optimizer step)")
     reduce_bucket_size: int = _f(40_000_000, "elements per gradient-reduction and parameter "
                                  "all-gather bucket (megatron's default: smaller buckets start "
                                  "the reduction earlier in the backward)", min=1)

@@ -1,10 +1,12 @@
-"""The overlapped, sharded gradient reduction of the default bf16 path, and the phase timers and
-traces that show where a step's time goes, on 4 gloo ranks with torch.distributed's collectives
-wrapped by a recorder (tests/comm_record.py).
+"""The overlapped, sharded gradient reduction and parameter gather of the default bf16 path, and
+the phase timers and traces that show where a step's time goes, on 4 gloo ranks with
+torch.distributed's collectives wrapped by a recorder (tests/comm_record.py).
 
 One spawn trains every case: DP4, TP2 x DP2 and PP2 x DP2, each with ``zero.overlap_comm`` on
-(the default) and off (the reduction after the backward, as before), in fp32 and bf16.
-Recorded calls are tagged with the trainer's phase (its timers) at the time of the call."""
+(the default) and off (the reduction after the backward, as before), in fp32 and bf16, and in
+bf16 with the overlap but without ``zero.overlap_param_gather`` (DeepSpeed's all-gather at the
+end of the step), for 8 of the 20 steps. Recorded calls are tagged with the trainer's phase (its
+timers) at the time of the call."""
 
 import json
 import time
@@ -13,7 +15,7 @@ import pytest
 import torch
 from helpers import curve, mark_steps, train_config
 
-# (the slow tier: 12 runs on 4 ranks; the default tier trains the overlapped default on every
+# (the slow tier: 15 runs on 4 ranks; the default tier trains the overlapped default on every
 # layout, test_train and test_precision)
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -22,6 +24,7 @@ LAYOUTS = {"dp4": [], "tp2xdp2": ["parallel.tensor=2"], "pp2xdp2": ["parallel.pi
 # a bucket of a sixth of the tiny model, as a 40M-element bucket is of a 1.3B model's 240M
 # parameters per stage: the reduction starts while the backward still runs
 BUCKET = "zero.reduce_bucket_size=20000"
+GATHER_OFF_STEPS = 8  # (of the 20: the schedule is the 20-step run's)
 
 
 def _train(rank, shards, root, out):
@@ -49,6 +52,13 @@ def _train(rank, shards, root, out):
                 t = Trainer(cfg)
                 found[name] = _observe(t, recorder, ps)
                 found[name]["curve"] = curve(cfg.run_dir) if rank == 0 else None
+        name = f"{layout}-bf16-gather_false"
+        cfg = train_config(f"{root}/{name}", shards, "train.precision=bf16",
+                           "zero.overlap_param_gather=false", BUCKET, *overrides,
+                           f"train.exit_at_step={GATHER_OFF_STEPS}", steps=STEPS["bf16"])
+        t = Trainer(cfg)
+        found[name] = _observe(t, recorder, ps)
+        found[name]["curve"] = curve(cfg.run_dir) if rank == 0 else None
     torch.save(found, out / f"rank{rank}.pt")
 
 
@@ -59,9 +69,16 @@ def _observe(t, recorder, ps):
     import torch.distributed as dist
 
     layer = t.engine.module.decoder.layers[0]
-    ends = []
+    ends, starts = [], []
     for p in layer.parameters():
         p.register_post_accumulate_grad_hook(lambda _: ends.append(time.perf_counter()))
+    # the parameter buckets not yet waited for when the first layer's forward starts (after
+    # the prefetch's own hook) and when the model's forward ends
+    pending = (lambda: t.prefetch.pending) if t.prefetch else (lambda: None)
+    layer.register_forward_pre_hook(lambda *_: starts.append((time.perf_counter(), pending())))
+    forward_ends = []
+    t.engine.module.register_forward_hook(
+        lambda *_: forward_ends.append((time.perf_counter(), pending())))
     dp = tuple(dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True)))
     step_starts = mark_steps(t)
     first = len(recorder.calls)
@@ -72,7 +89,9 @@ def _observe(t, recorder, ps):
     recorder.tag = None
     calls = recorder.calls[first:]
     return {"calls": [(c.t, c.kind, c.ranks == dp, c.wire, c.tag) for c in calls],
-            "ends": ends, "step_starts": step_starts, "wall": wall,
+            "ends": ends, "step_starts": step_starts, "wall": wall, "layer_starts": starts,
+            "forward_ends": forward_ends,
+            "buckets": len(t.prefetch.buckets) if t.prefetch else 0,
             "params": sum(p.numel() for p in t.engine.module.parameters()),
             "optimizer": type(t.engine.optimizer).__name__, "dp": len(dp),
             "n_layer_params": len(list(layer.parameters())), "micro": t.n_micro}
@@ -127,7 +146,7 @@ def test_gradient_reduction_starts_inside_the_backward_and_sends_a_reduce_scatte
             assert grads[0][0] < max(last_micro), layout
             sent = sum(c[3] for c in grads)
             assert sent == pytest.approx(reduce_scatter, rel=0.01), layout
-            gathered = sum(c[3] for c in calls if c[1] == "all_gather" and c[2]
+            gathered = sum(c[3] for c in calls if c[1] in ("all_gather", "broadcast") and c[2]
                            and c[4] == "optimizer")
             assert sent + gathered <= 2 * params * (dp - 1) / dp * 4 * 1.001
     for r in runs[1]:
@@ -149,7 +168,7 @@ def test_the_phase_timers_add_up_to_the_step_time(runs):
     assert [r["step"] for r in rows] == list(range(1, 21))
     for r in rows:
         phases = sum(r[f"time_{k}"] for k in ("data_wait", "forward", "backward", "grad_reduce",
-                                             "optimizer"))
+                                             "optimizer", "param_gather"))
         assert phases == pytest.approx(r["step_time"], rel=0.05), r
         assert r["time_forward"] > 0 and r["time_backward"] > 0 and r["time_optimizer"] > 0
         assert r["step_time_min"] <= r["step_time_median"] <= r["step_time_max"]
@@ -165,3 +184,43 @@ def test_profile_steps_leaves_one_trace_per_rank(runs):
         trace = json.load(open(path))
         names = {e.get("name") for e in trace["traceEvents"]}
         assert {"setdiff/forward", "setdiff/backward", "setdiff/optimizer"} <= names, rank
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_parameter_gather_overlaps_the_next_forward_and_changes_no_bit(runs, layout):
+    """The default gathers the updated bf16 parameters during the next step's forward: every
+    bucket is broadcast by its owner from inside the optimizer step, asynchronously, with the
+    all-gather's bytes (2 x parameters x (DP-1)/DP); when the first layer's forward starts,
+    later buckets are still unawaited, and by the end of the first micro-batch's forward all
+    are in. The losses are those of DeepSpeed's all-gather at the end of the step, bit for bit,
+    over 8 steps (and without the prefetch, no broadcast is sent)."""
+    found = runs[1]
+    for info in (r[f"{layout}-bf16-overlap_true"] for r in found):
+        dp, params = info["dp"], info["params"]
+        assert info["buckets"] > 2 * dp  # (small buckets: several per owner)
+        for step, (calls, _) in enumerate(_steps(info)[:-1], 1):
+            sent = [c for c in calls if c[1] == "broadcast" and c[2]]
+            assert len(sent) == info["buckets"] and {c[4] for c in sent} == {"optimizer"}
+            assert sum(c[3] for c in sent) == pytest.approx(params * 2 * (dp - 1) / dp,
+                                                            rel=0.01), (layout, step)
+            assert not [c for c in calls if c[1] == "all_gather" and c[2]
+                        and c[4] == "optimizer"]
+        # the forwards after a step: the first one's first layer starts with buckets pending
+        firsts = [_first_in(info["layer_starts"], t) for t in info["step_starts"][1:]]
+        assert firsts and all(pending > 0 for _, pending in firsts), (layout, firsts)
+        ends = [_first_in(info["forward_ends"], t) for t in info["step_starts"][1:]]
+        assert all(pending == 0 for _, pending in ends), (layout, ends)
+    for rank, r in enumerate(found):
+        off, on = r[f"{layout}-bf16-gather_false"], r[f"{layout}-bf16-overlap_true"]
+        assert off["buckets"] == 0
+        assert not [c for c in off["calls"] if c[1] == "broadcast" and c[2]
+                    and c[4] == "optimizer"]
+        if rank == 0:
+            got, _ = on["curve"]
+            want, _ = off["curve"]
+            assert len(want) == GATHER_OFF_STEPS and got[:GATHER_OFF_STEPS] == want, layout
+
+
+def _first_in(events, after):
+    """The first of ``events`` ``(t, x)`` at or after time ``after``."""
+    return next(e for e in events if e[0] >= after)

@@ -56,8 +56,9 @@ def test_wire_bytes_follow_the_ring_algorithms():
 
 def test_the_dry_run_predicts_the_overlap_halves_the_exposed_reduction():
     """1.3B at 64 H100s, 1M tokens: the reduction after the backward sends twice the bytes of
-    the overlapped reduce-scatter, all exposed; the default exposes less and so predicts a
-    higher MFU; every table row is there."""
+    the overlapped reduce-scatter, all exposed; the parameter gather hides partly behind the
+    next forward; the default exposes less and so predicts a higher MFU; every table row is
+    there."""
     from setdiff_dist.config import load_config
     from setdiff_dist.train.plan import plan
 
@@ -70,6 +71,11 @@ def test_the_dry_run_predicts_the_overlap_halves_the_exposed_reduction():
     before, after = rows["false"], rows["true"]
     assert before.comm["gradient all-reduce"][0] == pytest.approx(
         2 * after.comm["gradient reduce-scatter"][0], rel=1e-6)
+    # the parameters' gather: the same bytes, in the owners' broadcasts during the next forward
+    gather_before, gather_after = before.comm["parameter all-gather"], \
+        after.comm["parameter all-gather"]
+    assert gather_after[0] == pytest.approx(gather_before[0], rel=1e-6)
+    assert gather_before[2] == 0 and 0 < gather_after[2] < gather_after[1]
     assert after.exposed < before.exposed and after.mfu > before.mfu
     assert after.compute == before.compute and 0 < after.mfu < 1
     table = after.table()

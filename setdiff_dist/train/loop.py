@@ -14,6 +14,7 @@ back-propagate zero, and the optimizer runs at LR 0) and counted; after
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -51,6 +52,7 @@ from .engine import (
     time_gradient_reduction,
 )
 from .metrics import MetricsLogger
+from .param_gather import ParamPrefetch
 from .timers import PhaseTimers, Profile
 
 # what a signal asks for, by precedence: a preemption (requeue) outranks a user's pause
@@ -115,6 +117,10 @@ class Trainer:
         self.sync = GradientSync(self.engine)  # where gradients accumulate, when they reduce
         self.timers = PhaseTimers()
         time_gradient_reduction(self.engine, self.timers)
+        # ZeRO's gather of the updated parameters, overlapped with the next forward (None: the
+        # optimizer gathers them at the end of its step, or does not shard them)
+        self.prefetch = ParamPrefetch.maybe(
+            self.engine, cfg, timed=lambda fn: self.timers.timed("param_gather", fn))
         self.objective = Objective(cfg, seed=cfg.train.seed)
         self.eval_objective = Objective(cfg, seed=cfg.order.eval_seed, stream=1, evaluation=True)
         self.n_micro = micro_batches_per_step(cfg, self.dp)
@@ -200,7 +206,19 @@ class Trainer:
     def tokenizer_identity(self) -> dict:
         return self.train_set.manifest["tokenizer"]
 
+    def whole_weights(self) -> None:
+        """Before anything reads the weights outside a forward: the parameter buckets still on
+        the wire from the last step arrive (a no-op without ``zero.overlap_param_gather``)."""
+        if self.prefetch is not None:
+            self.prefetch.finish()
+
+    def _optimizer_step(self) -> None:
+        with self.timers.phase("optimizer"), \
+                (self.prefetch.deferring() if self.prefetch else contextlib.nullcontext()):
+            self.engine.step()
+
     def save(self) -> str:
+        self.whole_weights()
         # one key of our own: DeepSpeed reserves names such as "skipped_steps" in client state
         stream = self.loader(self.step).state_dict()
         state = {"setdiff": {"step": self.step, "samples_seen": self.samples_seen,
@@ -311,8 +329,7 @@ class Trainer:
                     if i == len(micro_batches) - 1:  # the boundary: DeepSpeed has reduced
                         step_sum = self._sum_from_last_stage(local_sum.reshape(1).clone())
                         finite = self._skip_if_nonfinite(step_sum)
-                with timers.phase("optimizer"):
-                    engine.step()
+                self._optimizer_step()  # (a micro-batch's: the last one steps)
         else:
             with timers.phase("backward"):  # the schedule, less its forward steps
                 stats = forward_backward(engine.module, micro_batches,
@@ -327,10 +344,10 @@ class Trainer:
                 # dropped
                 finite = self._skip_if_nonfinite(step_sum)
             engine.allreduce_gradients()  # (timed as grad_reduce)
-            with timers.phase("optimizer"):
-                engine.step()
+            self._optimizer_step()
         with timers.phase("optimizer"):
             if self.ema is not None:
+                self.whole_weights()
                 self.ema.update()
             if getattr(engine, "skipped_steps", 0) != skipped_before and engine.lr_scheduler:
                 # DeepSpeed skipped the update (a non-finite gradient) and with it the LR
@@ -375,6 +392,7 @@ class Trainer:
         float64)."""
         if self.valid_set is None:
             return {}
+        self.whole_weights()
         d = self.cfg.data
         batches = fixed_batches(self.valid_set, self.cfg.train.eval_batches * d.global_batch_size,
                                 d.micro_batch_size, self.dp_rank, self.dp)
@@ -448,6 +466,9 @@ class Trainer:
                 if cfg.train.exit_at_step and self.step >= cfg.train.exit_at_step:
                     outcome = "paused"
                     break
+            # for whoever reads the trained weights next (not after a failure: a dead peer's
+            # buckets would never come)
+            self.whole_weights()
             if outcome == "completed":
                 final = self.evaluate()
                 if final:

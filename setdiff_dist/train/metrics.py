@@ -102,12 +102,12 @@ class MetricsLogger:
 
 # the phases of the progress line, by their short names
 _SHORT = {"data_wait": "data", "forward": "fwd", "backward": "bwd", "grad_reduce": "reduce",
-          "optimizer": "opt"}
+          "optimizer": "opt", "param_gather": "gather"}
 
 
 def _times(record: dict) -> str:
-    """``  step 0.52s [data 1% fwd 38% bwd 50% reduce 3% opt 8%] max 0.60s rank 3`` from the
-    phase timers' fields of ``record`` (nothing without them)."""
+    """``  step 0.52s [data 1% fwd 38% bwd 50% reduce 3% opt 7% gather 1%] max 0.60s rank 3``
+    from the phase timers' fields of ``record`` (nothing without them)."""
     step = record.get("step_time")
     if not step:
         return ""

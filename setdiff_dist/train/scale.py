@@ -20,6 +20,7 @@ take turns as root); a point-to-point send is ``n``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 _RING = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "reduce": 1.0,
@@ -72,7 +73,8 @@ COMPUTE_EFFICIENCY = 0.7
 class Flow:
     """One kind of traffic of a step on one rank: ``calls`` collectives ``kind`` of ``nbytes``
     each over the ``group`` of ``size`` ranks; ``overlap``: what it can hide behind (``None``,
-    ``"last_backward"``: the last micro-batch's backward, ``"backward"``: every backward)."""
+    ``"last_backward"``: the last micro-batch's backward, ``"backward"``: every backward,
+    ``"first_forward"``: the next step's first forward, its first call exposed)."""
     name: str
     group: str
     size: int
@@ -112,7 +114,8 @@ def step_flows(cfg, plan, stage: int, backend: str = "nccl") -> list[Flow]:
     if zero_dp > 1:
         grads = 4.0 * params
         overlapped = z.overlap_comm
-        if z.stage == 0 or optimizer_form(cfg.to_dict()) == "bf16_optimizer":
+        form = optimizer_form(cfg.to_dict())
+        if z.stage == 0 or form == "bf16_optimizer":
             flows.append(Flow("gradient all-reduce", "data", zero_dp, "all_reduce", grads, 1))
         elif z.stage == 1:
             flows.append(Flow("gradient reduce-scatter", "data", zero_dp, "reduce", grads, 1,
@@ -120,7 +123,13 @@ def step_flows(cfg, plan, stage: int, backend: str = "nccl") -> list[Flow]:
         else:  # ZeRO-2/3 reduce each micro-batch's gradients
             flows.append(Flow("gradient reduce-scatter", "data", zero_dp, "reduce", grads,
                               micro, "backward" if overlapped else None))
-        if z.stage in (1, 2):
+        if z.stage in (1, 2) and z.overlap_param_gather and form == "zero":
+            # each bucket broadcast by its owner during the next step's forward
+            # (setdiff_dist.train.param_gather): the all-gather's bytes, in buckets
+            buckets = zero_dp * math.ceil(params / zero_dp / z.reduce_bucket_size)
+            flows.append(Flow("parameter all-gather", "data", zero_dp, "broadcast",
+                              e * params / buckets, buckets, "first_forward"))
+        elif z.stage in (1, 2):
             flows.append(Flow("parameter all-gather", "data", zero_dp, "all_gather",
                               e * params, 1))
         elif z.stage == 3:  # gathered for each micro-batch's forward and backward
@@ -257,10 +266,14 @@ def predict(cfg, plan, hardware: str) -> StepPrediction:
             link = hw.network if _crosses_nodes(cfg, f.group, world_size, hw.gpus_per_node) \
                 else hw.nvlink
             seconds = f.wire / (link * LINK_EFFICIENCY)
-            room = {"last_backward": backward / micro, "backward": backward}.get(f.overlap, 0.0)
-            # the last bucket's reduction starts when the backward ends
-            tail = seconds * min(1.0, cfg.zero.reduce_bucket_size * 4.0 / max(f.nbytes, 1.0)) \
-                if f.overlap else seconds
+            room = {"last_backward": backward / micro, "backward": backward,
+                    "first_forward": (compute - backward) / micro}.get(f.overlap, 0.0)
+            if f.overlap == "first_forward":  # the first layer waits for the first bucket
+                tail = seconds / f.calls
+            elif f.overlap:  # the last bucket's reduction starts when the backward ends
+                tail = seconds * min(1.0, cfg.zero.reduce_bucket_size * 4.0 / max(f.nbytes, 1.0))
+            else:
+                tail = seconds
             hidden = min(seconds - tail, room) if f.overlap else 0.0
             comm[f.name] = (f.wire, seconds, hidden)
             exposed += seconds - hidden

@@ -12,7 +12,11 @@ taken out of its parent, so the phases of a step add up to its time):
   reduction calls (the buckets reduced from the backward hooks and what is left after the
   backward); on a GPU with ``zero.overlap_comm`` a bucket's reduction runs on a side stream, so
   only what the last bucket keeps waiting shows;
-- ``optimizer``: the optimizer step with ZeRO's parameter all-gather, and the weights' EMA;
+- ``optimizer``: the optimizer step (with ZeRO's parameter all-gather where it is not
+  overlapped), and the weights' EMA;
+- ``param_gather``: the exposed part of the overlapped parameter gather
+  (``zero.overlap_param_gather``, :mod:`setdiff_dist.train.param_gather`): the forward's waits
+  for buckets still on the wire;
 - ``checkpoint`` and ``eval``: between steps, not part of any step's time.
 
 On a GPU the device is synchronized at the top-level phase boundaries (not inside the backward,
@@ -31,7 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-STEP_PHASES = ("data_wait", "forward", "backward", "grad_reduce", "optimizer")
+STEP_PHASES = ("data_wait", "forward", "backward", "grad_reduce", "optimizer", "param_gather")
 PHASES = STEP_PHASES + ("checkpoint", "eval")
 
 
