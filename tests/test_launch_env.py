@@ -81,3 +81,15 @@ def test_a_gpu_job_without_a_usable_gpu_fails_clearly(clean_env):
         destroy_model_parallel()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_local_ranks_share_the_cpus_out_instead_of_each_taking_them_all(monkeypatch):
+    """``setdiff-train --nproc-per-node N`` gives each rank its share of the CPUs (torch's
+    default, every core in every rank, oversubscribes them N times over)."""
+    import os
+
+    from setdiff_dist.processes import threads_per_rank
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert [threads_per_rank(n) for n in (1, 2, 3, 4, 16, 32)] == [16, 8, 5, 4, 1, 1]
+

@@ -150,16 +150,25 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0) -> int:
     (a crash, a kill) ends the job: the launcher names it, gives the others ``grace_s`` seconds
     to stop on SIGTERM, then kills them, instead of leaving them waiting in a collective for
     the process group's timeout."""
-    from setdiff_dist.processes import free_port, own_group_and_die_with_parent
+    from setdiff_dist.processes import (
+        free_port,
+        own_group_and_die_with_parent,
+        threads_per_rank,
+    )
 
     if SIGNALS.got:  # stopped before any rank started: start none
         return 128 + SIGNALS.got[0]
     port = str(free_port())
+    threads = {}
+    if "OMP_NUM_THREADS" not in os.environ:  # (as torchrun does, but with the CPUs shared out)
+        threads = {"OMP_NUM_THREADS": str(threads_per_rank(nproc))}
+        print(f"setdiff-train: {threads['OMP_NUM_THREADS']} CPU thread(s) per rank "
+              "(OMP_NUM_THREADS overrides)", file=sys.stderr, flush=True)
     children = []
     for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   SETDIFF_LAUNCHED="1")
+        env = dict(os.environ, **threads, RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, SETDIFF_LAUNCHED="1")
         children.append(subprocess.Popen([sys.executable, "-m", "setdiff_dist.cli.train"] + argv,
                                          env=env, preexec_fn=own_group_and_die_with_parent))
 
