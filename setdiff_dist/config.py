@@ -207,6 +207,22 @@ class TrainConfig:
                                             min=1)
     exit_at_step: Optional[int] = _f(None, "checkpoint and stop after this step (split a run "
                                      "into jobs; resume=auto continues it)", min=1)
+    hang_timeout_s: float = _f(600.0, "a rank that makes no progress in the training loop "
+                               "for this long (a stuck collective, a stopped process) ends the "
+                               "job: its rank and host named, every rank's Python stacks in "
+                               "run_dir/watchdog/, exit code 76; 0 = no watch", min=0.0)
+    straggler_margin: float = _f(0.3, "name a rank whose forward takes more than 1 + this "
+                                 "times its pipeline stage's median (a throttled GPU, a noisy "
+                                 "neighbour) in the log and metrics.jsonl", min=0.01)
+    straggler_intervals: int = _f(3, "log intervals in a row a rank must be over "
+                                  "train.straggler_margin to be named a straggler", min=1)
+    max_restarts: int = _f(0, "after a rank dies (a crash, a kill, a hang), start every rank "
+                           "again from the last checkpoint, at most this many times "
+                           "(setdiff-train --nproc-per-node; under torchrun, its "
+                           "--max-restarts)", min=0)
+    collective_timeout_s: float = _f(1800.0, "the process group's timeout: a collective that "
+                                     "waits this long fails (torch.distributed's timeout)",
+                                     min=1.0)
 
 
 @dataclass

@@ -53,6 +53,12 @@ def validate(cfg) -> list[str]:
                                        if par.virtual_pipeline else ""))
     if par.sequence_parallel and par.tensor == 1:
         p.append("parallel.sequence_parallel=true needs parallel.tensor > 1")
+    t = cfg.train
+    if t.hang_timeout_s and t.hang_timeout_s >= t.collective_timeout_s:
+        p.append(f"train.hang_timeout_s={t.hang_timeout_s:g} must be below "
+                 f"train.collective_timeout_s={t.collective_timeout_s:g}: a collective that "
+                 "waits on a hung rank would fail first, and nothing would name that rank "
+                 "(lower the first, raise the second, or set train.hang_timeout_s=0)")
     # (an unknown kind is reported by its field; the rest is checked as for the default's)
     order = order_of(o.kind if o.kind in order_kinds() else "staggered")
     model_len = order.model_len(L)

@@ -160,8 +160,11 @@ def checkpoint_files(directory: str) -> list[str]:
 
 def describe_files(directory: str, names: Iterable[str], hashes: bool = True) -> dict:
     """``{name: {"bytes": n, "sha256": hex}}`` for ``names`` under ``directory``."""
+    from setdiff_dist.progress import progress
+
     out = {}
     for name in names:
+        progress()  # (a large checkpoint's hashing takes minutes: it is progress)
         path = os.path.join(directory, name)
         out[name] = {"bytes": os.path.getsize(path)}
         if hashes:
@@ -173,8 +176,11 @@ def file_problems(directory: str, table: dict, names: Iterable[str],
                   hashes: bool = True) -> list[str]:
     """What is wrong with ``names`` of ``directory`` against the manifest's ``table``: missing,
     another size, another checksum (``hashes``; sizes alone otherwise)."""
+    from setdiff_dist.progress import progress
+
     problems = []
     for name in names:
+        progress()
         want, path = table[name], os.path.join(directory, name)
         if not os.path.isfile(path):
             problems.append(f"{name} is missing")

@@ -45,6 +45,7 @@ from setdiff_dist.config import ConfigError, load_config
 from setdiff_dist.config_checks import world_problems
 from setdiff_dist.errors import SetdiffError
 from setdiff_dist.train.scale import HARDWARE
+from setdiff_dist.train.watchdog import EXIT_HUNG
 
 
 class PeerLost(SetdiffError):
@@ -144,29 +145,60 @@ def dry_run(cfg, world_size: int, device_memory, hardware=None) -> int:
     return 0 if fits else 2
 
 
-def launch(nproc: int, argv: list[str], grace_s: float = 10.0) -> int:
+def launch(nproc: int, argv: list[str], grace_s: float = 10.0, max_restarts: int = 0) -> int:
     """Start ``nproc`` ranks of this command on this machine, forward SIGTERM / SIGUSR1 / SIGINT
     to them, and return the first non-zero exit code (or 0). A rank that dies with a failure
-    (a crash, a kill) ends the job: the launcher names it, gives the others ``grace_s`` seconds
-    to stop on SIGTERM, then kills them, instead of leaving them waiting in a collective for
-    the process group's timeout."""
-    from setdiff_dist.processes import (
-        free_port,
-        own_group_and_die_with_parent,
-        threads_per_rank,
-    )
+    (a crash, a kill, a hang the watchdog ended) ends the attempt: the launcher names it, gives
+    the others ``grace_s`` seconds to stop on SIGTERM, then kills them, instead of leaving them
+    waiting in a collective for the process group's timeout. Then, up to ``max_restarts``
+    times (``train.max_restarts``), every rank starts again and resumes from the last
+    checkpoint (``SETDIFF_RESTART``: the trainer resumes with ``resume=auto``); a refusal
+    (exit code 2), a stop signal or a clean end is never restarted."""
+    from setdiff_dist.processes import threads_per_rank
 
-    if SIGNALS.got:  # stopped before any rank started: start none
-        return 128 + SIGNALS.got[0]
-    port = str(free_port())
     threads = {}
     if "OMP_NUM_THREADS" not in os.environ:  # (as torchrun does, but with the CPUs shared out)
         threads = {"OMP_NUM_THREADS": str(threads_per_rank(nproc))}
         print(f"setdiff-train: {threads['OMP_NUM_THREADS']} CPU thread(s) per rank "
               "(OMP_NUM_THREADS overrides)", file=sys.stderr, flush=True)
+    restart = 0
+    while True:
+        if SIGNALS.got:  # stopped before any rank started: start none
+            return 128 + SIGNALS.got[0]
+        code, failed = _attempt(nproc, argv, grace_s,
+                                dict(threads, SETDIFF_RESTART=str(restart)))
+        if failed is None or failed[1] == 2 or SIGNALS.got:
+            return code
+        how = _how(failed[1])
+        if restart >= max_restarts:
+            if max_restarts:
+                print(f"setdiff-train: rank {failed[0]} failed again ({how}) and no restart is "
+                      f"left (train.max_restarts={max_restarts}, all used): its own output above "
+                      "says why; the last checkpoint is intact, and resume=auto goes on from it",
+                      file=sys.stderr, flush=True)
+            return code
+        restart += 1
+        print(f"setdiff-train: restart {restart} of {max_restarts} (rank {failed[0]}: {how}): "
+              "every rank starts again from the last checkpoint", file=sys.stderr, flush=True)
+
+
+def _how(code: int) -> str:
+    if code == EXIT_HUNG:
+        return f"a hang, exit code {EXIT_HUNG}"
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _attempt(nproc: int, argv: list[str], grace_s: float, extra_env: dict):
+    """One start of every rank (see :func:`launch`): (the exit code, (rank, code) of the first
+    rank that failed or None)."""
+    import time
+
+    from setdiff_dist.processes import free_port, own_group_and_die_with_parent
+
+    port = str(free_port())
     children = []
     for rank in range(nproc):
-        env = dict(os.environ, **threads, RANK=str(rank), LOCAL_RANK=str(rank),
+        env = dict(os.environ, **extra_env, RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, SETDIFF_LAUNCHED="1")
         children.append(subprocess.Popen([sys.executable, "-m", "setdiff_dist.cli.train"] + argv,
@@ -178,8 +210,6 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0) -> int:
                 c.send_signal(signum)
 
     SIGNALS.hand_to(forward)
-    import time
-
     failed = None
     while None in [c.poll() for c in children]:  # (a list: every child polled, each time)
         dead = [(r, c.returncode) for r, c in enumerate(children)
@@ -187,10 +217,12 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0) -> int:
                 c.returncode not in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED)]
         if dead and failed is None:
             failed = dead[0]
-            if failed[1] != 2:  # (2: a refusal every rank reaches; it has said why)
-                how = f"signal {-failed[1]}" if failed[1] < 0 else f"exit code {failed[1]}"
-                print(f"setdiff-train: rank {failed[0]} died ({how}); stopping the other ranks",
-                      file=sys.stderr, flush=True)
+            if failed[1] == EXIT_HUNG:  # (the watch has named the hung rank)
+                print(f"setdiff-train: rank {failed[0]} ended on a hang (exit code "
+                      f"{EXIT_HUNG}); stopping the other ranks", file=sys.stderr, flush=True)
+            elif failed[1] != 2:  # (2: a refusal every rank reaches; it has said why)
+                print(f"setdiff-train: rank {failed[0]} died ({_how(failed[1])}); stopping the "
+                      "other ranks", file=sys.stderr, flush=True)
             for c in children:
                 if c.poll() is None:
                     c.send_signal(signal.SIGTERM)
@@ -202,9 +234,36 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0) -> int:
                     c.kill()
         time.sleep(0.2)
     codes = [c.wait() for c in children]
+    if failed is None:
+        # (a rank that failed as the last one ended, between two polls)
+        failed = next(((r, c) for r, c in enumerate(codes)
+                       if c not in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED)), None)
+        if failed is not None and failed[1] != 2:
+            print(f"setdiff-train: rank {failed[0]} died ({_how(failed[1])})", file=sys.stderr,
+                  flush=True)
     if failed is not None:
-        return failed[1] if failed[1] > 0 else 1
-    return next((c for c in codes if c != 0), 0)
+        return (failed[1] if failed[1] > 0 else 1), failed
+    return next((c for c in codes if c != 0), 0), None
+
+
+def restart_count() -> int:
+    """Which restart of the job this is (0: the first start): ours (``SETDIFF_RESTART``) or
+    torchrun's elastic agent's (``TORCHELASTIC_RESTART_COUNT``)."""
+    for key in ("SETDIFF_RESTART", "TORCHELASTIC_RESTART_COUNT"):
+        try:
+            return int(os.environ[key])
+        except (KeyError, ValueError):
+            continue
+    return 0
+
+
+def _latest_or_none(run_dir: str):
+    from setdiff_dist.checkpoint.files import CheckpointError, resolve_latest
+
+    try:
+        return resolve_latest(run_dir)
+    except CheckpointError:
+        return None
 
 
 def _write_exit_status(run_dir: str, outcome: str, code: int, step, checkpoint) -> None:
@@ -248,7 +307,21 @@ def _claim_run_dir(cfg, force: bool):
         _RUN_LOCK.release()
     else:
         _clean_leftovers(cfg.run_dir)
+        _set_aside_watchdog(cfg.run_dir)
     return refusal
+
+
+def _set_aside_watchdog(run_dir: str) -> None:
+    """A previous attempt's hang watch files (its report would end this attempt at once) move
+    to ``watchdog.previous/`` (replacing an older one), for whoever looks into that hang."""
+    import shutil
+
+    from setdiff_dist.train.watchdog import DIRECTORY
+
+    path = os.path.join(run_dir, DIRECTORY)
+    if os.path.isdir(path):
+        shutil.rmtree(path + ".previous", ignore_errors=True)
+        os.replace(path, path + ".previous")
 
 
 def _newer_checkpoints(resume: str, existing: list[str]) -> list[str]:
@@ -322,11 +395,18 @@ def run(cfg, force: bool = False) -> int:
 
     import torch.distributed as dist
 
-    from setdiff_dist.checkpoint.files import CheckpointError, resolve_latest
+    from setdiff_dist.checkpoint.files import CheckpointError
     from setdiff_dist.parallel import init_distributed
     from setdiff_dist.train.loop import Trainer
 
-    init_distributed(cfg.parallel.backend)  # idempotent; rank 0 is known before any error
+    # idempotent; rank 0 is known before any error
+    init_distributed(cfg.parallel.backend, cfg.train.collective_timeout_s)
+    restart = restart_count()
+    if restart and cfg.resume != "auto":
+        # a restart goes on from this run's last checkpoint, not from where the first start did
+        if dist.get_rank() == 0:
+            print(f"restart {restart}: resume={cfg.resume} -> resume=auto", flush=True)
+        cfg.resume = "auto"
     problems = world_problems(cfg, dist.get_world_size())
     if problems:
         raise ConfigError(problems, "the launch")
@@ -341,6 +421,9 @@ def run(cfg, force: bool = False) -> int:
     try:
         trainer = Trainer(cfg)
         SIGNALS.hand_to(trainer.request_stop)
+        if rank0:  # (a hang ends the process from the watch's thread: no finally runs)
+            trainer.on_hang = lambda report: _write_exit_status(
+                cfg.run_dir, "hung", EXIT_HUNG, report.get("step"), _latest_or_none(cfg.run_dir))
         if rank0:
             os.makedirs(cfg.run_dir, exist_ok=True)
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as fh:
@@ -364,12 +447,8 @@ def run(cfg, force: bool = False) -> int:
                        "collective; that rank's message says why", every_rank=False) from None
     finally:
         if rank0:
-            try:
-                latest = resolve_latest(cfg.run_dir)
-            except CheckpointError:
-                latest = None
             _write_exit_status(cfg.run_dir, outcome, code, trainer.step if trainer else None,
-                               latest)
+                               _latest_or_none(cfg.run_dir))
         if outcome in ("completed", "paused", "preempted"):
             # no rank exits before rank 0 has recorded the outcome: under `srun
             # --kill-on-bad-exit` the first rank to exit 75 would take rank 0 down with it
@@ -400,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = [a for i, a in enumerate(argv) if a != "--nproc-per-node" and
                 (i == 0 or argv[i - 1] != "--nproc-per-node") and not a.startswith(
                     "--nproc-per-node=")]
-        return launch(args.nproc_per_node, rest)
+        return launch(args.nproc_per_node, rest, max_restarts=cfg.train.max_restarts)
     from setdiff_dist.parallel import destroy_model_parallel
 
     try:

@@ -90,8 +90,9 @@ def gpus_promised() -> str | None:
     return None
 
 
-def init_distributed(backend: str = "auto", timeout_minutes: int = 30) -> LaunchEnv:
-    """Initialize the default process group once (idempotent)."""
+def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> LaunchEnv:
+    """Initialize the default process group once (idempotent); a collective fails after
+    ``timeout_s`` seconds of waiting (``train.collective_timeout_s``)."""
     le = launch_env()
     if dist.is_initialized():
         return le
@@ -120,7 +121,7 @@ def init_distributed(backend: str = "auto", timeout_minutes: int = 30) -> Launch
     # env:// reads the variables set above (and reuses torchrun's store when it offers one)
     dist.init_process_group(backend=backend, init_method="env://", rank=le.rank,
                             world_size=le.world_size,
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return le
 
 

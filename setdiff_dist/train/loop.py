@@ -18,7 +18,8 @@ import contextlib
 import math
 import os
 import signal
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from setdiff_dist.model.pipeline import forward_backward
 from setdiff_dist.model.transformer import build_model, transformer_config
 from setdiff_dist.objective import Objective
 from setdiff_dist.parallel import initialize_model_parallel
+from setdiff_dist.progress import progress
 
 from . import checkpoint
 from .ema import EMA, load_ema
@@ -53,7 +55,8 @@ from .engine import (
 )
 from .metrics import MetricsLogger
 from .param_gather import ParamPrefetch
-from .timers import PhaseTimers, Profile
+from .timers import PhaseTimers, Profile, Stragglers
+from .watchdog import Watchdog
 
 # what a signal asks for, by precedence: a preemption (requeue) outranks a user's pause
 STOPS = {signal.SIGINT: "paused", signal.SIGTERM: "preempted", signal.SIGUSR1: "preempted"}
@@ -115,7 +118,12 @@ class Trainer:
         # the EMA of the weights starts at the initial weights (or the checkpoint's, on resume)
         self.ema = EMA(self.engine.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.sync = GradientSync(self.engine)  # where gradients accumulate, when they reduce
-        self.timers = PhaseTimers()
+        self.timers = PhaseTimers(Stragglers(cfg.train.straggler_margin,
+                                             cfg.train.straggler_intervals))
+        # a test's stand-in for a throttled device: this rank's forwards take longer
+        slow = os.environ.get("SETDIFF_TEST_SLOW_RANK", "")  # "RANK:SECONDS", tests only
+        self._slow_forward = float(slow.split(":")[1]) if slow and \
+            int(slow.split(":")[0]) == self.rank else 0.0
         time_gradient_reduction(self.engine, self.timers)
         # ZeRO's gather of the updated parameters, overlapped with the next forward (None: the
         # optimizer gathers them at the end of its step, or does not shard them)
@@ -129,6 +137,8 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
         self.stop_requested: Optional[str] = None  # "paused" / "preempted", by a signal
+        # run by the hang watch just before this rank exits (setdiff-train records the outcome)
+        self.on_hang: Optional[Callable[[dict], None]] = None
         self.resumed_from = self._resume()
 
     # -- set-up ------------------------------------------------------------------------------
@@ -321,6 +331,8 @@ class Trainer:
             engine.module.set_is_first_microbatch()
             for i, b in enumerate(micro_batches):
                 with timers.phase("forward"):
+                    if self._slow_forward:
+                        time.sleep(self._slow_forward)
                     out, terms = self.objective.step(engine, b)
                     total, _ = terms(out)
                     local_sum += total.detach()
@@ -403,6 +415,7 @@ class Trainer:
         batches = [b.to(self.device) for b in batches]
         if self.cfg.parallel.pipeline == 1:
             for batch in batches:
+                progress("eval")
                 out, terms = self.eval_objective.step(self.engine.module, batch)
                 s, n = terms(out)
                 total += torch.stack([s.double(), n.double()])
@@ -434,9 +447,14 @@ class Trainer:
         # a resumed run already has a checkpoint of its first step
         tokens_since, saved_at, outcome = 0, self.step if self.resumed_from else None, "completed"
         timers, profile = self.timers, Profile(cfg.train.profile_steps, cfg.run_dir, self.rank)
+        watchdog = Watchdog(cfg.run_dir, cfg.train.hang_timeout_s, self.rank,
+                            dist.get_world_size(), on_hang=self.on_hang) \
+            if cfg.train.hang_timeout_s else None
         try:
             steps = self._steps(self.loader(self.step))
             while self.step < cfg.train.steps:
+                if watchdog is not None:
+                    watchdog.beat("data_wait", self.step + 1)
                 profile.before(self.step + 1)
                 timers.start_step()
                 with timers.phase("data_wait"):
@@ -448,7 +466,8 @@ class Trainer:
                           f"{os.path.dirname(trace)}/rank*.pt.trace.json", flush=True)
                 tokens_since += cfg.data.global_batch_size * L
                 if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps:
-                    record.update(timers.report(self.device))  # (all ranks)
+                    record.update(timers.report(  # (all ranks)
+                        self.device, ps.get_pipeline_model_parallel_rank()))
                     metrics.log(record, tokens_since, record["train_seconds"])
                     tokens_since = 0
                 if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
@@ -480,4 +499,6 @@ class Trainer:
         finally:
             profile.after(self.step, last=True)  # a stop inside the window keeps its trace
             metrics.close()
+            if watchdog is not None:
+                watchdog.close()
         return outcome

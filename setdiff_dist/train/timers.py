@@ -19,6 +19,13 @@ taken out of its parent, so the phases of a step add up to its time):
   for buckets still on the wire;
 - ``checkpoint`` and ``eval``: between steps, not part of any step's time.
 
+Stragglers (:class:`Stragglers`): a rank whose forward time per step is above its pipeline
+stage's median by more than ``train.straggler_margin`` for ``train.straggler_intervals`` log
+intervals in a row is named. The forward is the phase to compare: every rank of a stage does the
+same work there and, without tensor parallelism, waits on no other rank (the data-parallel
+collectives, where a fast rank waits for a slow one, lie in the other phases, which are equal on
+every rank of a synchronous step: step times cannot tell the slow rank from the waiting ones).
+
 On a GPU the device is synchronized at the top-level phase boundaries (not inside the backward,
 where it would serialize the overlapped reduction). Training time, for tokens/s and MFU, is the
 sum of the steps' times: evaluation and checkpoints are left out.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import statistics
 import time
 from typing import Optional
@@ -35,12 +43,45 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from setdiff_dist.progress import progress
+
 STEP_PHASES = ("data_wait", "forward", "backward", "grad_reduce", "optimizer", "param_gather")
 PHASES = STEP_PHASES + ("checkpoint", "eval")
 
 
+class Stragglers:
+    """The straggler watch over the log intervals (see the module's docstring). ``floor_s``:
+    a forward slower than the median by less than this per step is never named (timer noise on
+    tiny models)."""
+
+    def __init__(self, margin: float = 0.3, intervals: int = 3, floor_s: float = 0.005):
+        self.margin, self.intervals, self.floor = margin, intervals, floor_s
+        self.count: dict[int, int] = {}  # rank -> intervals in a row over the margin
+        self.named: set[int] = set()
+
+    def update(self, forward: list[float], stage: list[int]) -> dict:
+        """One interval's forward time per step of each rank and each rank's pipeline stage:
+        the record fields (``forward_ratio_max``, its rank, ``stragglers``) and the ranks named
+        (``new``) and cleared (``cleared``) with this interval."""
+        ratios = []
+        for r, t in enumerate(forward):
+            peers = [forward[q] for q in range(len(forward)) if stage[q] == stage[r]]
+            median = statistics.median(peers)
+            ratios.append(t / median if median > 0 else 1.0)
+            over = t > median * (1 + self.margin) and t - median > self.floor
+            self.count[r] = self.count.get(r, 0) + 1 if over else 0
+        now = {r for r, c in self.count.items() if c >= self.intervals}
+        new, cleared = sorted(now - self.named), sorted(self.named - now)
+        self.named = now
+        worst = max(range(len(ratios)), key=ratios.__getitem__)
+        return {"forward_ratio_max": ratios[worst], "forward_slowest_rank": worst,
+                "stragglers": sorted(now), "new": new, "cleared": cleared, "ratios": ratios}
+
+
 class PhaseTimers:
-    def __init__(self):
+    def __init__(self, stragglers: Optional[Stragglers] = None):
+        self.stragglers = stragglers or Stragglers()
+        self.hosts: Optional[list] = None  # every rank's host, gathered at the first report
         self.cuda = torch.cuda.is_available()
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.step_times: list[float] = []
@@ -57,6 +98,7 @@ class PhaseTimers:
         top = not self._stack
         if top:
             self._sync()
+        progress(name)  # (the hang watch's heartbeat: train/watchdog.py)
         entry = [name, time.perf_counter(), 0.0]
         self._stack.append(entry)
         try:
@@ -66,6 +108,7 @@ class PhaseTimers:
             if top:
                 self._sync()
             self._stack.pop()
+            progress()
             took = time.perf_counter() - entry[1]
             self.totals[name] += took - entry[2]
             if self._stack:
@@ -92,26 +135,49 @@ class PhaseTimers:
         self.step_times.append(time.perf_counter() - self._step_start)
         self._step_start = None
 
-    def report(self, device) -> dict:
+    def report(self, device, stage: int = 0) -> dict:
         """The phases' seconds per step (``checkpoint`` and ``eval``: in all) since the last
         report, this rank's mean step time, and over all ranks (a collective: every rank
-        calls it) the min / median / max of their step times and the slowest rank; then
-        starts over."""
+        calls it) the min / median / max of their step times, the slowest rank, and the
+        stragglers (``stage``: this rank's pipeline stage, whose ranks it is compared with);
+        then starts over. A newly named straggler, or one back within the margin, gets a
+        line of its own (rank 0)."""
         steps = max(len(self.step_times), 1)
         mine = sum(self.step_times)
         out = {f"time_{k}": self.totals[k] / (steps if k in STEP_PHASES else 1) for k in PHASES}
         out["step_time"] = mine / steps
         out["train_seconds"] = mine
         world = dist.get_world_size() if dist.is_initialized() else 1
-        every = torch.zeros(world, dtype=torch.float64, device=device)
-        every[dist.get_rank() if world > 1 else 0] = mine / steps
+        rank = dist.get_rank() if world > 1 else 0
+        every = torch.zeros(world, 3, dtype=torch.float64, device=device)
+        every[rank] = torch.tensor([mine / steps, out["time_forward"], float(stage)])
         if world > 1:
             dist.all_reduce(every)
-        per_rank = every.tolist()
-        out["step_time_min"] = min(per_rank)
-        out["step_time_median"] = statistics.median(per_rank)
-        out["step_time_max"] = max(per_rank)
-        out["slowest_rank"] = max(range(world), key=per_rank.__getitem__)
+        step_times, forward, stages = (every.T.tolist())
+        out["step_time_min"] = min(step_times)
+        out["step_time_median"] = statistics.median(step_times)
+        out["step_time_max"] = max(step_times)
+        out["slowest_rank"] = max(range(world), key=step_times.__getitem__)
+        found = self.stragglers.update(forward, [int(s) for s in stages])
+        out.update({k: found[k] for k in ("forward_ratio_max", "forward_slowest_rank",
+                                          "stragglers")})
+        if found["new"] or found["cleared"]:
+            if self.hosts is None:
+                self.hosts = [None] * world
+                if world > 1:
+                    dist.all_gather_object(self.hosts, socket.gethostname())
+                else:
+                    self.hosts = [socket.gethostname()]
+            if rank == 0:
+                s = self.stragglers
+                for r in found["new"]:
+                    print(f"straggler: rank {r} on {self.hosts[r]}: its forward took "
+                          f"{found['ratios'][r]:.2f}x its pipeline stage's median, over "
+                          f"{1 + s.margin:.2f}x for {s.intervals} log intervals in a row "
+                          "(train.straggler_margin / train.straggler_intervals)", flush=True)
+                for r in found["cleared"]:
+                    print(f"straggler: rank {r} on {self.hosts[r]} is back within the margin "
+                          f"({found['ratios'][r]:.2f}x)", flush=True)
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.step_times = []
         return out

@@ -1,0 +1,25 @@
+"""Progress reports from long work (a save's files, an evaluation's batches, the phases of a
+step) to this process's hang watch (:mod:`setdiff_dist.train.watchdog`), which registers itself
+here while the training loop runs: the layers below training report without importing it."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+_BEAT: Optional[Callable[[Optional[str]], None]] = None
+
+
+def watch(beat: Optional[Callable[[Optional[str]], None]]) -> None:
+    """Send progress to ``beat(phase)`` from now on (None: to nothing)."""
+    global _BEAT
+    _BEAT = beat
+
+
+def watched_by(beat) -> bool:
+    return _BEAT == beat
+
+
+def progress(phase: Optional[str] = None) -> None:
+    """Progress (in ``phase``, when it says where); a no-op without a watch."""
+    if _BEAT is not None:
+        _BEAT(phase)

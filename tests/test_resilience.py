@@ -1,0 +1,225 @@
+"""A job that heals or ends on its own: a hung rank ends the job within train.hang_timeout_s,
+named, with every rank's stacks in the run directory and the last checkpoint intact."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from helpers import run_train, train_command
+
+from setdiff_dist.train.watchdog import EXIT_HUNG, culprit
+
+
+def test_the_culprit_is_the_silent_rank_else_the_first_to_stop_progressing():
+    now = 1000.0
+    beat = lambda progress, alive: {"progress_at": progress, "alive_at": alive}  # noqa: E731
+    # rank 2 stopped (no heartbeat for 30 s): blamed, though rank 0 stopped progressing first
+    assert culprit({0: beat(900, 999), 1: beat(950, 999), 2: beat(960, 970)}, now, 10) == (2, True)
+    # every process alive: the one whose progress stopped first (the others then waited on it)
+    assert culprit({0: beat(950, 999), 1: beat(900, 999), 2: beat(951, 999)}, now, 10) == (1,
+                                                                                          False)
+
+
+WATCHED = textwrap.dedent("""
+    import sys, time
+    from setdiff_dist.train.watchdog import Watchdog
+    w = Watchdog(sys.argv[1], 1.0, rank=0, world=1, poll_s=0.2)
+    for i in range(5):
+        w.beat("forward", i)
+        time.sleep(0.1)
+    def stuck_in_a_collective():
+        time.sleep(60)
+    stuck_in_a_collective()
+""")
+
+
+def test_a_rank_without_progress_dumps_its_stacks_and_exits_with_the_hang_code(tmp_path):
+    """The watch alone, in a child without torch: one second without progress ends it."""
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == EXIT_HUNG, res.stderr
+    assert time.monotonic() - start < 20
+    assert "hang: rank 0 on" in res.stderr and "at step 4 in forward" in res.stderr
+    stacks = (tmp_path / "watchdog" / "stacks-rank0.txt").read_text()
+    assert "stuck_in_a_collective" in stacks and "Thread" in stacks
+    report = json.loads((tmp_path / "watchdog" / "hang.json").read_text())
+    assert report["rank"] == 0 and report["step"] == 4 and not report["heartbeat_stopped"]
+
+
+def _wait_for(predicate, proc, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_named_with_every_ranks_stacks(sonnets, tmp_path):
+    """SIGSTOP one of 2 gloo ranks mid-run: the job exits with code 76 within hang_timeout_s
+    + 30 s, names that rank and its host, leaves both ranks' stacks (the stopped one's too) in
+    run_dir/watchdog/, and the last checkpoint is intact and resumes."""
+    from setdiff_dist.checkpoint.files import resolve_latest
+    from setdiff_dist.checkpoint.manifest import read_manifest
+
+    run = str(tmp_path / "run")
+    proc = subprocess.Popen(train_command(run, sonnets, "train.eval_batches=1",
+                                          "train.hang_timeout_s=20", "checkpoint.interval=2",
+                                          "optimizer.schedule=constant", steps=100000),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        beat = os.path.join(run, "watchdog", "rank1.json")
+        _wait_for(lambda: os.path.exists(os.path.join(run, "checkpoints", "latest"))
+                  and os.path.exists(beat), proc)
+        with open(beat) as fh:
+            victim = json.load(fh)["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_HUNG, err[-3000:]
+    assert took < 20 + 30, took
+    assert "hang: rank 1 on" in err and "stopped responding" in err
+    report = json.loads(open(os.path.join(run, "watchdog", "hang.json")).read())
+    assert report["rank"] == 1 and report["pid"] == victim and report["heartbeat_stopped"]
+    for rank in (0, 1):
+        stacks = open(os.path.join(run, "watchdog", f"stacks-rank{rank}.txt")).read()
+        assert 'File "' in stacks and "setdiff_dist" in stacks, (rank, stacks[:2000])
+    with open(os.path.join(run, "exit_status.json")) as fh:
+        status = json.load(fh)
+    assert status["outcome"] == "hung" and status["exit_code"] == EXIT_HUNG
+    # the last checkpoint: complete, its checksums right, and training goes on from it
+    path = resolve_latest(run)
+    step = read_manifest(path)["step"]
+    assert status["checkpoint"] == path
+    res = run_train(run, sonnets, "train.eval_batches=1", "optimizer.schedule=constant",
+                    "checkpoint.checksums=true", steps=step + 1)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resumed from {path} at step {step}" in res.stdout
+    assert os.path.isdir(os.path.join(run, "watchdog.previous"))
+
+
+def test_a_rank_over_the_margin_for_the_set_intervals_is_named_and_cleared():
+    from setdiff_dist.train.timers import Stragglers
+
+    s = Stragglers(margin=0.3, intervals=3, floor_s=0.005)
+    stages = [0, 0, 0, 0]
+    seen = [s.update([0.10, 0.10, 0.15, 0.10], stages) for _ in range(3)]
+    assert [x["stragglers"] for x in seen] == [[], [], [2]] and seen[2]["new"] == [2]
+    assert seen[2]["forward_slowest_rank"] == 2
+    assert seen[2]["forward_ratio_max"] == pytest.approx(1.5)
+    # one interval back under the margin clears it, and the count starts over
+    back = s.update([0.10, 0.10, 0.11, 0.10], stages)
+    assert back["stragglers"] == [] and back["cleared"] == [2]
+    # noise: 1.25x is under the margin; 2x of 2 ms is under the floor
+    quiet = Stragglers(margin=0.3, intervals=1, floor_s=0.005)
+    assert quiet.update([0.100, 0.125, 0.1], [0, 0, 0])["stragglers"] == []
+    assert quiet.update([0.002, 0.004, 0.002], [0, 0, 0])["stragglers"] == []
+    # pipeline stages are compared within themselves: the last stage's larger forward is no
+    # straggler; a slow rank of the first stage is
+    staged = Stragglers(margin=0.3, intervals=1)
+    assert staged.update([0.1, 0.1, 0.3, 0.3], [0, 0, 1, 1])["stragglers"] == []
+    assert staged.update([0.1, 0.2, 0.1, 0.3, 0.3, 0.3], [0, 0, 0, 1, 1, 1])["stragglers"] == [1]
+
+
+def test_an_injected_slow_rank_is_named_within_three_intervals_and_no_rank_without_it(
+        trained, sonnets, tmp_path):
+    """A 0.2 s sleep in each of rank 1's forwards (the test-only SETDIFF_TEST_SLOW_RANK) names
+    rank 1 by the third log interval, in metrics.jsonl and in a line of its own; the session's
+    reference run, on the same 2 gloo ranks without it, names no rank."""
+    env = dict(os.environ, SETDIFF_TEST_SLOW_RANK="1:0.2")
+    res = run_train(tmp_path / "run", sonnets, "train.eval_batches=1",
+                    "checkpoint.save_at_end=false", steps=4, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _train_rows(tmp_path / "run")
+    assert [r["stragglers"] for r in rows][:3] == [[], [], [1]], rows
+    assert rows[2]["forward_slowest_rank"] == 1 and rows[2]["forward_ratio_max"] > 1.3
+    assert "straggler: rank 1 on" in res.stdout
+    reference = _train_rows(trained())
+    assert reference and all(r["stragglers"] == [] for r in reference), reference
+
+
+def _train_rows(run):
+    with open(os.path.join(run, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if "stragglers" in r]
+
+
+def _pid_of(run, rank, other_than=None, proc=None):
+    """The pid in ``rank``'s heartbeat file, once it is not ``other_than``."""
+    path = os.path.join(run, "watchdog", f"rank{rank}.json")
+
+    def found():
+        try:
+            with open(path) as fh:
+                return json.load(fh)["pid"] != other_than
+        except (OSError, ValueError, KeyError):
+            return False
+
+    _wait_for(found, proc)
+    with open(path) as fh:
+        return json.load(fh)["pid"]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_the_job_which_ends_with_the_uninterrupted_losses(
+        trained, sonnets, tmp_path):
+    """SIGKILL rank 1 once its run has a checkpoint (step 3 of 6), with train.max_restarts=1:
+    every rank starts again from that checkpoint and the job ends with exit code 0 and the
+    session's uninterrupted reference run's losses, bit for bit (fp32)."""
+    from helpers import REFERENCE, REFERENCE_STEPS, child_env, losses
+
+    run = str(tmp_path / "run")
+    # (rank 0's forwards slowed, so that the kill lands before the last step)
+    env = child_env(dict(os.environ, SETDIFF_TEST_SLOW_RANK="0:0.3"))
+    proc = subprocess.Popen(train_command(run, sonnets, *REFERENCE, "train.max_restarts=1",
+                                          steps=REFERENCE_STEPS),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for(lambda: os.path.exists(os.path.join(run, "checkpoints", "latest")), proc)
+        os.kill(_pid_of(run, 1, proc=proc), signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "rank 1 died (signal 9)" in err and "restart 1 of 1 (rank 1: signal 9)" in err
+    assert "resumed from" in out and "at step 3" in out
+    want = losses(trained())
+    assert len(want) == REFERENCE_STEPS and losses(run) == want
+
+
+@pytest.mark.slow
+def test_with_the_restarts_spent_the_job_ends_naming_the_failing_rank(sonnets, tmp_path):
+    """max_restarts=1 and rank 1 killed in both attempts: the job ends (exit 1) saying that
+    rank failed again and no restart is left; the last checkpoint stays intact."""
+    from helpers import child_env
+
+    from setdiff_dist.checkpoint.files import resolve_latest
+
+    run = str(tmp_path / "run")
+    env = child_env(dict(os.environ, SETDIFF_TEST_SLOW_RANK="0:0.3"))
+    proc = subprocess.Popen(train_command(run, sonnets, "train.max_restarts=1",
+                                          "checkpoint.interval=2", steps=100),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for(lambda: os.path.exists(os.path.join(run, "checkpoints", "latest")), proc)
+        first = _pid_of(run, 1, proc=proc)
+        os.kill(first, signal.SIGKILL)
+        os.kill(_pid_of(run, 1, other_than=first, proc=proc), signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "restart 1 of 1 (rank 1: signal 9)" in err
+    assert "rank 1 failed again (signal 9) and no restart is left (train.max_restarts=1" in err
+    assert resolve_latest(run) is not None
