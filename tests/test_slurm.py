@@ -1,4 +1,5 @@
-"""The Slurm launchers on a real Slurm cluster: two emulated nodes on this machine.
+"""The Slurm launchers on a real Slurm cluster: three emulated nodes on this machine (jobs take
+two; the third is where a job goes without a node that failed).
 
 The cluster is the one ``launchers/slurm/cluster.sh`` starts (``.ci/run`` starts it and stops it
 on exit); without one, this module starts it itself when it can (root, apt) and stops it after.
@@ -41,7 +42,7 @@ def _cluster_up():
 def cluster():
     started = False
     if not _cluster_up():
-        res = subprocess.run(["bash", CLUSTER, "start", "2"], capture_output=True, text=True)
+        res = subprocess.run(["bash", CLUSTER, "start", "3"], capture_output=True, text=True)
         if res.returncode != 0:
             if os.environ.get("SETDIFF_REQUIRE_SLURM") == "1":
                 pytest.fail(f"cannot start the Slurm cluster:\n{res.stderr[-2000:]}")
@@ -103,7 +104,7 @@ def _wait(jid, env, timeout=300):
             raise _cluster_report(f"job {jid} ({job.get('JobState')}): the Slurm daemon(s) "
                                   f"{', '.join(dead)} died under the job (not a failure of "
                                   "setdiff-dist; restart the cluster: bash "
-                                  f"{CLUSTER} stop; bash {CLUSTER} start 2)")
+                                  f"{CLUSTER} stop; bash {CLUSTER} start 3)")
         time.sleep(0.5)
     subprocess.run(["scancel", str(jid)], env=env)
     raise _cluster_report(f"job {jid} did not finish in {timeout} s: {_job(jid, env)}")
@@ -219,3 +220,44 @@ def test_sharded_evaluation_and_generation_jobs(uninterrupted, cluster, tmp_path
     generated = [json.loads(line) for line in (tmp_path / "gen.out").read_text().splitlines()
                  if line.startswith("{")]
     assert len(generated) == 1 and len(generated[0]["tokens"][0]) == 8
+
+
+@pytest.mark.slow
+def test_a_rank_killed_on_one_node_requeues_the_job_without_that_node(
+        uninterrupted, cluster, shards, tmp_path):
+    """train.max_restarts=1 on 3 emulated nodes: SIGKILL the rank on n2 after the step-10
+    checkpoint; train.sbatch requeues the job excluding n2, it runs on n1 and n3, resumes from
+    that checkpoint and ends with the uninterrupted job's losses, bit for bit."""
+    import signal
+
+    _, _, straight_job = uninterrupted
+    assert straight_job["JobState"] == "COMPLETED"
+    run = tmp_path / "run"
+    jid = _sbatch(cluster, tmp_path / "job.out", "--nodes=2", "--ntasks-per-node=1", TRAIN,
+                  *train_args(run, shards, STEPS), "train.max_restarts=1",
+                  "checkpoint.interval=10")
+    deadline = time.time() + 180
+    victim = None
+    while victim is None:
+        assert time.time() < deadline and _job(jid, cluster).get("JobState") not in DONE, \
+            "the job ended or stalled before a rank could be killed"
+        beats = []
+        for name in (os.listdir(run / "watchdog") if (run / "watchdog").is_dir() else []):
+            if name.startswith("rank") and name.endswith(".json"):
+                try:
+                    beats.append(json.loads((run / "watchdog" / name).read_text()))
+                except (OSError, ValueError):
+                    pass
+        if (run / "checkpoints" / "latest").exists():
+            victim = next((b["pid"] for b in beats if b.get("node") == "n2"), None)
+        time.sleep(0.1)
+    os.kill(victim, signal.SIGKILL)
+    job = _wait(jid, cluster)
+    log = (tmp_path / "job.out").read_text()
+    assert job["JobState"] == "COMPLETED", log[-3000:]
+    assert job["Restarts"] == "1" and job["ExcNodeList"] == "n2", (job, log[-3000:])
+    assert job["NodeList"] == "n[1,3]", job
+    assert "restart 1 of 1 (train.max_restarts), without n2" in log, log[-3000:]
+    resumed = [line for line in log.splitlines() if line.startswith("resumed from")]
+    assert len(resumed) == 1 and int(resumed[0].rsplit(" ", 1)[1]) >= 10
+    assert losses(run) == losses(uninterrupted[0] / "run")
