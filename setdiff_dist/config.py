@@ -233,6 +233,10 @@ class CheckpointConfig:
     save_at_end: bool = _f(True, "checkpoint when training ends (false for benchmarks and smoke "
                            "runs, which need no weights; signals and checkpoint.interval still "
                            "save)")
+    async_save: bool = _f(False, "copy the state to host memory at the step boundary and "
+                          "write it (and hash it) in a background thread while training goes "
+                          "on; one save in flight at most, latest moves once it is all "
+                          "written; costs the checkpoint's size in host memory")
     checksums: bool = _f(True, "write each file's SHA-256 into the checkpoint's manifest and "
                          "check them at resume (the ranks share the hashing, about 1 GB/s "
                          "each); false: sizes only (every other read of a checkpoint, "

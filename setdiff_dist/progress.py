@@ -4,6 +4,7 @@ here while the training loop runs: the layers below training report without impo
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional
 
 _BEAT: Optional[Callable[[Optional[str]], None]] = None
@@ -20,6 +21,8 @@ def watched_by(beat) -> bool:
 
 
 def progress(phase: Optional[str] = None) -> None:
-    """Progress (in ``phase``, when it says where); a no-op without a watch."""
-    if _BEAT is not None:
+    """Progress (in ``phase``, when it says where) of the training thread; a no-op without a
+    watch, and from any other thread (a background save's writer reports through the training
+    thread that waits for it: :mod:`setdiff_dist.train.async_save`)."""
+    if _BEAT is not None and threading.current_thread() is threading.main_thread():
         _BEAT(phase)

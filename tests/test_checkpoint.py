@@ -51,6 +51,39 @@ def latest(run_dir):
     return open(os.path.join(run_dir, "checkpoints", "latest")).read().strip()
 
 
+def test_a_background_save_killed_mid_write_leaves_latest_and_the_next_one_is_exact(
+        trained, sonnets, tmp_path):
+    """checkpoint.async_save: SIGKILL in the background write of step 6's checkpoint (DeepSpeed's
+    files written, the weights not): latest stays at step 3, and the next start removes the
+    partial directory, resumes and ends with the uninterrupted losses; its own background save
+    of step 6 is complete, verified, and its weights are the blocking save's, byte for byte."""
+    from setdiff_dist.checkpoint.files import checkpoint_files, file_problems
+    from setdiff_dist.checkpoint.manifest import read_manifest
+
+    ref = trained("zero.stage=2")
+    run = rewound(ref, tmp_path)
+    env = dict(os.environ, SETDIFF_FAULT="async_write:6")
+    res = train(run, sonnets, "zero.stage=2", "checkpoint.async_save=true", env=env)
+    assert res.returncode != 0
+    assert latest(run) == "step_0000003"
+    assert not (run / "checkpoints" / "step_0000006" / "manifest.json").exists()
+    res = train(run, sonnets, "zero.stage=2", "checkpoint.async_save=true")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step_0000006 (an incomplete save)" in res.stdout
+    assert "resumed from" in res.stdout and "step_0000003" in res.stdout
+    assert losses(run) == losses(ref)
+    saved = run / "checkpoints" / "step_0000006"
+    assert latest(run) == "step_0000006"
+    table = read_manifest(str(saved))["files"]
+    assert sorted(table) == checkpoint_files(str(saved))
+    assert file_problems(str(saved), table, table) == []
+    blocking = ref / "checkpoints" / "step_0000006" / "weights"
+    names = sorted(p.name for p in blocking.iterdir())
+    assert names and sorted(p.name for p in (saved / "weights").iterdir()) == names
+    for name in names:
+        assert (saved / "weights" / name).read_bytes() == (blocking / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("layout", [
     pytest.param(("zero.stage=2",), id="zero2"),
     # the default bf16 path: ZeRO-1, the reduction overlapped with the backward

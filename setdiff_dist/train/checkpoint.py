@@ -12,6 +12,7 @@ atomically, so a crash at any point leaves ``latest`` at a complete checkpoint.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -170,13 +171,15 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_weights(engine, directory: str, zero_stage: int, ema=None) -> None:
+def save_weights(engine, directory: str, zero_stage: int, ema=None, later: bool = False):
     """This model-parallel rank's weights (global names, TP-local shards), written by
     :func:`~setdiff_dist.checkpoint.weights.write_weights`: every data-parallel (x context-
     parallel) rank writes its share, one tensor at a time; under ZeRO-3 each parameter is
     gathered alone, so no rank ever holds the whole model and a writer one tensor. With ``ema``
     (:class:`~setdiff_dist.train.ema.EMA`) the averages are written instead, in fp32, under the
-    same names and layout. Collective over the data-parallel group."""
+    same names and layout. Collective over the data-parallel group. ``later``: gather now,
+    keep a host copy of this rank's share, and return the write as a function (for a save in
+    the background)."""
     from setdiff_dist.checkpoint.weights import write_weights
     from setdiff_dist.model.transformer import global_name
 
@@ -208,23 +211,35 @@ def save_weights(engine, directory: str, zero_stage: int, ema=None) -> None:
             with gather:
                 yield p.detach()
 
-    write_weights(directory, ps.get_tensor_model_parallel_rank(),
-                  ps.get_pipeline_model_parallel_rank(),
-                  ps.get_tensor_model_parallel_world_size(),
-                  parts=ps.get_data_parallel_world_size(with_context_parallel=True),
-                  part=ps.get_data_parallel_rank(with_context_parallel=True),
-                  entries=entries, values=values())
+    parts = ps.get_data_parallel_world_size(with_context_parallel=True)
+    part = ps.get_data_parallel_rank(with_context_parallel=True)
+    stream = values()
+    if later:  # (the other shares' tensors: gathered with them, not kept)
+        stream = [v.detach().to("cpu", copy=True) if i % parts == part else None
+                  for i, v in enumerate(stream)]
+    write = functools.partial(write_weights, directory, ps.get_tensor_model_parallel_rank(),
+                              ps.get_pipeline_model_parallel_rank(),
+                              ps.get_tensor_model_parallel_world_size(), parts=parts, part=part,
+                              entries=entries, values=stream)
+    if later:
+        return write
+    write()
 
 
 def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
-         tokenizer_dir: Optional[str] = None, ema=None, data: Optional[dict] = None) -> str:
+         tokenizer_dir: Optional[str] = None, ema=None, data: Optional[dict] = None,
+         saver=None) -> str:
     """Save on every rank; returns the checkpoint directory. ``data``: the data stream's
     identity (the loader's state without its step), which the manifest records so that a
-    resume on other data is refused before any model is built."""
+    resume on other data is refused before any model is built. ``saver``
+    (:class:`~setdiff_dist.train.async_save.AsyncSaver`): capture the state now and write it in
+    the background (``latest`` moves when it is all written)."""
     root = checkpoint_root(cfg.run_dir)
     tag = tag_of(step)
     path = os.path.join(root, tag)
     rank = dist.get_rank()
+    if saver is not None:
+        saver.wait()  # (one save in flight at most: the last one is complete before this one)
     need = check_space(root, tag)  # (collective: every rank refuses, or none)
     if rank == 0 and os.path.isdir(path):  # an earlier save of this step (a crash, or resume=never)
         pointer = os.path.join(root, LATEST)
@@ -235,13 +250,28 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
     client_state = dict(client_state, **{UNIVERSAL_CHECKPOINT_INFO: universal_info(engine.module)})
-    try:
-        engine.save_checkpoint(root, tag=tag, client_state=client_state,
-                               save_latest=False)
-        save_weights(engine, os.path.join(path, WEIGHTS), cfg.zero.stage)
-        if ema is not None:
-            save_weights(engine, os.path.join(path, EMA_WEIGHTS), cfg.zero.stage, ema=ema)
-        torch.save(_rng_state(), os.path.join(path, rng_file(rank)))
+
+    def failed(exc: BaseException) -> BaseException:
+        return save_failed(exc, root, tag, need) if write_failure(exc) else exc
+
+    def finish(group=None):
+        """Every rank's files are on disk: the manifest (the ranks share the hashing), then
+        ``latest``, then the pruning (``group``: the process group to agree over)."""
+        _fault_point("after_shards", step)
+        dist.barrier(group=group)  # every rank's files are on disk
+        world = dist.get_world_size()
+        mine = describe_files(path, checkpoint_files(path)[rank::world], cfg.checkpoint.checksums)
+        tables = [None] * world
+        dist.all_gather_object(tables, mine, group=group)
+        if rank == 0:
+            manifest = build_manifest(step, layout(), cfg, tokenizer_identity,
+                                      {k: v for t in tables for k, v in t.items()}, data)
+            write_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=2))
+            write_atomic(os.path.join(root, LATEST), tag + "\n")
+            prune(root, cfg.checkpoint.keep_last, keep=tag)
+        dist.barrier(group=group)
+
+    def small_files():
         if rank == 0:
             with open(os.path.join(path, CONFIG), "w") as fh:
                 fh.write(cfg.to_yaml())
@@ -252,30 +282,56 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
                 shutil.copyfile(inside(tokenizer_dir, name, "the tokenizer file",
                                        CheckpointError),
                                 inside(path, name, "the tokenizer file", CheckpointError))
-        _fault_point("after_shards", step)
-        dist.barrier()  # every rank's files are on disk
-        world = dist.get_world_size()
-        mine = describe_files(path, checkpoint_files(path)[rank::world], cfg.checkpoint.checksums)
-        tables = [None] * world
-        dist.all_gather_object(tables, mine)
-        if rank == 0:
-            manifest = build_manifest(step, layout(), cfg, tokenizer_identity,
-                                      {k: v for t in tables for k, v in t.items()}, data)
-            write_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=2))
-            write_atomic(os.path.join(root, LATEST), tag + "\n")
-    except (OSError, RuntimeError) as exc:
-        if not write_failure(exc):
-            raise
-        raise save_failed(exc, root, tag, need) from None
-    if rank == 0:
-        prune(root, cfg.checkpoint.keep_last, keep=tag)
-    dist.barrier()
+
+    if saver is None:
+        try:
+            engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
+            save_weights(engine, os.path.join(path, WEIGHTS), cfg.zero.stage)
+            if ema is not None:
+                save_weights(engine, os.path.join(path, EMA_WEIGHTS), cfg.zero.stage, ema=ema)
+            torch.save(_rng_state(), os.path.join(path, rng_file(rank)))
+            small_files()
+            finish()
+        except (OSError, RuntimeError) as exc:
+            if not write_failure(exc):
+                raise
+            raise failed(exc) from None
+        return path
+
+    # in the background: capture everything now (DeepSpeed's save and the weights' gathers are
+    # collectives of this thread), write it later
+    from .async_save import Capture, host_copy
+
+    capture = Capture(engine.checkpoint_engine)
+    engine.checkpoint_engine = capture
+    try:
+        engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
+    finally:
+        engine.checkpoint_engine = capture.real
+    writes = [save_weights(engine, os.path.join(path, WEIGHTS), cfg.zero.stage, later=True)]
+    if ema is not None:
+        writes.append(save_weights(engine, os.path.join(path, EMA_WEIGHTS), cfg.zero.stage,
+                                   ema=ema, later=True))
+    rng = host_copy(_rng_state())
+
+    def write():
+        capture.write(saver.done)
+        _fault_point("async_write", step)
+        for w in writes:
+            w()
+            saver.done()
+        torch.save(rng, os.path.join(path, rng_file(rank)))
+        small_files()
+
+    saver.submit(path, write, finish, failed)
     return path
 
 
 def _fault_point(name: str, step: int) -> None:
-    """Fault injection for the crash-consistency test: ``SETDIFF_FAULT=after_shards:STEP`` kills
-    this process with SIGKILL at that point of the save of checkpoint STEP."""
+    """Fault injection for the crash-consistency tests: ``SETDIFF_FAULT=after_shards:STEP``
+    (every file written, no manifest yet) or ``async_write:STEP`` (in the background write,
+    DeepSpeed's files written, the weights not) kills this process with SIGKILL at that point
+    of the save of checkpoint STEP."""
     if os.environ.get("SETDIFF_FAULT") == f"{name}:{step}":
         os.kill(os.getpid(), 9)
 

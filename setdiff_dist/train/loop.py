@@ -41,6 +41,7 @@ from setdiff_dist.parallel import initialize_model_parallel
 from setdiff_dist.progress import progress
 
 from . import checkpoint
+from .async_save import AsyncSaver
 from .ema import EMA, load_ema
 from .engine import (
     GradientSync,
@@ -137,6 +138,8 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
         self.stop_requested: Optional[str] = None  # "paused" / "preempted", by a signal
+        # checkpoint.async_save: the background writer (one save in flight at most)
+        self.saver = AsyncSaver() if cfg.checkpoint.async_save else None
         # run by the hang watch just before this rank exits (setdiff-train records the outcome)
         self.on_hang: Optional[Callable[[dict], None]] = None
         self.resumed_from = self._resume()
@@ -237,7 +240,14 @@ class Trainer:
                              "loader": stream}}
         return checkpoint.save(self.engine, self.cfg, self.step, state, self.tokenizer_identity,
                                tokenizer_dir=self.train_set.directory, ema=self.ema,
-                               data={k: v for k, v in stream.items() if k != "step"})
+                               data={k: v for k, v in stream.items() if k != "step"},
+                               saver=self.saver)
+
+    def finish_saving(self) -> None:
+        """Wait for the checkpoint still being written in the background (if any): before a
+        clean exit, whatever the reason."""
+        if self.saver is not None:
+            self.saver.wait()
 
     def request_stop(self, signum: int) -> None:
         """Stop at the next step boundary, with a checkpoint: ``"paused"`` on SIGINT,
@@ -494,8 +504,11 @@ class Trainer:
                     metrics.log_eval(self.step, final)
             if saved_at != self.step and (outcome != "completed" or cfg.checkpoint.save_at_end):
                 path = self.save()
+                self.finish_saving()
                 if self.rank == 0:
                     print(f"checkpoint {path} ({outcome})", flush=True)
+            with timers.phase("checkpoint"):
+                self.finish_saving()  # (a clean end, a stop on a signal: the save completes)
         finally:
             profile.after(self.step, last=True)  # a stop inside the window keeps its trace
             metrics.close()
