@@ -17,9 +17,10 @@ from .files import CheckpointError, complete_checkpoints, pointed
 from .format import LATEST, is_complete
 from .manifest import read_manifest
 
-# how torch's checkpoint writer reports a write the OS refused (its errno is lost on the way)
+# how torch's checkpoint writer reports a write the OS refused (its errno is lost on the way),
+# or a directory gone under it (another rank's failed save removed the partial directory)
 WRITE_FAILURES = ("PytorchStreamWriter", "unexpected pos", "file write failed",
-                  "inline_container", "iostream error", "basic_ios")
+                  "inline_container", "iostream error", "basic_ios", "Parent directory")
 
 
 def write_failure(exc: BaseException) -> bool:

@@ -442,7 +442,12 @@ def run(cfg, force: bool = False) -> int:
     except RuntimeError as exc:
         if not _peer_lost(exc):
             raise
-        # another rank ended (its own message says why): stop with one line, not a traceback
+        # another rank ended (its own message says why): stop with one line, not a traceback,
+        # and a moment later than that rank, so that whoever watches the ranks' exits (our
+        # launcher, torchrun's agent, srun's first failed task) names it, not this consequence
+        import time
+
+        time.sleep(2.0)
         raise PeerLost("stopped: another rank ended while this one waited for it in a "
                        "collective; that rank's message says why", every_rank=False) from None
     finally:
