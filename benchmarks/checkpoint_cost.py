@@ -19,16 +19,16 @@ each over a normal step, and the extra seconds the three cost together.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from train_throughput import step_rows  # noqa: E402
+
 SETTINGS = {"blocking": "false", "async_save": "true"}
 
 
@@ -43,15 +43,7 @@ def run(args, shards, tmp, setting: str, i: int) -> list[dict]:
            f"checkpoint.interval={args.interval}", "checkpoint.keep_last=1",
            f"checkpoint.async_save={SETTINGS[setting]}", "checkpoint.save_at_end=false",
            "train.tensorboard=false", "resume=never", "data.num_workers=1"]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode:
-            raise SystemExit(f"setdiff-train failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
-        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-            rows = [json.loads(line) for line in fh]
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    return [r for r in rows if "step_time" in r]
+    return step_rows(cmd, run_dir)
 
 
 def costs(rows: list[dict], interval: int, warmup: int) -> dict:

@@ -16,16 +16,16 @@ instead of an all-reduce), not the overlap, which needs a GPU's separate stream.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from train_throughput import step_rows  # noqa: E402
+
 PHASES = ("data_wait", "forward", "backward", "grad_reduce", "optimizer", "param_gather")
 # name -> (zero.overlap_comm, zero.overlap_param_gather)
 SETTINGS = {"after the backward": (False, False), "reduce overlapped": (True, False),
@@ -45,15 +45,7 @@ def run(args, shards, tmp, setting: str, i: int) -> list[dict]:
            f"zero.overlap_param_gather={str(gather).lower()}",
            "checkpoint.save_at_end=false", "checkpoint.save_on_signal=false",
            "train.tensorboard=false", "resume=never", "data.num_workers=1"]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode:
-            raise SystemExit(f"setdiff-train failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
-        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-            rows = [json.loads(line) for line in fh]
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    return [r for r in rows if "step_time" in r][args.warmup:]
+    return step_rows(cmd, run_dir)[args.warmup:]
 
 
 def main(argv=None) -> int:

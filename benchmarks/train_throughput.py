@@ -42,6 +42,25 @@ def synthetic_shards(directory: str, seq_len: int) -> str:
     return out
 
 
+def step_rows(cmd: list[str], run_dir: str) -> list[dict]:
+    """Run ``cmd`` (a ``setdiff-train`` into ``run_dir``) and return its metrics.jsonl lines
+    that carry step times; the run directory is removed after. A failed run ends the
+    benchmark with its error."""
+    import json
+    import shutil
+    import subprocess
+
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise SystemExit(f"setdiff-train failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            rows = [json.loads(line) for line in fh]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return [r for r in rows if "step_time" in r]
+
+
 def run(model: str, kind: str, args, shards: str, tmp: str) -> dict:
     nproc = max(1, torch.cuda.device_count())
     run_dir = os.path.join(tmp, f"{model}-{kind}")
