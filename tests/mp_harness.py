@@ -1,5 +1,6 @@
 """Run a function on several gloo processes (torch.multiprocessing), as torchrun would."""
 
+import faulthandler
 import os
 import traceback
 
@@ -11,6 +12,7 @@ from setdiff_dist.parallel import free_port
 def _entry(rank, world_size, port, fn, args):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    faulthandler.enable(all_threads=True)  # (a crash in native code shows its Python stacks)
     try:
         fn(rank, *args)
     except Exception:

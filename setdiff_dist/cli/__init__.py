@@ -8,6 +8,7 @@ and exit code 130; anything else is a bug and keeps its traceback (exit code 1).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import sys
 
@@ -27,6 +28,10 @@ def command(prog: str, process_group: bool = False):
             from setdiff_dist.quiet import quiet
 
             quiet()  # (before the libraries are imported: their notices are filtered)
+            # a crash in native code (a segfault in a library) prints every thread's Python
+            # stack to stderr before the process dies: on a cluster, the only trace there is
+            if not faulthandler.is_enabled():
+                faulthandler.enable(all_threads=True)
             try:
                 return main(argv)
             except SetdiffError as exc:

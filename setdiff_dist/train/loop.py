@@ -456,7 +456,8 @@ class Trainer:
             print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
         # a resumed run already has a checkpoint of its first step
         tokens_since, saved_at, outcome = 0, self.step if self.resumed_from else None, "completed"
-        timers, profile = self.timers, Profile(cfg.train.profile_steps, cfg.run_dir, self.rank)
+        timers, profile = self.timers, Profile(cfg.train.profile_steps, cfg.run_dir, self.rank,
+                                                  self.whole_weights)
         watchdog = Watchdog(cfg.run_dir, cfg.train.hang_timeout_s, self.rank,
                             dist.get_world_size(), on_hang=self.on_hang) \
             if cfg.train.hang_timeout_s else None

@@ -38,7 +38,7 @@ import os
 import socket
 import statistics
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -186,12 +186,20 @@ class PhaseTimers:
 class Profile:
     """``train.profile_steps: [a, b]``: a torch.profiler trace of steps a to b (inclusive) on
     every rank, written to ``<run_dir>/profile/rank<R>.pt.trace.json`` (Chrome trace format:
-    open it in Perfetto, or in tensorboard with the PyTorch profiler plugin)."""
+    open it in Perfetto, or in tensorboard with the PyTorch profiler plugin).
 
-    def __init__(self, steps, run_dir: str, rank: int):
+    ``quiesce`` is called before the profiler starts and before it stops: it waits for the
+    collectives still running in the background (the parameter all-gather prefetched for the
+    next step). The profiler installs and removes its observers for every thread, and a gloo
+    worker thread running an op at that moment can crash the process (a SIGSEGV seen once in
+    the suite, on a PP2 x DP2 rank at the profiler's stop)."""
+
+    def __init__(self, steps, run_dir: str, rank: int,
+                 quiesce: Optional[Callable[[], None]] = None):
         self.first, self.last = steps if steps else (None, None)
         self.path = os.path.join(run_dir, "profile", f"rank{rank}.pt.trace.json")
         self._prof = None
+        self._quiesce = quiesce or (lambda: None)
 
     def before(self, step: int) -> None:
         """Before step ``step`` (1-based, as logged) runs."""
@@ -200,6 +208,7 @@ class Profile:
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(activities=activities)
+            self._quiesce()
             self._prof.__enter__()
 
     def after(self, step: int, last: bool = False) -> Optional[str]:
@@ -207,6 +216,7 @@ class Profile:
         run's final step before b)."""
         if self._prof is None or (step < self.last and not last):
             return None
+        self._quiesce()
         self._prof.__exit__(None, None, None)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._prof.export_chrome_trace(self.path)
