@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from helpers import (
+    EMA_RUN,
     REFERENCE,
     REFERENCE_STEPS,
     child_env,
@@ -619,3 +620,71 @@ def test_non_finite_weights_in_a_checkpoint_are_refused_at_resume_and_at_load(tr
             _rehash(step, f"weights/{weights.name}")
     with process_group("gloo"), pytest.raises(LoadError, match="non-finite values"):
         build_inference_model(str(step), pack=False)
+
+
+def _convert_on_two_ranks(rank, steps, out):
+    """Each of ``steps`` converted by both ranks together, into ``out/split-<i>``; then the
+    first again with rank 1's merge failing."""
+    import torch.distributed as dist
+    from deepspeed.checkpoint import ds_to_universal
+
+    from setdiff_dist.train.universal import convert, dist_agree
+
+    dist.init_process_group("gloo")
+    agree = dist_agree()
+    for i, step in enumerate(steps):
+        convert(step, f"{out}/split-{i}", rank, 2, agree)
+    if rank == 1:
+        def broken(*args):
+            raise OSError("No space left on device")
+        ds_to_universal.merge_tp_slices = broken
+    try:
+        convert(steps[0], f"{out}/failing", rank, 2, agree)
+        said = "no error"
+    except CheckpointError as exc:
+        said = str(exc)
+    with open(f"{out}/said-{rank}.txt", "w") as fh:
+        fh.write(said)
+    dist.barrier()  # (neither leaves while the other still talks)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and (a == b or repr(a) == repr(b))  # (a loss scaler: its repr)
+
+
+def test_the_universal_conversion_split_over_the_ranks_writes_what_one_process_writes(
+        trained, tmp_path):
+    """ZeRO-1 and ZeRO-3 checkpoints of the session's DP=2 runs, converted by 2 ranks sharing
+    the work, and by one process alone: the same files, each tensor equal. A rank whose share
+    fails makes both ranks raise the same error, naming it (no rank left at a barrier)."""
+    from mp_harness import spawn
+
+    from setdiff_dist.train.universal import convert
+
+    steps = [str(trained() / "checkpoints" / "step_0000003"),
+             str(trained(*EMA_RUN) / "checkpoints" / "step_0000003")]
+    spawn(_convert_on_two_ranks, 2, steps, str(tmp_path))
+    for i, step in enumerate(steps):
+        alone = tmp_path / f"alone-{i}"
+        convert(step, str(alone))
+        split = tmp_path / f"split-{i}"
+        files = sorted(str(p.relative_to(alone)) for p in alone.rglob("*") if p.is_file())
+        assert files == sorted(str(p.relative_to(split)) for p in split.rglob("*")
+                               if p.is_file())
+        assert sum(f.endswith("exp_avg.pt") for f in files) > 10  # (each parameter's moments)
+        assert not (split / "tmp").exists()
+        for f in files:
+            if f.endswith(".pt") and "/" in f:
+                a, b = (torch.load(d / f, weights_only=False) for d in (alone, split))
+                assert _same(a, b), f
+    said = [(tmp_path / f"said-{r}.txt").read_text() for r in (0, 1)]
+    assert said[0] == said[1]
+    assert said[0].startswith("the conversion to DeepSpeed's universal form failed: rank 1 "
+                              "could not merge each parameter's fragments"), said[0]
+    assert "No space left on device" in said[0]

@@ -413,10 +413,10 @@ def test_a_missing_init_from_is_named_as_the_config_key():
 
 
 def test_an_interrupted_conversion_leaves_nothing_behind(trained, tmp_path):
-    """kill -9 during a layout-changing resume: the converter dies with its rank (no process
-    goes on writing), and what it left (universal.tmp/, latest_universal), like a crashed
-    save's step directory, goes at the next start in that run directory, whatever its
-    layout."""
+    """kill -9 during a layout-changing resume: the ranks convert in their own processes (no
+    other process goes on writing), and what they left (universal.tmp/, latest_universal),
+    like a crashed save's step directory, goes at the next start in that run directory,
+    whatever its layout."""
     from setdiff_dist.cli.train import _clean_leftovers
 
     run = copy_run(trained(), tmp_path)

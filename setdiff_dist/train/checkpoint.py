@@ -17,8 +17,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from typing import Optional
 
 import torch
@@ -120,28 +118,32 @@ def needs_universal(path: str, cfg) -> bool:
 
 def make_universal(path: str) -> str:
     """``path/universal``: DeepSpeed's universal form of the checkpoint (each parameter's fp32
-    weights and optimizer moments whole), converted once by rank 0, through a temporary
-    directory so that an interrupted conversion is redone, never half-used."""
-    out = os.path.join(path, UNIVERSAL)
-    if dist.get_rank() == 0 and not os.path.isdir(out):
-        tmp = out + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        from setdiff_dist.processes import die_with_parent
+    weights and optimizer moments whole), converted once, by all the ranks together (each its
+    share: :mod:`setdiff_dist.train.universal`), through a temporary directory so that an
+    interrupted conversion is redone, never half-used."""
+    from .universal import convert, dist_agree
 
-        # (the converter dies with this rank: a killed job leaves no process writing)
-        res = subprocess.run([sys.executable, "-m", "setdiff_dist.train.universal",
-                              "--input_folder", path, "--output_folder", tmp,
-                              "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                             capture_output=True, text=True, preexec_fn=die_with_parent)
-        if res.returncode:
+    out = os.path.join(path, UNIVERSAL)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # (every rank sees the same directory: a checkpoint is resumed from a shared file system)
+    if os.path.isdir(out):
+        return out
+    tmp = out + ".tmp"
+    agree = dist_agree()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"converting {path} to DeepSpeed's universal form for this layout, on {world} "
+              "ranks", flush=True)
+    agree((None, None))  # (the old temporary directory is gone before anyone writes)
+    say = (lambda line: print(f"  {line}", flush=True)) if rank == 0 else None
+    try:
+        convert(path, tmp, rank, world, agree, say)
+    except CheckpointError:
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tail = "\n".join(res.stderr.strip().splitlines()[-5:])
-            raise CheckpointError(f"cannot convert {path} for another data-parallel size "
-                                  f"(DeepSpeed's ds_to_universal failed):\n{tail}")
+        raise
+    if rank == 0:
         os.replace(tmp, out)
-        stray = os.path.join(path, "latest_universal")  # the converter's pointer: not ours
-        if os.path.isfile(stray):
-            os.remove(stray)
     dist.barrier()
     return out
 
