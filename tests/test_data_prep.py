@@ -231,3 +231,32 @@ def test_loader_resumes_exactly_and_partitions_ranks(shards):
         assert union == [i for _, idx in full[step] for i in idx.tolist()]
     with pytest.raises(ShardError, match="checkpoint has seed=4"):
         resumed.load_state_dict({**resumed.state_dict(), "seed": 4})
+
+
+def test_a_resume_at_another_data_parallel_size_sees_each_sample_once(shards):
+    """Steps 1-3 on 2 data-parallel ranks, then resumed at step 3 on 4 ranks (and on 1) until
+    the epoch ends: counted over all ranks, each stream position and each sample of the epoch
+    is seen exactly once (the global batch is the same; only its split over ranks changes)."""
+    from collections import Counter
+
+    s = ShardSet(str(shards))
+    n = len(s)
+    steps = n // 8  # (whole steps of the first epoch)
+
+    def seen(dp, start, count):
+        out = []
+        for r in range(dp):
+            loader = TokenLoader(s, global_batch=8, micro_batch=2, seed=3, dp_rank=r,
+                                 dp_size=dp, num_workers=0)
+            loader.load_state_dict({**loader.state_dict(), "step": start})
+            out += [(int(i), tuple(t.tolist())) for step in take(loader, count)
+                    for tok, idx in step for t, i in zip(tok, idx)]
+        return out
+
+    samples = Counter(tuple(s[i][0].tolist()) for i in range(n))
+    for after in (4, 1):
+        got = seen(2, 0, 3) + seen(after, 3, steps - 3)
+        assert sorted(i for i, _ in got) == list(range(steps * 8)), after
+        counted = Counter(t for _, t in got)
+        assert all(counted[t] <= samples[t] for t in counted), after  # none twice
+        assert sum(counted.values()) == steps * 8

@@ -26,6 +26,9 @@ CONFIG = "config.yaml"
 WEIGHTS = "weights"
 EMA_WEIGHTS = "weights_ema"
 UNIVERSAL = "universal"
+# (a key of the client state in DeepSpeed's model-state files: the stage's parameter names ->
+# their global names, which name the optimizer state since format 1 with "optimizer_names")
+GLOBAL_NAMES = "setdiff_global_names"
 
 
 def checkpoint_root(run_dir: str) -> str:

@@ -7,6 +7,7 @@ when one is given to share the hashing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Optional
@@ -18,11 +19,44 @@ from .format import CONFIG, FORMAT, LATEST, MANIFEST
 
 # the classes DeepSpeed pickles into its checkpoint files beside tensors and containers (found
 # with ``torch.serialization.get_unsafe_globals_in_checkpoint`` on ZeRO 0-3, fp32 and bf16
-# checkpoints): plain records, safe to rebuild. ``train.checkpoint.no_unpickling`` imports them
+# checkpoints): plain records, safe to rebuild. :func:`no_unpickling` imports them
 PICKLED_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
                    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
                    "deepspeed.runtime.zero.config.ZeroStageEnum",
                    "deepspeed.utils.tensor_fragment.fragment_address")
+
+@contextlib.contextmanager
+def no_unpickling():
+    """Within this context every ``torch.load`` (DeepSpeed's included) reads with
+    ``weights_only=True``, allowing only the classes of
+    :data:`~setdiff_dist.checkpoint.manifest.PICKLED_GLOBALS`: a checkpoint file cannot run
+    code. A file that needs anything else fails with a :class:`CheckpointError`."""
+    import importlib
+    import pickle
+
+    import torch
+
+    original = torch.load
+    allowed = [getattr(importlib.import_module(name.rpartition(".")[0]), name.rpartition(".")[2])
+               for name in PICKLED_GLOBALS]
+
+    def load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return original(f, *args, **kwargs)
+        except pickle.UnpicklingError as exc:
+            found = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
+            raise CheckpointError(f"{f} would run code when loaded ({(found or ['?'])[0]}): "
+                                  "refused, nothing from it was run; resume from a checkpoint "
+                                  "you trust") from None
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
+
 
 # model keys a run may change against its checkpoint: kernels and dropout
 RUN_FREE = ("attention_backend", "attention_dropout", "hidden_dropout")
@@ -36,7 +70,10 @@ def build_manifest(step: int, layout: dict, cfg, tokenizer_identity: dict, files
     manifest = {"format": FORMAT, "step": step, "layout": layout,
                 "zero_stage": cfg.zero.stage, "model": saved["model"], "order": saved["order"],
                 "seq_len": cfg.data.seq_len, "seed": cfg.train.seed,
-                "tokenizer": tokenizer_identity, "files": dict(sorted(files.items()))}
+                "tokenizer": tokenizer_identity, "files": dict(sorted(files.items())),
+                # DeepSpeed's optimizer state is named by the parameters' global names
+                # (train.engine.name_globally): it can change pipeline size
+                "optimizer_names": "global"}
     if data is not None:
         manifest["data"] = data
     return manifest
@@ -82,34 +119,26 @@ def model_differences(here: dict, there: dict, free=RUN_FREE) -> list[str]:
 
 
 def layout_differences(saved: dict, here: dict, zero_saved: int, zero_here: int,
-                       path: str) -> list[str]:
-    """Why a checkpoint saved in layout ``saved`` (ZeRO stage ``zero_saved``) cannot resume in
-    ``here`` (``zero_here``), as lines of a refusal: none when DeepSpeed can re-partition it."""
+                       path: str, global_names: bool = True) -> list[str]:
+    """Why a checkpoint saved in layout ``saved`` (ZeRO stage ``zero_saved``; its optimizer
+    state named by global names or, before they were, by each stage's own) cannot resume in
+    ``here`` (``zero_here``), as lines of a refusal: none when its optimizer state can be
+    re-partitioned (:func:`needs_universal`)."""
     diffs = []
     config = os.path.join(path, CONFIG)
-    if saved.get("context", 1) != here["context"]:
-        diffs.append(f"parallel.context: checkpoint {saved.get('context', 1)}, this run "
-                     f"{here['context']} (a checkpoint resumes at its own context-parallel size; "
-                     "to go on from its weights with a fresh optimizer: setdiff-train --config "
-                     f"{config} run_dir=NEW_RUN_DIR "
-                     f"checkpoint.init_from={path} parallel.context={here['context']} ...)")
-    if saved["pipeline"] != here["pipeline"]:
-        diffs.append(f"parallel.pipeline: checkpoint {saved['pipeline']}, this run "
-                     f"{here['pipeline']} (stages name their layers locally: a checkpoint "
-                     "resumes at its own pipeline size; to go on from its weights at "
-                     f"pipeline size {here['pipeline']}, with a fresh optimizer: setdiff-train "
-                     f"--config {config} run_dir=NEW_RUN_DIR "
-                     f"checkpoint.init_from={path} parallel.pipeline={here['pipeline']} ...)")
-    elif here["pipeline"] > 1:
-        for key, name in (("tensor", "parallel.tensor"), ("data", "data-parallel size")):
-            if saved[key] != here[key]:
-                diffs.append(f"{name}: checkpoint {saved[key]}, this run {here[key]} (with "
-                             "pipeline parallelism a checkpoint resumes in its own layout)")
-    elif zero_saved == zero_here == 0 and (saved["tensor"], saved["data"]) != \
-            (here["tensor"], here["data"]):
-        diffs.append(f"parallel.tensor x data-parallel size: checkpoint {saved['tensor']} x "
-                     f"{saved['data']}, this run {here['tensor']} x {here['data']} (zero.stage=0 "
-                     "has no ZeRO state to re-partition; ZeRO 1-3 checkpoints can change it)")
+    keys = (("pipeline", "parallel.pipeline"), ("tensor", "parallel.tensor"),
+            ("data", "data-parallel size"), ("context", "parallel.context"))
+    moved = [f"{name}: checkpoint {saved.get(key, 1)}, this run {here.get(key, 1)}"
+             for key, name in keys if saved.get(key, 1) != here.get(key, 1)]
+    fresh = (f"to go on from its weights in this layout, with a fresh optimizer: setdiff-train "
+             f"--config {config} run_dir=NEW_RUN_DIR checkpoint.init_from={path} ...")
+    if moved and saved["pipeline"] > 1 and not global_names:
+        diffs.append(f"{'; '.join(moved)} (this pipeline-parallel checkpoint was saved before "
+                     "the optimizer state was named by global layer: each stage's layers are "
+                     f"numbered from 0 in it, so it resumes in its own layout only; {fresh})")
+    elif moved and zero_saved == zero_here == 0:
+        diffs.append(f"{'; '.join(moved)} (zero.stage=0 has no ZeRO state to re-partition; "
+                     f"ZeRO 1-3 checkpoints can change layout; {fresh})")
     elif zero_here == 3 and saved["tensor"] != here["tensor"]:
         diffs.append(f"parallel.tensor: checkpoint {saved['tensor']}, this run {here['tensor']} "
                      "(DeepSpeed re-slices ZeRO-3 state for another data-parallel size only; "
@@ -117,6 +146,17 @@ def layout_differences(saved: dict, here: dict, zero_saved: int, zero_here: int,
     if zero_saved != zero_here:
         diffs.append(f"zero.stage: checkpoint {zero_saved}, this run {zero_here}")
     return diffs
+
+
+def needs_universal(saved: dict, here: dict, optimizer_changed: bool) -> bool:
+    """Whether a checkpoint saved in layout ``saved`` resumes in ``here`` through DeepSpeed's
+    universal form, which re-partitions the optimizer state: another pipeline or tensor-
+    parallel size, another ZeRO partition count (data x context-parallel size), or another
+    form of the optimizer state (``optimizer_changed``: :func:`optimizer_changes`)."""
+    def zero_ranks(layout):
+        return layout["data"] * layout.get("context", 1)
+    return optimizer_changed or saved["pipeline"] != here["pipeline"] or \
+        saved["tensor"] != here["tensor"] or zero_ranks(saved) != zero_ranks(here)
 
 
 def optimizer_form(config: dict) -> str:
@@ -154,11 +194,14 @@ def check_compatible(manifest: dict, path: str, cfg, tokenizer_identity: dict,
     # a key added after the checkpoint was written has its default there (e.g. model.head_dim),
     # a width saved as null the value it stood for
     diffs = model_differences(cfg.to_dict()["model"], resolved_model(m["model"]))
-    diffs += layout_differences(m["layout"], here, m["zero_stage"], cfg.zero.stage, path)
+    global_names = m.get("optimizer_names") == "global"
+    diffs += layout_differences(m["layout"], here, m["zero_stage"], cfg.zero.stage, path,
+                                global_names)
     changed = optimizer_changes(path, cfg)
-    if changed and here["pipeline"] > 1:
+    if changed and m["layout"]["pipeline"] > 1 and not global_names:
         diffs.append(f"{changed} (bf16 ZeRO-1 keeps its optimizer state in another form with "
-                     "overlap_comm; with pipeline parallelism it cannot be converted: resume "
+                     "overlap_comm; this pipeline-parallel checkpoint was saved before its "
+                     "optimizer state was named by global layer and cannot be converted: resume "
                      f"with zero.overlap_comm={str(not cfg.zero.overlap_comm).lower()})")
     # the order schedule and the seed define what the run learns: another one is another run
     order = cfg.to_dict()["order"]

@@ -33,6 +33,7 @@ from setdiff_dist.checkpoint.files import (
 from setdiff_dist.checkpoint.format import (
     CONFIG,
     EMA_WEIGHTS,
+    GLOBAL_NAMES,
     LATEST,
     MANIFEST,
     UNIVERSAL,
@@ -41,79 +42,64 @@ from setdiff_dist.checkpoint.format import (
     rng_file,
     tag_of,
 )
-from setdiff_dist.checkpoint.manifest import PICKLED_GLOBALS, build_manifest, optimizer_changes
+from setdiff_dist.checkpoint.manifest import (
+    build_manifest,
+    no_unpickling,
+    optimizer_changes,
+)
+from setdiff_dist.checkpoint.manifest import needs_universal as layout_needs_universal
 from setdiff_dist.checkpoint.saving import check_space, save_failed, write_failure
 
 
-@contextlib.contextmanager
-def no_unpickling():
-    """Within this context every ``torch.load`` (DeepSpeed's included) reads with
-    ``weights_only=True``, allowing only the classes of
-    :data:`~setdiff_dist.checkpoint.manifest.PICKLED_GLOBALS`: a checkpoint file cannot run
-    code. A file that needs anything else fails with a :class:`CheckpointError`."""
-    import importlib
-    import pickle
-
-    original = torch.load
-    allowed = [getattr(importlib.import_module(name.rpartition(".")[0]), name.rpartition(".")[2])
-               for name in PICKLED_GLOBALS]
-
-    def load(f, *args, **kwargs):
-        kwargs["weights_only"] = True
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return original(f, *args, **kwargs)
-        except pickle.UnpicklingError as exc:
-            found = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
-            raise CheckpointError(f"{f} would run code when loaded ({(found or ['?'])[0]}): "
-                                  "refused, nothing from it was run; resume from a checkpoint "
-                                  "you trust") from None
-
-    torch.load = load
-    try:
-        yield
-    finally:
-        torch.load = original
-
-
-def universal_info(model) -> dict:
+def universal_info(model, group=None) -> dict:
     """What DeepSpeed's universal-checkpoint converter needs to merge each parameter's tensor-
-    parallel slices (megatron's attributes, as patterns of DeepSpeed's parameter names)."""
+    parallel slices (megatron's attributes, as patterns of the parameters' global names, any
+    layer), for the whole model: the patterns of every pipeline stage in ``group`` (collective
+    over it), since the converter reads them from the first stage's files. With the embedding
+    tied across pipeline stages, the last stage's copy is marked pipeline-replicated: the
+    converter takes the first stage's."""
     from deepspeed.checkpoint import constants as C
 
-    replicated, row, halves, vocab = [], [], [], []
+    from setdiff_dist.model.transformer import global_name
+
+    found = {"replicated": set(), "row": set(), "halves": set(), "vocab": set()}
     for name, p in model.named_parameters():
-        pattern = re.escape(name) + "$"
+        pattern = re.sub(r"^decoder\\\.layers\\\.\d+", r"decoder\\.layers\\.\\d+",
+                         re.escape(global_name(model, name))) + "$"
         if not getattr(p, "tensor_model_parallel", False):
-            replicated.append(pattern)
+            found["replicated"].add(pattern)
         elif p.partition_dim == 1:
-            row.append(pattern)
+            found["row"].add(pattern)
         elif getattr(p, "partition_stride", 1) == 2:
-            halves.append(pattern)  # SwiGLU's [gate ; up]
+            found["halves"].add(pattern)  # SwiGLU's [gate ; up]
         if name.endswith(("embedding.weight", "word_embeddings.weight", "output_layer.weight")):
-            vocab.append(pattern)
+            found["vocab"].add(pattern)
+    stages = [found]
+    if group is not None and dist.get_world_size(group) > 1:
+        stages = [None] * dist.get_world_size(group)
+        dist.all_gather_object(stages, found, group=group)
+    union = {k: sorted(set().union(*(s[k] for s in stages))) for k in found}
+    tied_across_stages = model.tie and ps.get_pipeline_model_parallel_world_size() > 1
     return {C.UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.2,
-            C.TP_REPLICATED_PARAMETER_PATTERNS: replicated,
-            C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: row,
-            C.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: halves,
-            C.VOCABULARY_PARAMETER_PATTERNS: vocab,
+            C.TP_REPLICATED_PARAMETER_PATTERNS: union["replicated"],
+            C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: union["row"],
+            C.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: union["halves"],
+            C.VOCABULARY_PARAMETER_PATTERNS: union["vocab"],
+            C.PIPELINE_REPLICATED_PARAMETER_PATTERNS:
+                [r"embedding\.weight$"] if tied_across_stages else [],
             C.ORIGINAL_VOCAB_SIZE: model.vocab_size + 1, C.PADDED_VOCAB_SIZE: model.padded_vocab}
 
 
 def needs_universal(path: str, cfg) -> bool:
-    """Whether resuming ``path`` in this run's layout changes the data- or tensor-parallel size
-    or the form of the optimizer state (:func:`optimizer_form`; without pipeline parallelism):
-    the optimizer state must then be re-partitioned through DeepSpeed's universal checkpoint.
-    :func:`check_compatible` refuses the changes it cannot make."""
+    """Whether resuming ``path`` in this run's layout re-partitions the optimizer state through
+    DeepSpeed's universal checkpoint (:func:`setdiff_dist.checkpoint.manifest.needs_universal`;
+    :func:`check_compatible` refuses the changes it cannot make)."""
     try:
         with open(os.path.join(path, MANIFEST)) as fh:
             saved = json.load(fh)["layout"]
     except (OSError, ValueError, KeyError):
         return False  # (check_compatible says what is wrong with it)
-    here = layout()
-    return (saved["data"] != here["data"] or saved["tensor"] != here["tensor"]
-            or optimizer_changes(path, cfg) is not None) and \
-        saved["pipeline"] == here["pipeline"] == 1
+    return layout_needs_universal(saved, layout(), optimizer_changes(path, cfg) is not None)
 
 
 def make_universal(path: str) -> str:
@@ -133,7 +119,7 @@ def make_universal(path: str) -> str:
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"converting {path} to DeepSpeed's universal form for this layout, on {world} "
-              "ranks", flush=True)
+              f"rank{'s' if world > 1 else ''}", flush=True)
     agree((None, None))  # (the old temporary directory is gone before anyone writes)
     say = (lambda line: print(f"  {line}", flush=True)) if rank == 0 else None
     try:
@@ -251,7 +237,15 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     dist.barrier()
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
-    client_state = dict(client_state, **{UNIVERSAL_CHECKPOINT_INFO: universal_info(engine.module)})
+    info = getattr(engine, "setdiff_universal_info", None)
+    if info is None:  # (once a run: it gathers every pipeline stage's patterns)
+        info = engine.setdiff_universal_info = universal_info(
+            engine.module, ps.get_pipeline_model_parallel_group())
+    from setdiff_dist.model.transformer import global_name
+
+    # (the module state in DeepSpeed's files keeps the stage's own names: how they map)
+    names = {n: global_name(engine.module, n) for n, _ in engine.module.named_parameters()}
+    client_state = dict(client_state, **{UNIVERSAL_CHECKPOINT_INFO: info, GLOBAL_NAMES: names})
 
     def failed(exc: BaseException) -> BaseException:
         return save_failed(exc, root, tag, need) if write_failure(exc) else exc

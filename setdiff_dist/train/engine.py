@@ -367,7 +367,29 @@ def build_engine(cfg, model, load_universal: bool = False):
     engine.checkpoint_mp_rank = (ps.get_pipeline_model_parallel_rank()
                                  * ps.get_tensor_model_parallel_world_size()
                                  + ps.get_tensor_model_parallel_rank())
+    name_globally(engine)
     return engine
+
+
+def name_globally(engine) -> None:
+    """Give DeepSpeed the parameters' global names (:func:`~setdiff_dist.model.transformer.
+    global_name`: the layer index in the whole model, the tied output weight as the embedding).
+
+    DeepSpeed names each parameter's optimizer state by ``engine.param_names``, which it takes
+    from the stage's module: in the ZeRO partitions' slice mappings and the model-state files'
+    shapes it saves, and in the universal form it converts to and loads from. Each pipeline
+    stage numbers its layers from 0, so with local names the stages' states would share names
+    and no checkpoint could change its pipeline size. Without pipeline parallelism (and with
+    the local layers) the global names are the local ones."""
+    from setdiff_dist.model.transformer import global_name
+
+    model = engine.module
+    names = {p: global_name(model, n) for n, p in model.named_parameters()}
+    for p in engine.param_names:  # (the optimizer holds the same dict)
+        engine.param_names[p] = names.get(p, engine.param_names[p])
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "_create_param_mapping"):  # (BF16_Optimizer, ZeRO-1/2: built once)
+        optimizer._param_slice_mappings = optimizer._create_param_mapping()
 
 
 def partitioned_construction(cfg):

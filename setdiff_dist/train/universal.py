@@ -15,7 +15,7 @@ makes it in one process, in three passes:
 but shares the work of passes 1 and 2 out over the ranks of the resuming job (the partition
 files in pass 1, the parameters, largest first, in pass 2), with a check between the passes
 that every rank finished its share: a rank whose share fails makes every rank raise the same
-:class:`~setdiff_dist.train.checkpoint.CheckpointError` (naming it) instead of waiting for it
+:class:`~setdiff_dist.checkpoint.files.CheckpointError` (naming it) instead of waiting for it
 at a barrier. Pass 3 is small and runs on rank 0. Everything is written under
 ``<step>/universal.tmp`` and renamed to ``universal`` only when complete, so an interrupted
 conversion is redone, never half-used (``setdiff-train`` removes the leftover at its next
@@ -25,7 +25,7 @@ Megatron's linear layers save an ``_extra_state`` entry in the module state (Tra
 Engine's FP8 metadata; ``None`` for the local layers), which the converter would take for a
 tensor and fail on; the weights come from the ZeRO optimizer's fp32 partitions, so those
 entries are left out of what it reads. Every file is read without unpickling code
-(:func:`~setdiff_dist.train.checkpoint.no_unpickling`).
+(:func:`~setdiff_dist.checkpoint.manifest.no_unpickling`).
 
 ``python -m setdiff_dist.train.universal --input_folder STEP --output_folder OUT`` converts in
 one process (the whole work on one rank), for a checkpoint to be converted ahead of time.
@@ -111,7 +111,7 @@ class _Passes:
     def run(self, name: str, work: Callable[[], object]) -> list:
         """``work()`` on this rank; every rank's (small) result once all have finished, or
         the first failure's :class:`CheckpointError` on every rank."""
-        from .checkpoint import CheckpointError
+        from setdiff_dist.checkpoint.files import CheckpointError
 
         try:
             mine = (None, work())
@@ -141,7 +141,8 @@ class _Passes:
                 out.append(do(item))
                 progress()  # (a watchdog sees a long pass move)
             return out
-        found = self.run(f"{name} ({len(items)} pieces over {self.world} ranks)", work)
+        found = self.run(f"{name} ({len(items)} pieces over {self.world} "
+                         f"rank{'s' if self.world > 1 else ''})", work)
         return [x for part in found for x in part]
 
 
@@ -151,7 +152,7 @@ def convert(input_folder: str, output_folder: str, rank: int = 0, world: int = 1
     ``output_folder``, the work shared by ``world`` ranks (this one ``rank``) that each call
     this with the same arguments and an ``agree`` over them (:func:`dist_agree`). The caller
     makes ``output_folder`` empty beforehand and moves it into place afterwards."""
-    from .checkpoint import no_unpickling
+    from setdiff_dist.checkpoint.manifest import no_unpickling
 
     passes = _Passes(rank, world, agree, say or (lambda line: None))
     with no_unpickling(), _module_tensors_only():
@@ -174,7 +175,7 @@ def _plan(src: str, out: str) -> dict:
     (elements), ``merge(param)`` (its unmatched name patterns, or None), ``finish()``."""
     from deepspeed.checkpoint import ds_to_universal as ds
 
-    from .checkpoint import CheckpointError
+    from setdiff_dist.checkpoint.files import CheckpointError
 
     temp, merged = os.path.join(out, "tmp"), os.path.join(out, "zero")
     args = SimpleNamespace(input_folder=src, output_folder=out)
@@ -239,7 +240,7 @@ def _open_stage12(folder: str):
     from deepspeed.checkpoint import DeepSpeedCheckpoint
     from deepspeed.checkpoint import ds_to_universal as ds
 
-    from .checkpoint import CheckpointError
+    from setdiff_dist.checkpoint.files import CheckpointError
 
     ckpt = DeepSpeedCheckpoint(folder)
     ds._check_for_required_state(ckpt)
@@ -257,7 +258,7 @@ def _check_patterns(unmatched: list) -> None:
     if unmatched:
         never = set.intersection(*(set(u) for u in unmatched))
         if never:
-            from .checkpoint import CheckpointError
+            from setdiff_dist.checkpoint.files import CheckpointError
 
             raise CheckpointError(f"the checkpoint's universal-checkpoint info names patterns "
                                   f"no parameter matches: {sorted(never)}")
@@ -268,17 +269,20 @@ def _fill_untrained(mp_rank_files: list, merged: str) -> None:
     fragment; its model value is written as its fp32 weights."""
     from deepspeed.checkpoint.constants import PARAM
 
+    from setdiff_dist.checkpoint.format import GLOBAL_NAMES
+
     for model_file in mp_rank_files:
-        module = torch.load(model_file, map_location="cpu").get("module")
-        for name, tensor in (module or {}).items():
-            path = os.path.join(merged, name, "fp32.pt")
+        state = torch.load(model_file, map_location="cpu")
+        names = state.get(GLOBAL_NAMES) or {}  # (older checkpoints: the stage's own names)
+        for name, tensor in (state.get("module") or {}).items():
+            path = os.path.join(merged, names.get(name, name), "fp32.pt")
             if not os.path.isfile(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 torch.save({PARAM: tensor.float()}, path)
 
 
 def main(argv=None) -> int:
-    from .checkpoint import CheckpointError
+    from setdiff_dist.checkpoint.files import CheckpointError
 
     ap = argparse.ArgumentParser(prog="python -m setdiff_dist.train.universal",
                                  description=__doc__.split("\n\n")[0])
