@@ -26,6 +26,9 @@ CONFIG = "config.yaml"
 WEIGHTS = "weights"
 EMA_WEIGHTS = "weights_ema"
 UNIVERSAL = "universal"
+# the universal form as a ZeRO-3 engine reads it, for a checkpoint of ZeRO 1-2 (links into
+# UNIVERSAL, the few files it reads otherwise: train.universal.zero3_view)
+UNIVERSAL_ZERO3 = "universal_zero3"
 # (a key of the client state in DeepSpeed's model-state files: the stage's parameter names ->
 # their global names, which name the optimizer state since format 1 with "optimizer_names")
 GLOBAL_NAMES = "setdiff_global_names"

@@ -143,8 +143,16 @@ def layout_differences(saved: dict, here: dict, zero_saved: int, zero_here: int,
         diffs.append(f"parallel.tensor: checkpoint {saved['tensor']}, this run {here['tensor']} "
                      "(DeepSpeed re-slices ZeRO-3 state for another data-parallel size only; "
                      "ZeRO-1/2 checkpoints can change the tensor-parallel size too)")
-    if zero_saved != zero_here:
-        diffs.append(f"zero.stage: checkpoint {zero_saved}, this run {zero_here}")
+    elif zero_here == 3 and here["tensor"] > 1 and (moved or zero_saved != 3):
+        diffs.append(f"{'; '.join(moved) or f'zero.stage: checkpoint {zero_saved}, this run 3'}"
+                     f" at parallel.tensor={here['tensor']} (DeepSpeed's ZeRO-3 load of the "
+                     "universal form takes whole tensors, not megatron's tensor-parallel "
+                     f"slices: ZeRO-3 with tensor parallelism resumes in its own layout; {fresh})")
+    if zero_saved != zero_here and not (zero_saved in (1, 2) and zero_here in (1, 2, 3)):
+        why = "no ZeRO state to re-partition" if 0 in (zero_saved, zero_here) else \
+            "DeepSpeed's universal form of ZeRO-3 state loads into ZeRO-3 only"
+        diffs.append(f"zero.stage: checkpoint {zero_saved}, this run {zero_here} ({why}; ZeRO-1 "
+                     f"and 2 checkpoints resume at ZeRO 1-3; {fresh})")
     return diffs
 
 
@@ -152,7 +160,8 @@ def needs_universal(saved: dict, here: dict, optimizer_changed: bool) -> bool:
     """Whether a checkpoint saved in layout ``saved`` resumes in ``here`` through DeepSpeed's
     universal form, which re-partitions the optimizer state: another pipeline or tensor-
     parallel size, another ZeRO partition count (data x context-parallel size), or another
-    form of the optimizer state (``optimizer_changed``: :func:`optimizer_changes`)."""
+    form of the optimizer state (``optimizer_changed``: :func:`optimizer_changes`, or another
+    ZeRO stage)."""
     def zero_ranks(layout):
         return layout["data"] * layout.get("context", 1)
     return optimizer_changed or saved["pipeline"] != here["pipeline"] or \

@@ -349,6 +349,7 @@ def _clean_leftovers(run_dir: str) -> None:
     from setdiff_dist.checkpoint.format import (
         LATEST,
         UNIVERSAL,
+        UNIVERSAL_ZERO3,
         checkpoint_root,
         is_complete,
         is_step_name,
@@ -365,7 +366,8 @@ def _clean_leftovers(run_dir: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(f"{name} (an incomplete save)")
                 continue
-            for junk in (f"{UNIVERSAL}.tmp", "latest_universal"):  # (the latter: DeepSpeed's)
+            for junk in (f"{UNIVERSAL}.tmp", f"{UNIVERSAL_ZERO3}.tmp",
+                         "latest_universal"):  # (the last: DeepSpeed's)
                 where = os.path.join(path, junk)
                 if os.path.exists(where):
                     shutil.rmtree(where) if os.path.isdir(where) else os.remove(where)

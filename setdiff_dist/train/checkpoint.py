@@ -37,6 +37,7 @@ from setdiff_dist.checkpoint.format import (
     LATEST,
     MANIFEST,
     UNIVERSAL,
+    UNIVERSAL_ZERO3,
     WEIGHTS,
     checkpoint_root,
     rng_file,
@@ -96,42 +97,64 @@ def needs_universal(path: str, cfg) -> bool:
     :func:`check_compatible` refuses the changes it cannot make)."""
     try:
         with open(os.path.join(path, MANIFEST)) as fh:
-            saved = json.load(fh)["layout"]
+            manifest = json.load(fh)
+        saved, stage = manifest["layout"], manifest["zero_stage"]
     except (OSError, ValueError, KeyError):
         return False  # (check_compatible says what is wrong with it)
-    return layout_needs_universal(saved, layout(), optimizer_changes(path, cfg) is not None)
+    return layout_needs_universal(saved, layout(), optimizer_changes(path, cfg) is not None
+                                  or stage != cfg.zero.stage)
 
 
-def make_universal(path: str) -> str:
-    """``path/universal``: DeepSpeed's universal form of the checkpoint (each parameter's fp32
-    weights and optimizer moments whole), converted once, by all the ranks together (each its
-    share: :mod:`setdiff_dist.train.universal`), through a temporary directory so that an
-    interrupted conversion is redone, never half-used."""
-    from .universal import convert, dist_agree
+def make_universal(path: str, zero3_rows: Optional[int] = None) -> str:
+    """The tag (directory in ``path``) to load the optimizer state from in this layout:
+    ``universal``, DeepSpeed's universal form of the checkpoint (each parameter's fp32 weights
+    and optimizer moments whole), converted once, by all the ranks together (each its share:
+    :mod:`setdiff_dist.train.universal`), through a temporary directory so that an
+    interrupted conversion is redone, never half-used. ``zero3_rows``: this run is ZeRO-3 (with
+    that many padded vocabulary rows); a ZeRO 1-2 checkpoint's form is then read through
+    ``universal_zero3`` (:func:`~setdiff_dist.train.universal.zero3_view`)."""
+    from .universal import convert, dist_agree, zero3_view
 
     out = os.path.join(path, UNIVERSAL)
     rank, world = dist.get_rank(), dist.get_world_size()
-    # (every rank sees the same directory: a checkpoint is resumed from a shared file system)
-    if os.path.isdir(out):
-        return out
-    tmp = out + ".tmp"
     agree = dist_agree()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        print(f"converting {path} to DeepSpeed's universal form for this layout, on {world} "
-              f"rank{'s' if world > 1 else ''}", flush=True)
-    agree((None, None))  # (the old temporary directory is gone before anyone writes)
-    say = (lambda line: print(f"  {line}", flush=True)) if rank == 0 else None
-    try:
-        convert(path, tmp, rank, world, agree, say)
-    except CheckpointError:
+    # (every rank sees the same directory: a checkpoint is resumed from a shared file system)
+    if not os.path.isdir(out):
+        tmp = out + ".tmp"
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if rank == 0:
-        os.replace(tmp, out)
-    dist.barrier()
-    return out
+            print(f"converting {path} to DeepSpeed's universal form for this layout, on "
+                  f"{world} rank{'s' if world > 1 else ''}", flush=True)
+        agree((None, None))  # (the old temporary directory is gone before anyone writes)
+        say = (lambda line: print(f"  {line}", flush=True)) if rank == 0 else None
+        try:
+            convert(path, tmp, rank, world, agree, say)
+        except CheckpointError:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if rank == 0:
+            os.replace(tmp, out)
+    saved_zero3 = any(f.startswith("zero_pp_rank_") and f.endswith("_model_states.pt")
+                      for f in os.listdir(path))
+    if zero3_rows is None or saved_zero3:
+        dist.barrier()
+        return UNIVERSAL
+    view = os.path.join(path, UNIVERSAL_ZERO3)
+    error = None
+    if rank == 0 and not os.path.isdir(view):
+        tmp = view + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            zero3_view(out, tmp, zero3_rows)
+            os.replace(tmp, view)
+        except (OSError, CheckpointError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"cannot make the ZeRO-3 view of {out}: {exc}"
+    found = agree((error, None))
+    if found[0][0]:
+        raise CheckpointError(found[0][0])
+    return UNIVERSAL_ZERO3
 
 
 def layout() -> dict:
@@ -332,11 +355,12 @@ def _fault_point(name: str, step: int) -> None:
         os.kill(os.getpid(), 9)
 
 
-def load(engine, path: str, universal: bool = False) -> dict:
+def load(engine, path: str, universal: Optional[str] = None) -> dict:
     """Load model, optimizer, LR schedule and this rank's RNG; returns the client state. With
-    ``universal`` (an engine configured to load universal checkpoints) the optimizer state
-    comes from ``path/universal``, re-partitioned for this data-parallel size."""
-    root, tag = (path, UNIVERSAL) if universal else os.path.split(os.path.normpath(path))
+    ``universal`` (an engine configured to load universal checkpoints; the tag
+    :func:`make_universal` returned) the optimizer state comes from ``path/<universal>``,
+    re-partitioned for this layout."""
+    root, tag = (path, universal) if universal else os.path.split(os.path.normpath(path))
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch AdamW
     # this run's hyperparameters, which the checkpoint's optimizer state would replace (the
     # caller puts the LR back on this run's schedule: train.engine.follow_schedule)

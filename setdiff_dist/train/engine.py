@@ -274,7 +274,9 @@ def follow_schedule(scheduler, cfg, step: int) -> list[float]:
     checkpoint loaded into them (its base LR, its last LR). Computed as ``LambdaLR`` computes
     it, so that an unchanged schedule resumes bit-exactly. Returns the groups' new LRs."""
     f = lr_multiplier(cfg.optimizer, cfg.train.steps)
-    n = len(scheduler.base_lrs)
+    # (the optimizer's groups, not the loaded state's: a ZeRO-1 checkpoint's scheduler has one
+    # entry per parameter group, a ZeRO-3 optimizer may group them otherwise)
+    n = len(scheduler.optimizer.param_groups)
     scheduler.lr_lambdas = [f] * n
     scheduler.base_lrs = [cfg.optimizer.lr] * n
     scheduler.last_epoch = step

@@ -188,9 +188,11 @@ class Trainer:
         path = self.resume_path
         if path is None:
             return None
+        tag = None
         if self.universal:
-            checkpoint.make_universal(path)
-        state = checkpoint.load(self.engine, path, universal=self.universal)["setdiff"]
+            tag = checkpoint.make_universal(
+                path, self.model.padded_vocab if self.cfg.zero.stage == 3 else None)
+        state = checkpoint.load(self.engine, path, universal=tag)["setdiff"]
         self.step, self.samples_seen = state["step"], state["samples_seen"]
         self._follow_schedule(path)
         self.skipped_steps = state["nonfinite_skipped_steps"]

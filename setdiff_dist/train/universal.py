@@ -281,6 +281,57 @@ def _fill_untrained(mp_rank_files: list, merged: str) -> None:
                 torch.save({PARAM: tensor.float()}, path)
 
 
+def zero3_view(universal: str, out: str, padded_vocab: int) -> None:
+    """``out``: the universal form ``universal`` of a ZeRO 1-2 checkpoint as DeepSpeed's ZeRO-3
+    engine reads it (at tensor-parallel size 1). Each parameter's directory is a link into
+    ``universal`` but for the vocabulary tensors, which the converter stripped of their padding
+    and ZeRO-3 does not pad again: written padded with zeros to ``padded_vocab`` rows, as the
+    ZeRO-1/2 load pads them. The common optimizer state gets the ZeRO-3 keys (the AdamW step
+    and parameter groups, from the ZeRO-1/2 state), and the model-state files the ZeRO-3 names
+    (links)."""
+    from deepspeed.checkpoint.constants import (
+        BASE_OPTIMIZER_STATE,
+        OPTIMIZER_STATE_DICT,
+        PARAM,
+        PARAM_GROUPS,
+        VOCAB_TENSOR,
+    )
+
+    from setdiff_dist.checkpoint.manifest import no_unpickling
+
+    source, target = os.path.join(universal, "zero"), os.path.join(out, "zero")
+    os.makedirs(target)
+    step = None
+    with no_unpickling():
+        for name in sorted(os.listdir(source)):
+            there = os.path.join(source, name)
+            if not os.path.isdir(there):
+                continue
+            fp32 = torch.load(os.path.join(there, "fp32.pt"), map_location="cpu")
+            if step is None and os.path.isfile(os.path.join(there, "step.pt")):
+                step = torch.load(os.path.join(there, "step.pt"), map_location="cpu")
+            if not (isinstance(fp32, dict) and fp32.get(VOCAB_TENSOR)):
+                os.symlink(os.path.relpath(there, target), os.path.join(target, name))
+                continue
+            os.makedirs(os.path.join(target, name))
+            for f in sorted(os.listdir(there)):
+                state = torch.load(os.path.join(there, f), map_location="cpu")
+                if isinstance(state, dict) and torch.is_tensor(state.get(PARAM)):
+                    rows = padded_vocab - state[PARAM].shape[0]
+                    state = dict(state, **{PARAM: torch.nn.functional.pad(
+                        state[PARAM], (0, 0, 0, rows), "constant", 0)})
+                    state.pop(VOCAB_TENSOR, None)
+                torch.save(state, os.path.join(target, name, f))
+        common = torch.load(os.path.join(source, "optimizer_state.pt"), map_location="cpu")
+    groups = common.get(PARAM_GROUPS) or common[BASE_OPTIMIZER_STATE][PARAM_GROUPS]
+    common[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, "param_groups": groups}
+    torch.save(common, os.path.join(target, "optimizer_state.pt"))
+    for f in sorted(os.listdir(universal)):
+        if f.startswith("mp_rank_") and f.endswith("_model_states.pt"):
+            os.symlink(os.path.relpath(os.path.join(universal, f), out),
+                       os.path.join(out, f"zero_pp_rank_0_{f}"))
+
+
 def main(argv=None) -> int:
     from setdiff_dist.checkpoint.files import CheckpointError
 
