@@ -745,6 +745,7 @@ FOUR_LAYERS = "model.num_layers=4"  # (a pipeline of 4 stages)
     pytest.param(({"nproc": 2}, "train.precision=bf16"), ({"nproc": 1}, "train.precision=bf16"),
                  id="bf16-dp2-to-dp1"),
     pytest.param(({"nproc": 2},), ({"nproc": 2}, "zero.stage=3"), id="zero1-to-zero3"),
+    pytest.param(({"nproc": 1},), ({"nproc": 2}, "parallel.context=2"), id="cp1-to-cp2"),
     pytest.param(({"nproc": 2}, "zero.stage=2"), ({"nproc": 1},), id="zero2-dp2-to-zero1-dp1")])
 def test_resume_on_any_layout_continues_the_same_curve(trained, sonnets, tmp_path, saved,
                                                        resumed):
