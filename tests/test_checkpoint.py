@@ -226,6 +226,13 @@ def test_a_checkpoint_of_another_shape_or_layout_is_refused(trained, sonnets, tm
               "model.num_attention_heads=2")
     assert "model.hidden_size: checkpoint 64, this run 32" in str(err.value)
     assert "model.num_attention_heads: checkpoint 4, this run 2" in str(err.value)
+    # another global batch would not go on exactly: the reason, and how to start from the
+    # weights instead
+    with pytest.raises(CheckpointError) as err:
+        check(ref, sonnets, "zero.stage=2", "data.global_batch_size=16")
+    said = str(err.value)
+    assert "data.global_batch_size: checkpoint 8, this run 16" in said
+    assert "data.global_batch_size=8" in said and "checkpoint.init_from=" in said
     # ZeRO-3 state is re-sliced for another data-parallel size only, not another TP size
     with pytest.raises(CheckpointError) as err:
         check(ref, sonnets, "zero.stage=3", "parallel.tensor=2", tp=2, dp=1)

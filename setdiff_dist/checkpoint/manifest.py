@@ -301,6 +301,17 @@ def check_resume(path: str, cfg, tokenizer_identity: dict, here: dict, stream: d
                               f"{cfg.train.steps}: raise train.steps to train on, or give a new "
                               "run_dir (resume=never) to start over")
     if "data" in manifest:  # (the same data stream: checked again when it is loaded)
+        saved = manifest["data"].get("global_batch")
+        if saved is not None and saved != stream["global_batch"]:
+            raise CheckpointError(
+                f"cannot resume from {path}: data.global_batch_size: checkpoint {saved}, this "
+                f"run {stream['global_batch']}. The global batch defines the data order and "
+                "what each optimizer step averages, so the run would not go on as it was (a "
+                f"layout change keeps it: data.global_batch_size={saved}, with "
+                "data.micro_batch_size x the data-parallel size dividing it). To go on from its "
+                "weights with the new batch and a fresh optimizer: setdiff-train --config "
+                f"{os.path.join(path, CONFIG)} run_dir=NEW_RUN_DIR checkpoint.init_from={path} "
+                f"data.global_batch_size={stream['global_batch']} ...")
         check_stream(manifest["data"], stream)
     verify(path, manifest, cfg.checkpoint.checksums, group)
     check_no_code(path)  # (DeepSpeed's files are pickles)
