@@ -154,17 +154,18 @@ def _is_argmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``[b, s]``: whether each target's logit is the largest of its row, for vocab-parallel
     ``logits [s, b, V/TP]`` (the target's logit and the row maximum reduced exactly over the
     tensor-parallel group: no gather of the vocabulary)."""
-    from megatron.core import parallel_state as ps
+    from setdiff_dist.parallel import megatron_groups
 
+    ps = megatron_groups()  # (None: the whole vocabulary is here)
     logits = logits.float()
     part = logits.shape[-1]
-    lo = ps.get_tensor_model_parallel_rank() * part if ps.model_parallel_is_initialized() else 0
+    lo = ps.get_tensor_model_parallel_rank() * part if ps is not None else 0
     local = targets.t() - lo  # [s, b]
     here = (local >= 0) & (local < part)
     target = torch.where(here, logits.gather(-1, local.clamp(0, part - 1)[..., None])[..., 0],
                          torch.zeros((), dtype=logits.dtype))
     best = logits.max(-1).values
-    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+    if ps is not None and ps.get_tensor_model_parallel_world_size() > 1:
         group = ps.get_tensor_model_parallel_group()
         torch.distributed.all_reduce(target, group=group)
         torch.distributed.all_reduce(best, op=torch.distributed.ReduceOp.MAX, group=group)

@@ -194,3 +194,48 @@ def test_eval_tasks(run, tmp_path):
     assert out["infill"]["decode"]["repetition_penalty"] == 1.2
     res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task", "infill")
     assert res.returncode == 2 and "needs --data" in res.stderr
+
+
+def test_the_python_api_from_a_fresh_interpreter(run):
+    """``setdiff_dist.load(path).generate(...)`` in a new interpreter: the tokens of
+    setdiff-generate with the same settings; log-likelihoods and scores as setdiff-eval's
+    scorer gives them; and at TP=1 neither megatron-core nor DeepSpeed is imported."""
+    code = ("import json, sys, time\n"
+            "t0 = time.perf_counter()\n"
+            "import setdiff_dist\n"
+            "model = setdiff_dist.load(sys.argv[1])\n"
+            "first = model.generate('Shall I compare thee', max_new_tokens=1, greedy=True)\n"
+            "t1 = time.perf_counter()\n"
+            "out = model.generate(['Shall I compare thee'], max_new_tokens=12, window=4,\n"
+            "                     threshold=0.2, greedy=True, eos_stop=False)\n"
+            "one = model.generate('Shall I compare thee', max_new_tokens=12, window=4,\n"
+            "                     threshold=0.2, greedy=True, eos_stop=False)\n"
+            "ll = model.loglikelihood([('Shall I compare thee', ' to a'), ('', 'Love')])\n"
+            "print(json.dumps({'tokens': [g.tokens for g in out], 'one': one.tokens,\n"
+            "    'text': one.text, 'steps': one.steps, 'trace': one.trace, 'll': ll,\n"
+            "    'score': model.score(['Shall I compare thee', 'Love']),\n"
+            "    'score1': model.score('Love'), 'exact': model.exact, 'repr': repr(model),\n"
+            "    'first_token_s': t1 - t0, 'modules': sorted({'megatron', 'megatron.core',\n"
+            "    'deepspeed', 'transformer_engine', 'apex'} & set(sys.modules))}))\n")
+    res = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True,
+                         text=True, timeout=300, env=child_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    print(f"import -> first generated token: {got['first_token_s']:.2f} s")
+    assert got["modules"] == []
+    cli = generate(run)  # (the same prompt and settings)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    want = json.loads(cli.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == want["tokens"] and got["one"] == want["tokens"][0]
+    assert got["text"] == want["texts"][0] and got["trace"] == want["trace"][0]
+    assert got["steps"] == want["steps"][0]
+    # scoring: what setdiff-eval's scorer answers (one and the same code), in nats
+    from setdiff_dist.eval.likelihood import Scorer
+    from setdiff_dist.inference.weights import build_inference_model
+
+    scorer = Scorer(*build_inference_model(str(run)))
+    want_ll = scorer.loglikelihood([("Shall I compare thee", " to a"), ("", "Love")])
+    assert [tuple(x) for x in got["ll"]] == [tuple(x) for x in want_ll]
+    assert got["score"] == scorer.rolling(["Shall I compare thee", "Love"])
+    assert got["score1"] == got["score"][1] and all(s < 0 for s in got["score"])
+    assert got["exact"] is False and "staggered" in got["repr"]

@@ -21,7 +21,6 @@ standard error; ``--json`` prints one JSON object instead. Under torchrun with
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from setdiff_dist.cli import (
@@ -63,15 +62,8 @@ def main(argv=None) -> int:
                     help="draw the decoding trace: position x step, coloured by confidence")
     args = ap.parse_args(argv)
 
-    from setdiff_dist.inference.decoder import (
-        DecodeError,
-        Sampling,
-        StopCriteria,
-        check_text,
-        decoder_for,
-    )
-    from setdiff_dist.inference.settings import decode_settings, inference_dtype
-    from setdiff_dist.inference.weights import build_inference_model
+    from setdiff_dist.api import load
+    from setdiff_dist.inference.decoder import DecodeError, StopCriteria, check_text
 
     # the flags first: a bad one costs no model load
     check_decode_flags(args)
@@ -82,28 +74,22 @@ def main(argv=None) -> int:
     if (args.infill_left is not None or args.infill_right is not None) and \
             args.infill_length is None:
         raise DecodeError("infilling needs --infill-length")
-    model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
-                                            dtype=inference_dtype(args.dtype),
-                                            raw=args.raw_weights)
-    d = decode_settings(cfg, args.preset, stop=args.stop, **decode_flags(args))
-    sampling = Sampling(greedy=d["greedy"], temperature=d["temperature"], top_p=d["top_p"],
-                        repetition_penalty=d["repetition_penalty"], seed=args.seed)
-    stop = StopCriteria(eos_id=None, stop=d["stop"], max_repeat_run=d["max_repeat_run"])
-    decoder = decoder_for(model, tok, cfg)
-    mode = decoder.decoding
+    model = load(args.checkpoint, tensor_parallel=args.tensor_parallel, dtype=args.dtype,
+                 raw_weights=args.raw_weights)
+    flags = decode_flags(args)
+    d = model.settings(args.preset, stop=args.stop, **flags)  # (what the results report)
+    mode = model.decoding
     if args.infill_left is not None or args.infill_right is not None:
-        results = decoder.infill([tok.encode(args.infill_left or "")],
-                                 [tok.encode(args.infill_right or "")], [args.infill_length],
-                                 window=min(d["window"] or args.infill_length,
-                                            args.infill_length),
-                                 threshold=d["threshold"], sampling=sampling)
+        results = model.infill([args.infill_left or ""], [args.infill_right or ""],
+                               [args.infill_length], seed=args.seed, preset=args.preset,
+                               **{k: flags[k] for k in ("window", "threshold", "greedy",
+                                                        "temperature", "top_p",
+                                                        "repetition_penalty")})
         prompts = [args.infill_left or ""]
     else:
         prompts = args.prompt if args.prompt is not None else [None]
-        ids = [tok.encode(p) if p is not None else [tok.eos_id] for p in prompts]
-        stop = dataclasses.replace(stop, eos_id=None if args.no_eos_stop else tok.eos_id)
-        results = decoder.generate(ids, d["max_new_tokens"], window=d["window"],
-                                   threshold=d["threshold"], sampling=sampling, stop=stop)
+        results = model.generate(prompts, stop=args.stop, eos_stop=not args.no_eos_stop,
+                                 seed=args.seed, preset=args.preset, **flags)
     import torch.distributed as dist
 
     if dist.get_rank() != 0:

@@ -29,11 +29,10 @@ import torch
 
 def size() -> int:
     """The context-parallel size (1 without megatron's groups)."""
-    from megatron.core import parallel_state as ps
+    from setdiff_dist.parallel import megatron_groups
 
-    if not ps.model_parallel_is_initialized():
-        return 1
-    return ps.get_context_parallel_world_size()
+    ps = megatron_groups()
+    return 1 if ps is None else ps.get_context_parallel_world_size()
 
 
 def zigzag(n: int, cp: int, rank: int) -> torch.Tensor:

@@ -19,7 +19,6 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
 
 from setdiff_dist.diffusion import (
     OrderSample,
@@ -111,12 +110,14 @@ def _context_parallel_inputs(both, positions, sample, backend: str) -> ModelInpu
 
 def vocab_parallel_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``-log p(target)`` ``[b, s]`` from vocab-parallel logits ``[s, b, V/TP]`` (fp32). Without
-    megatron's groups (a model outside a training or inference run: the demo's reference
-    model) the logits hold the whole vocabulary: torch's cross entropy."""
-    from megatron.core import parallel_state as ps
+    megatron's groups (inference at TP=1, a model outside a training or inference run: the
+    demo's reference model) the logits hold the whole vocabulary: torch's cross entropy."""
+    from setdiff_dist.parallel import megatron_groups
 
-    if not ps.model_parallel_is_initialized():
+    if megatron_groups() is None:
         return F.cross_entropy(logits.float().permute(1, 2, 0), targets, reduction="none")
+    from megatron.core import tensor_parallel
+
     # megatron's cross entropy works in place on its input: give it its own fp32 copy
     return tensor_parallel.vocab_parallel_cross_entropy(
         logits.float().clone(), targets.t().contiguous()).t()

@@ -9,7 +9,8 @@ from .state import (
                     init_distributed,
                     initialize_model_parallel,
                     launch_env,
+                    megatron_groups,
 )
 
 __all__ = ["LaunchEnv", "LaunchError", "destroy_model_parallel", "first_host", "free_port",
-           "init_distributed", "initialize_model_parallel", "launch_env"]
+           "init_distributed", "initialize_model_parallel", "launch_env", "megatron_groups"]

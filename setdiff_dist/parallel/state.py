@@ -90,6 +90,14 @@ def gpus_promised() -> str | None:
     return None
 
 
+def megatron_groups():
+    """megatron's ``parallel_state`` when megatron is imported and its groups are set up (a
+    training run, inference at TP > 1), else None, without importing it: inference at TP=1
+    never imports megatron-core."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    return ps if ps is not None and ps.model_parallel_is_initialized() else None
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> LaunchEnv:
     """Initialize the default process group once (idempotent); a collective fails after
     ``timeout_s`` seconds of waiting (``train.collective_timeout_s``)."""

@@ -1,0 +1,190 @@
+"""The Python API: a trained model in a notebook or a script.
+
+    import setdiff_dist
+
+    model = setdiff_dist.load("runs/tiny-cpu")           # a run, a checkpoint or an export
+    out = model.generate("Shall I compare thee", max_new_tokens=32, greedy=True)
+    print(out.text, out.tokens_per_step)
+    model.loglikelihood([("Shall I compare thee", " to a summer's day")])
+    model.score(["Shall I compare thee to a summer's day?"])
+
+:func:`load` builds the decode-time model (:mod:`setdiff_dist.inference.lean`) at any
+tensor-parallel size (under torchrun with that many ranks); at TP=1 it imports neither
+megatron-core nor DeepSpeed. :meth:`Model.generate` and :meth:`Model.infill` decode as
+``setdiff-generate`` does (the command runs through this class), with the same settings: the
+checkpoint's ``decode`` section, then a ``preset``, then each argument given;
+:meth:`Model.loglikelihood` and :meth:`Model.score` score as ``setdiff-eval`` and the
+lm-evaluation-harness adapter do (:class:`setdiff_dist.eval.likelihood.Scorer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Sequence, Union
+
+__all__ = ["Generation", "Model", "load"]
+
+
+@dataclasses.dataclass
+class Generation:
+    """One decoded continuation (or infill)."""
+
+    text: str
+    tokens: list            # the generated token ids
+    steps: int              # forward passes (the prefill's included)
+    seconds: float          # wall time of the whole batch it decoded in
+    trace: list             # per forward step: the absolute positions committed in it
+    trace_confidence: list  # and the confidence of each
+
+    @property
+    def tokens_per_step(self) -> float:
+        return len(self.tokens) / max(self.steps, 1)
+
+
+class Model:
+    """A loaded model: its ``config``, ``tokenizer``, the decode-time ``module`` and how it
+    decodes (``decoding``: "set", "causal", "block" or "mdlm")."""
+
+    def __init__(self, module, config, tokenizer, path: str):
+        from setdiff_dist.inference.decoder import decoder_for
+
+        self.module, self.config, self.tokenizer, self.path = module, config, tokenizer, path
+        self._decoder = decoder_for(module, tokenizer, config)
+        self._scorer = None
+
+    @property
+    def decoding(self) -> str:
+        return self._decoder.decoding
+
+    @property
+    def context(self) -> int:
+        """The model's context in tokens (the prompt and what is generated share it)."""
+        return self.config.data.seq_len
+
+    def __repr__(self) -> str:
+        m = self.config.model
+        return (f"Model({self.path!r}: {m.num_layers} layers x {m.hidden_size}, "
+                f"{self.config.order.kind} order, {self.decoding} decoding, context "
+                f"{self.context})")
+
+    def settings(self, preset: Optional[str] = None, **flags) -> dict:
+        """The decoding settings a call with these arguments uses (the checkpoint's ``decode``
+        section, then ``preset``, then each argument that is not None)."""
+        from setdiff_dist.inference.settings import decode_settings
+
+        return decode_settings(self.config, preset, **flags)
+
+    def generate(self, prompts: Union[str, Sequence[Optional[str]], None] = None, *,
+                 max_new_tokens: Optional[int] = None, window: Optional[int] = None,
+                 threshold: Optional[float] = None, greedy: Optional[bool] = None,
+                 temperature: Optional[float] = None, top_p: Optional[float] = None,
+                 repetition_penalty: Optional[float] = None,
+                 max_repeat_run: Optional[int] = None, stop: Iterable[str] = (),
+                 eos_stop: bool = True, seed: int = 0, preset: Optional[str] = None
+                 ) -> Union[Generation, list[Generation]]:
+        """Continue each prompt (one string: one :class:`Generation`; a list: a list, decoded
+        as one batch of ragged prompts; None: unconditional, from the end-of-text token).
+        ``stop``: strings (``re:`` for a regex) added to the checkpoint's; ``eos_stop``: stop
+        at end-of-text."""
+        from setdiff_dist.inference.decoder import check_text
+
+        single = isinstance(prompts, str) or prompts is None
+        texts = [prompts] if single else list(prompts)
+        for what, items in (("prompt", [t for t in texts if t is not None]),
+                            ("stop", list(stop))):
+            for text in items:
+                check_text(what, text)
+        d = self.settings(preset, window=window, threshold=threshold, greedy=greedy,
+                          temperature=temperature, top_p=top_p,
+                          repetition_penalty=repetition_penalty,
+                          max_new_tokens=max_new_tokens, max_repeat_run=max_repeat_run,
+                          stop=list(stop))
+        tok = self.tokenizer
+        ids = [tok.encode(t) if t is not None else [tok.eos_id] for t in texts]
+        results = self._decoder.generate(
+            ids, d["max_new_tokens"], window=d["window"], threshold=d["threshold"],
+            sampling=self._sampling(d, seed), stop=self._stop(d, eos_stop))
+        out = [_generation(r) for r in results]
+        return out[0] if single else out
+
+    def infill(self, left: Union[str, Sequence[str]], right: Union[str, Sequence[str]],
+               length: Union[int, Sequence[int]], *, window: Optional[int] = None,
+               threshold: Optional[float] = None, greedy: Optional[bool] = None,
+               temperature: Optional[float] = None, top_p: Optional[float] = None,
+               repetition_penalty: Optional[float] = None, seed: int = 0,
+               preset: Optional[str] = None) -> Union[Generation, list[Generation]]:
+        """Fill ``length`` tokens between ``left`` and ``right`` (strings, or lists of them
+        with a list of lengths); a set-diffusion model sees both sides from the start."""
+        single = isinstance(left, str)
+        lefts = [left] if single else list(left)
+        rights = [right] if isinstance(right, str) else list(right)
+        lengths = [length] * len(lefts) if isinstance(length, int) else list(length)
+        d = self.settings(preset, window=window, threshold=threshold, greedy=greedy,
+                          temperature=temperature, top_p=top_p,
+                          repetition_penalty=repetition_penalty)
+        tok = self.tokenizer
+        results = self._decoder.infill(
+            [tok.encode(t) for t in lefts], [tok.encode(t) for t in rights], lengths,
+            window=min(d["window"] or min(lengths), min(lengths)), threshold=d["threshold"],
+            sampling=self._sampling(d, seed))
+        out = [_generation(r) for r in results]
+        return out[0] if single else out
+
+    def loglikelihood(self, pairs: Iterable[tuple[str, str]]) -> list[tuple[float, bool]]:
+        """``(log p(continuation | context) in nats, whether greedy decoding produces the
+        continuation)`` for each ``(context, continuation)`` pair, as lm-evaluation-harness
+        asks it (exact for causal LMs; for set-diffusion models the autoregressive-order
+        log-likelihood: :attr:`exact` says which)."""
+        return self.scorer.loglikelihood(pairs)
+
+    def score(self, texts: Union[str, Iterable[str]]) -> Union[float, list[float]]:
+        """The log-likelihood of each whole text (nats, after the end-of-text token, in windows
+        of the context), as lm-evaluation-harness's ``loglikelihood_rolling``."""
+        if isinstance(texts, str):
+            return self.scorer.rolling([texts])[0]
+        return self.scorer.rolling(texts)
+
+    @property
+    def exact(self) -> bool:
+        """Whether :meth:`loglikelihood` and :meth:`score` are exact log-likelihoods."""
+        return self.scorer.exact
+
+    @property
+    def scorer(self):
+        if self._scorer is None:
+            from setdiff_dist.eval.likelihood import Scorer
+
+            self._scorer = Scorer(self.module, self.config, self.tokenizer)
+        return self._scorer
+
+    @staticmethod
+    def _sampling(d: dict, seed: int):
+        from setdiff_dist.inference.decoder import Sampling
+
+        return Sampling(greedy=d["greedy"], temperature=d["temperature"], top_p=d["top_p"],
+                        repetition_penalty=d["repetition_penalty"], seed=seed)
+
+    def _stop(self, d: dict, eos_stop: bool):
+        from setdiff_dist.inference.decoder import StopCriteria
+
+        return StopCriteria(eos_id=self.tokenizer.eos_id if eos_stop else None, stop=d["stop"],
+                            max_repeat_run=d["max_repeat_run"])
+
+
+def _generation(r) -> Generation:
+    return Generation(text=r.text, tokens=list(r.tokens), steps=r.steps, seconds=r.seconds,
+                      trace=r.trace or [], trace_confidence=r.trace_confidence or [])
+
+
+def load(path: str, tensor_parallel: int = 1, dtype: str = "auto",
+         device: Optional[str] = None, raw_weights: bool = False) -> Model:
+    """The model of a training run directory, a checkpoint or an export (``setdiff-convert``),
+    for inference: ``dtype`` "auto" (bf16 on a GPU, fp32 on CPUs), "float32" or "bfloat16";
+    the EMA of the weights when the run kept one, unless ``raw_weights``. At
+    ``tensor_parallel`` N > 1, call it on each of N ranks (torchrun)."""
+    from setdiff_dist.inference.settings import inference_dtype
+    from setdiff_dist.inference.weights import build_inference_model
+
+    module, cfg, tok = build_inference_model(path, tensor=int(tensor_parallel), device=device,
+                                             dtype=inference_dtype(dtype), raw=raw_weights)
+    return Model(module, cfg, tok, path)
