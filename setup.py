@@ -71,6 +71,7 @@ setup(
             "setdiff-generate=setdiff_dist.cli.generate:main",
             "setdiff-convert=setdiff_dist.cli.convert:main",
             "setdiff-eval=setdiff_dist.cli.eval:main",
+            "setdiff-lm-eval=setdiff_dist.eval.lm_eval_cli:main",
             "setdiff-prep=data_prep.prep:main",
             "setdiff-corpus=data_prep.corpus:main",
             "setdiff-tasks=data_prep.tasks:main",

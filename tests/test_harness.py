@@ -177,3 +177,36 @@ def test_bad_harness_requests_are_one_line_errors(runs, tmp_path):
     res = evaluate(runs, runs["staggered"], "--task", "harness", "--harness-tasks", "hellaswag")
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "harness task(s) hellaswag: the dataset could not be loaded" in res.stderr
+
+
+def test_lm_evals_own_command_line_runs_our_model_and_its_tooling_reads_the_output(runs,
+                                                                                   tmp_path):
+    """``setdiff-lm-eval --model setdiff ...`` is lm-eval's command line with our model class
+    registered (an installed package cannot register one for plain ``lm_eval``): its results
+    and per-task samples files, in lm-eval's layout, read by lm-eval's own helpers, with the
+    few-shot count; the scores are those of setdiff-eval --task harness."""
+    from lm_eval.utils import (
+        get_latest_filename,
+        get_results_filenames,
+        get_sample_results_filenames,
+        make_table,
+    )
+
+    out = tmp_path / "lm-eval"
+    env = child_env({**os.environ, **OFFLINE, "HF_HOME": str(runs["cache"])})
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.eval.lm_eval_cli", "--model",
+                          "setdiff", "--model_args", f"checkpoint={runs['staggered']}",
+                          "--tasks", "setdiff_choice", "--include_path", TASKS,
+                          "--num_fewshot", "0", "--output_path", str(out), "--log_samples"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    files = [str(p) for p in out.rglob("*") if p.is_file()]
+    results = json.loads(open(get_latest_filename(get_results_filenames(files))).read())
+    assert "setdiff_choice" in make_table(results)
+    assert results["n-shot"]["setdiff_choice"] == 0
+    samples = get_sample_results_filenames(files)
+    assert len(samples) == 1 and "setdiff_choice" in samples[0]
+    ours = harness(runs, runs["staggered"], tmp_path, "setdiff_choice")
+    for metric in ("acc,none", "acc_norm,none"):
+        assert results["results"]["setdiff_choice"][metric] == \
+            ours["results"]["setdiff_choice"][metric]

@@ -36,12 +36,15 @@ class SetdiffLM(TemplateLM):
     backend = "causal"  # the harness's pair encoding: the whole text, then the context's prefix
 
     def __init__(self, checkpoint: Optional[str] = None, *, loaded=None, tensor_parallel: int = 1,
-                 dtype: str = "auto", batch_size: int = 8, raw_weights: bool = False,
-                 preset: Optional[str] = None, **decode):
+                 dtype: str = "auto", batch_size=8, raw_weights: bool = False,
+                 preset: Optional[str] = None, device: Optional[str] = None,
+                 max_batch_size=None, **decode):
         """``checkpoint``: a checkpoint or export directory (or ``loaded``: ``(model, config,
         tokenizer)`` already built). ``decode``: decoding settings over the checkpoint's
         ``decode`` section and ``preset`` (window, threshold, greedy, temperature, top_p,
-        repetition_penalty, max_new_tokens, max_repeat_run)."""
+        repetition_penalty, max_new_tokens, max_repeat_run). ``device``, ``batch_size`` and
+        ``max_batch_size`` are what lm-eval's command line passes every model (``batch_size``
+        "auto": 8; ``max_batch_size``: its cap)."""
         super().__init__()
         from setdiff_dist.inference.decoder import decoder_for
         from setdiff_dist.inference.settings import DECODE_KEYS, decode_settings
@@ -54,13 +57,22 @@ class SetdiffLM(TemplateLM):
             if not checkpoint:
                 raise ScoreError("give the model argument checkpoint=DIR (a checkpoint or "
                                  "export)")
+            import torch
+
             from setdiff_dist.inference.settings import inference_dtype
             from setdiff_dist.inference.weights import build_inference_model
 
+            if device and device.startswith("cuda") and not torch.cuda.is_available():
+                raise ScoreError(f"device {device} was asked for (lm-eval's default is cuda:0) "
+                                 "but this machine has no CUDA GPU: pass --device cpu")
             loaded = build_inference_model(checkpoint, tensor=int(tensor_parallel),
-                                           dtype=inference_dtype(dtype), raw=bool(raw_weights))
+                                           device=device, dtype=inference_dtype(dtype),
+                                           raw=bool(raw_weights))
         model, cfg, tok = loaded
-        self.scorer = Scorer(model, cfg, tok, int(batch_size))
+        batch = 8 if str(batch_size).startswith("auto") else int(batch_size)
+        if max_batch_size is not None:
+            batch = min(batch, int(max_batch_size))
+        self.scorer = Scorer(model, cfg, tok, batch)
         self.tok = tok
         self.decode = decode_settings(cfg, preset, **decode)
         self.decoder = decoder_for(model, tok, cfg)
