@@ -85,7 +85,8 @@ def main() -> int:
                     params += math.prod(fh.get_slice(k).get_shape())
     model_kib = params * 4 / 1024
     rows = [("setdiff-generate", _generate(big), _generate(tiny))]
-    for what, extra in (("export", []), ("--to-hf", ["--to-hf"])):
+    # (a set-diffusion model: --to-hf only with --as-causal-lm; the memory is the same)
+    for what, extra in (("export", []), ("--to-hf", ["--to-hf", "--as-causal-lm"])):
         out = os.path.join(tmp, f"out-{what.strip('-')}")
         tiny_out = os.path.join(tmp, f"tiny-{what.strip('-')}")
         cmd = [sys.executable, "-m", "setdiff_dist.cli.convert", "--checkpoint"]

@@ -316,7 +316,7 @@ def test_set_diffusion_finetune_from_an_import_checkpoints_and_decodes(hf, finet
                                                                        tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from setdiff_dist.model.hf import export_hf
+    from setdiff_dist.model.hf import HFCheckpointError, export_hf
 
     run = finetuned["run"]
     assert "initialized from the Hugging Face checkpoint" in finetuned["stdout"]
@@ -332,7 +332,13 @@ def test_set_diffusion_finetune_from_an_import_checkpoints_and_decodes(hf, finet
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["mode"] == "set" and len(out["tokens"][0]) == 8
     # the fine-tuned weights exported to HF give our causal logits in transformers
-    export_hf(str(run), str(tmp_path / "hf"))
+    # (a set-diffusion fine-tune: exported as a causal LM on request, and said so)
+    with pytest.raises(HFCheckpointError, match="is a set-diffusion model"):
+        export_hf(str(run), str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()
+    meta = export_hf(str(run), str(tmp_path / "hf"), as_causal_lm=True)
+    assert "set diffusion" in json.loads((tmp_path / "hf" / "config.json").read_text())[
+        "setdiff_trained_as"] and meta["trained_as"]
     with torch.no_grad():
         theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(hf["x"]).logits
     assert not torch.equal(theirs, hf["logits"]["qwen3"])  # the fine-tune changed the weights

@@ -239,3 +239,20 @@ def test_the_python_api_from_a_fresh_interpreter(run):
     assert got["score"] == scorer.rolling(["Shall I compare thee", "Love"])
     assert got["score1"] == got["score"][1] and all(s < 0 for s in got["score"])
     assert got["exact"] is False and "staggered" in got["repr"]
+
+
+def test_a_set_diffusion_checkpoint_is_exported_to_hf_only_as_a_causal_lm_on_request(
+        run, tmp_path):
+    """--to-hf of a staggered checkpoint: exit 2 with the reason, nothing written; with
+    --as-causal-lm it writes, says so, and config.json records what the weights are."""
+    res = run_cli("setdiff_dist.cli.convert", "--checkpoint", run, "--to-hf", "--out",
+                  tmp_path / "hf")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "is a set-diffusion model (order.kind=staggered)" in res.stderr
+    assert "--as-causal-lm" in res.stderr and not (tmp_path / "hf").exists()
+    res = run_cli("setdiff_dist.cli.convert", "--checkpoint", run, "--to-hf", "--as-causal-lm",
+                  "--out", tmp_path / "hf")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "exported as a causal LM on request" in res.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["setdiff_trained_as"].startswith("set diffusion, order.kind=staggered")

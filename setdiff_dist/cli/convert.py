@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                     help="with --to-hf: tensor dtype (default: the imported checkpoint's, else "
                          "float32)")
+    ap.add_argument("--as-causal-lm", action="store_true",
+                    help="with --to-hf: export a set-diffusion checkpoint as a causal LM anyway "
+                         "(refused without it: an HF causal LM is another model)")
     ap.add_argument("--hf-config", metavar="DIR",
                     help="with --to-hf: take the config.json fields we do not model from DIR")
     add_weights_argument(ap)
@@ -50,6 +53,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.to_hf and args.from_hf:
         ap.error("--to-hf exports a --checkpoint; --from-hf imports")
+    if args.as_causal_lm and not args.to_hf:
+        ap.error("--as-causal-lm goes with --to-hf")
     if args.print_config and not args.from_hf:
         ap.error("--print-config goes with --from-hf")
     if not args.out and not args.print_config:
@@ -76,7 +81,11 @@ def main(argv=None) -> int:
         meta = export_hf(args.checkpoint, args.out, dtype=args.dtype,
                          template_dir=args.hf_config,
                          max_shard_bytes=int(args.max_shard_size * 2**30),
-                         raw=args.raw_weights)
+                         raw=args.raw_weights, as_causal_lm=args.as_causal_lm)
+        if meta["trained_as"]:
+            print(f"setdiff-convert: note: exported as a causal LM on request; the weights "
+                  f"were trained as {meta['trained_as'].split(':')[0]} (config.json: "
+                  "setdiff_trained_as)", file=sys.stderr)
         print(f"setdiff-convert: {meta['parameters']:,} parameters from {meta['source']} -> "
               f"{args.out} ({meta['architecture']}, {meta['dtype']})", file=sys.stderr)
         return 0

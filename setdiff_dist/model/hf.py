@@ -453,16 +453,35 @@ def template_dtype(template: Optional[dict]) -> str:
 
 def export_hf(path: str, out: str, dtype: Optional[str] = None,
               template_dir: Optional[str] = None, max_shard_bytes: int = 5 * 2**30,
-              raw: bool = False) -> dict:
+              raw: bool = False, as_causal_lm: bool = False) -> dict:
     """``setdiff-convert --to-hf``: a setdiff checkpoint or export (any layout) as an HF
     Llama / Qwen3 checkpoint directory, with the tokenizer. The config starts from the source
     checkpoint's ``config.json`` when one is known (``template_dir``, the ``hf_config.json`` of
     an imported export, or ``checkpoint.init_from_hf`` of the run), so fields we do not model
     (token ids, ``max_position_embeddings``, ...) survive the round trip; ``dtype`` defaults to
-    the template's (else float32)."""
+    the template's (else float32).
+
+    An HF causal LM runs the weights left to right under a causal mask: what a model trained
+    as a causal LM (``order.kind=causal``) is, and a set-diffusion model is not (its scores
+    and generations there are another model's). Such a checkpoint is refused unless
+    ``as_causal_lm``, and its ``config.json`` then says what the weights were trained as."""
     from setdiff_dist.checkpoint.weights import read_full_state_dict
+    from setdiff_dist.diffusion.kinds import order_of
 
     state, cfg, tok, src = read_full_state_dict(path, raw=raw)  # (the EMA, if kept)
+    trained_as = None
+    if not order_of(cfg.order).causal_lm:
+        trained_as = (f"set diffusion, order.kind={cfg.order.kind}: exported as a causal LM on "
+                      "request (setdiff-convert --as-causal-lm); a causal LM's scores and "
+                      "generations are not this model's")
+        if not as_causal_lm:
+            raise HFCheckpointError(
+                f"{path} is a set-diffusion model (order.kind={cfg.order.kind}), not a causal "
+                "LM: a Hugging Face causal LM would run its weights left to right under a "
+                "causal mask, and score and generate as another model (lm-eval's hf on such "
+                "an export disagrees with the model itself). Evaluate it as it is with "
+                "setdiff-eval or setdiff-lm-eval; to export the weights as a causal LM anyway, "
+                "add --as-causal-lm")
     template = None
     candidates = [os.path.join(template_dir, "config.json")] if template_dir else [
         os.path.join(src, "hf_config.json"),
@@ -478,10 +497,12 @@ def export_hf(path: str, out: str, dtype: Optional[str] = None,
     dtype = dtype or template_dtype(template)
     config = hf_config(cfg.model, template, dtype, max_positions=cfg.data.seq_len,
                        eos_id=tok.eos_id)
+    if trained_as:
+        config["setdiff_trained_as"] = trained_as
     files = write_hf(hf_tensors(state, cfg.model), config, out, dtype, max_shard_bytes,
                      tokenizer=tok)
     return {"source": os.path.abspath(src), "architecture": config["architectures"][0],
-            "dtype": dtype, "files": files,
+            "dtype": dtype, "files": files, "trained_as": trained_as,
             "parameters": int(sum(v.numel() for v in state.values()))}
 
 
