@@ -25,7 +25,7 @@ import tarfile
 import zipfile
 from typing import Iterator
 
-from setdiff_dist.cli import command
+from setdiff_dist.cli import HelpFormatter, command
 from setdiff_dist.errors import SetdiffError
 
 SOURCES = {
@@ -131,7 +131,7 @@ def build(out: str, sources: list[str]) -> dict:
 @command("setdiff-corpus")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-corpus", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--sources", nargs="+", choices=sorted(READERS), default=sorted(READERS))
     args = ap.parse_args(argv)

@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from setdiff_dist.cli import command, count
+from setdiff_dist.cli import HelpFormatter, command, count
 from setdiff_dist.data.shards import FORMAT, MANIFEST, ShardWriter, sha256_file
 from setdiff_dist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, train_bpe
 from setdiff_dist.errors import SetdiffError
@@ -324,7 +324,7 @@ def verify(directory: str) -> int:
 @command("setdiff-prep")
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-prep", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--verify", metavar="DIR",
                     help="check every file of an existing shard directory against its manifest "
                          "(sizes and sha256, every split) and exit: nothing else is needed")

@@ -33,7 +33,7 @@ import re
 import sys
 from typing import Optional
 
-from setdiff_dist.cli import command, count
+from setdiff_dist.cli import HelpFormatter, command, count
 
 from .corpus import CorpusError, kjv_verses
 
@@ -134,7 +134,7 @@ def infill(size: int, seed: int, chapters: Optional[set] = None,
 @command("setdiff-tasks")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-tasks", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("task", choices=("gsm", "chain", "infill"))
     ap.add_argument("--out", required=True, help="output .jsonl")
     ap.add_argument("--size", type=count(), default=2000)

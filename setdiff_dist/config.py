@@ -538,11 +538,29 @@ def load_config(path: Optional[str] = None, overrides: list[str] | tuple[str, ..
     cfg = _build(Config, raw, "", problems)
     resolve_attention_backend(cfg)
     resolve_dimensions(cfg.model)
+    fit_warmup(cfg)
     if check:
         problems += _cross_checks(cfg, problems)
     if problems:
         raise ConfigError(problems, source)
     return cfg
+
+
+def fit_warmup(cfg: Config) -> None:
+    """A warm-up longer than the run (a config's 2,000 steps, a 10-step try of it) is the
+    whole run, in place, said in one line: a short run of a long config just works."""
+    opt, steps = cfg.optimizer, cfg.train.steps
+    if isinstance(opt.warmup_steps, int) and isinstance(steps, int) and \
+            0 < steps < opt.warmup_steps:
+        from setdiff_dist.errors import rank_and_world
+
+        if rank_and_world()[0] == 0:
+            import sys
+
+            print(f"note: optimizer.warmup_steps={opt.warmup_steps} is longer than "
+                  f"train.steps={steps}: the LR warms up over all {steps} steps",
+                  file=sys.stderr)
+        opt.warmup_steps = steps
 
 
 def resolve_dimensions(m: ModelConfig) -> None:
@@ -621,6 +639,7 @@ def config_from_dict(raw: dict, check: bool = True) -> Config:
     cfg = _build(Config, raw, "", problems)
     resolve_attention_backend(cfg)
     resolve_dimensions(cfg.model)
+    fit_warmup(cfg)
     if check:
         problems += _cross_checks(cfg, problems)
     if problems:

@@ -118,9 +118,6 @@ def validate(cfg) -> list[str]:
         p.append(f"train.profile_steps={prof} must be two steps [a, b] with a <= b")
     if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):
         p.append(f"optimizer.betas={cfg.optimizer.betas} must be two numbers in [0, 1)")
-    if cfg.optimizer.warmup_steps > cfg.train.steps:
-        p.append(f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} exceeds "
-                 f"train.steps={cfg.train.steps}")
     if not cfg.run_dir:
         p.append("run_dir must not be empty")
     if not cfg.resume:

@@ -190,3 +190,32 @@ def test_help_answers_without_importing_torch(command):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert "usage:" in res.stdout and res.stderr.strip().endswith("no torch"), res.stderr
+
+
+def test_a_warmup_longer_than_the_run_is_the_whole_run_and_said(capsys):
+    """`scripts/main.sh train.steps=10` on a config that warms up for 30 steps just runs: the
+    LR warms up over the 10 steps, in one line on standard error."""
+    cfg = load_config("configs/tiny-cpu.yaml", ["train.steps=10", "optimizer.warmup_steps=30"])
+    assert cfg.optimizer.warmup_steps == 10
+    assert "optimizer.warmup_steps=30 is longer than train.steps=10" in capsys.readouterr().err
+    assert load_config("configs/tiny-cpu.yaml", ["train.steps=40",
+                                                 "optimizer.warmup_steps=30"]
+                       ).optimizer.warmup_steps == 30
+
+
+def test_command_line_rough_edges(tmp_path):
+    """--config given twice is refused (it kept the last one); every --help shows defaults; a
+    reader that goes away (`setdiff-config --keys | head`) ends the command quietly."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.train", "--config",
+                          "configs/tiny-cpu.yaml", "--config", "configs/tiny-cpu.yaml",
+                          f"run_dir={tmp_path}"], capture_output=True, text=True)
+    assert res.returncode == 2 and "--config given twice" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.generate", "--help"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and "(default: 1)" in res.stdout  # --tensor-parallel
+    res = subprocess.run(f"{sys.executable} -m setdiff_dist.cli.config --keys | head -1",
+                         shell=True, capture_output=True, text=True)
+    assert res.returncode == 0 and "Traceback" not in res.stderr and res.stdout.strip()

@@ -15,6 +15,31 @@ import sys
 from setdiff_dist.errors import SetdiffError, report
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader went away (`setdiff-config --keys | head`)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's ``--help``: the module's text as written, and each option's default
+    (when it has one to show: not None, not a flag's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" not in text and action.option_strings and \
+                action.default not in (None, False, [], argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+class Once(argparse.Action):
+    """An option that may be given once: a second one is an error, not silently the winner
+    (``--config a.yaml --config b.yaml`` kept only b)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before != self.default:
+            parser.error(f"{option_string} given twice ({before}, {values}): give it once (a "
+                         "config file may include others; key=value overrides follow it)")
+        setattr(namespace, self.dest, values)
 
 
 def command(prog: str, process_group: bool = False):
@@ -40,6 +65,13 @@ def command(prog: str, process_group: bool = False):
             except KeyboardInterrupt:
                 print(f"\n{prog}: interrupted", file=sys.stderr)
                 return EXIT_INTERRUPTED
+            except BrokenPipeError:
+                # the reader of our output closed it: stop quietly, as a killed `cat` would
+                # (what is still buffered would fail again at exit: send it nowhere)
+                import os
+
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return EXIT_BROKEN_PIPE
             finally:
                 if process_group and "torch.distributed" in sys.modules:
                     from setdiff_dist.parallel import destroy_model_parallel

@@ -12,15 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from setdiff_dist.cli import command
+from setdiff_dist.cli import HelpFormatter, Once, command
 from setdiff_dist.config import describe, load_config
 
 
 @command("setdiff-config")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-config", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="YAML file (may include others)")
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--config", action=Once, help="YAML file (may include others)")
     ap.add_argument("--keys", action="store_true", help="list every key with its help")
     ap.add_argument("--get", metavar="KEY", help="print only this resolved value (e.g. run_dir, "
                     "parallel.tensor): for job scripts")

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from setdiff_dist.cli import add_weights_argument, command
+from setdiff_dist.cli import HelpFormatter, add_weights_argument, command
 
 
 @command("setdiff-convert")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-convert", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint",
                      help="a run directory, its checkpoints directory, a step_* directory or "

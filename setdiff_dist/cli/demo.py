@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from setdiff_dist.cli import command
+from setdiff_dist.cli import HelpFormatter, Once, command
 from setdiff_dist.config import ConfigError, load_config
 
 # torch and the rest are imported where they are used: --help answers without them
@@ -218,8 +218,8 @@ def train(cfg, steps: int) -> dict:
 @command("setdiff-demo")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/tiny-cpu.yaml")
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--config", action=Once, default="configs/tiny-cpu.yaml")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)

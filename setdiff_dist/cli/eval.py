@@ -29,6 +29,7 @@ import os
 import sys
 
 from setdiff_dist.cli import (
+    HelpFormatter,
     add_decode_arguments,
     add_dtype_argument,
     add_weights_argument,
@@ -43,7 +44,7 @@ from setdiff_dist.cli import (
 @command("setdiff-eval", process_group=True)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-eval", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--task", required=True,
                     choices=("ppl", "infill", "gsm", "throughput", "choice", "harness"))
@@ -61,7 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=count(), default=8)
     add_decode_arguments(ap)
     ap.add_argument("--prompt", action="append", default=None, help="throughput prompts")
-    ap.add_argument("--tensor-parallel", type=count(), default=1)
+    ap.add_argument("--tensor-parallel", type=count(), default=1,
+                    help="shard the model over this many ranks (under torchrun)")
     add_dtype_argument(ap)
     add_weights_argument(ap)
     ap.add_argument("--out", help="write the results here as JSON")

@@ -24,6 +24,7 @@ import argparse
 import sys
 
 from setdiff_dist.cli import (
+    HelpFormatter,
     add_decode_arguments,
     add_dtype_argument,
     add_weights_argument,
@@ -38,7 +39,7 @@ from setdiff_dist.cli import (
 @command("setdiff-generate", process_group=True)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-generate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--checkpoint", required=True,
                     help="a training run directory, a checkpoint directory, or an export")
     ap.add_argument("--prompt", action="append", default=None,
@@ -51,10 +52,11 @@ def main(argv=None) -> int:
     ap.add_argument("--infill-left", default=None)
     ap.add_argument("--infill-right", default=None)
     ap.add_argument("--infill-length", type=count(), default=None, help="tokens to fill")
-    ap.add_argument("--tensor-parallel", type=count(), default=1)
+    ap.add_argument("--tensor-parallel", type=count(), default=1,
+                    help="shard the model over this many ranks (under torchrun)")
     add_dtype_argument(ap)
     add_weights_argument(ap)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object (with each result's decoding trace: per forward "
                          "step, the absolute positions committed in it, the prompt from 0)")

@@ -40,7 +40,7 @@ import signal
 import subprocess
 import sys
 
-from setdiff_dist.cli import EXIT_INTERRUPTED, command, count
+from setdiff_dist.cli import EXIT_INTERRUPTED, HelpFormatter, Once, command, count
 from setdiff_dist.config import ConfigError, load_config
 from setdiff_dist.config_checks import world_problems
 from setdiff_dist.errors import SetdiffError
@@ -109,8 +109,9 @@ SIGNALS = _Signals()
 
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="setdiff-train", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="YAML config (see setdiff-config --keys)")
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--config", action=Once, required=True,
+                    help="YAML config (see setdiff-config --keys)")
     ap.add_argument("--nproc-per-node", type=count(), default=None,
                     help="launch this many local processes (not needed under torchrun / srun)")
     ap.add_argument("--dry-run", action="store_true",
