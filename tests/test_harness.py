@@ -210,3 +210,66 @@ def test_lm_evals_own_command_line_runs_our_model_and_its_tooling_reads_the_outp
     for metric in ("acc,none", "acc_norm,none"):
         assert results["results"]["setdiff_choice"][metric] == \
             ours["results"]["setdiff_choice"][metric]
+
+
+def test_long_five_shot_prompts_are_cut_as_lm_evals_hf_cuts_them(runs, tmp_path):
+    """A generation task in GSM8K's schema and format, 5-shot, whose prompts are several times
+    the context: our class on the causal checkpoint and lm-eval's own ``hf`` model on its
+    ``--to-hf`` export keep the same last tokens of each prompt (saying so) and generate the
+    same text. The results record the few-shot count and go to lm-eval's own layout too, which
+    its helpers read."""
+    from lm_eval.utils import get_latest_filename, get_results_filenames, make_table
+
+    export = tmp_path / "hf"
+    res = run_cli("setdiff_dist.cli.convert", "--checkpoint", runs["causal"], "--to-hf",
+                  "--out", export)
+    assert res.returncode == 0, res.stderr[-3000:]
+    layout = tmp_path / "lm-eval-layout"
+    out = tmp_path / "long.json"
+    res = evaluate(runs, runs["causal"], "--task", "harness", "--harness-tasks",
+                   "setdiff_gsm_long", "--include-path", TASKS, "--log-samples", "--out",
+                   str(out), "--output-path", str(layout))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "prompts are longer than the 16 tokens left of the context (32)" in res.stderr
+    ours = json.loads(out.read_text())
+    assert ours["n-shot"]["setdiff_gsm_long"] == 5
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    lm = HFLM(pretrained=str(export), device="cpu", dtype="float32", batch_size=4)
+    hf = lm_eval.simple_evaluate(model=lm, tasks=["setdiff_gsm_long"],
+                                 task_manager=TaskManager(include_path=TASKS), log_samples=True)
+    theirs = {s["doc_id"]: s["resps"][0][0] for s in hf["samples"]["setdiff_gsm_long"]}
+    mine = {s["doc_id"]: s["resps"][0][0] for s in ours["samples"]["setdiff_gsm_long"]}
+    assert sorted(mine) == sorted(theirs) == list(range(10))
+    assert mine == theirs
+    files = [str(p) for p in layout.rglob("*") if p.is_file()]
+    written = json.loads(open(get_latest_filename(get_results_filenames(files))).read())
+    assert written["n-shot"]["setdiff_gsm_long"] == 5 and "setdiff_gsm_long" in \
+        make_table(written)
+
+
+def test_a_failing_task_keeps_the_finished_ones_and_bad_settings_compute_nothing(runs,
+                                                                                 tmp_path):
+    """Tasks run one at a time and each finished one is written at once: when the second
+    fails (it asks for more tokens than the context holds), the first one's results are on
+    disk. A generation setting set decoding cannot honour is refused before anything is
+    computed, whichever task it is in."""
+    out = tmp_path / "two.json"
+    res = evaluate(runs, runs["staggered"], "--task", "harness", "--harness-tasks",
+                   "setdiff_choice,setdiff_gen_toolong", "--include-path", TASKS, "--out",
+                   str(out))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "max_gen_toks=500 leaves no room for a prompt" in res.stderr
+    kept = json.loads(out.read_text())
+    assert list(kept["results"]) == ["setdiff_choice"]
+    assert 0 <= kept["results"]["setdiff_choice"]["acc,none"] <= 1
+    out = tmp_path / "beams.json"
+    res = evaluate(runs, runs["staggered"], "--task", "harness", "--harness-tasks",
+                   "setdiff_choice,setdiff_gen", "--include-path", TASKS, "--gen-kwargs",
+                   "num_beams=4", "--out", str(out))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "harness task setdiff_gen: generation setting(s) num_beams=4 are not supported" in \
+        res.stderr
+    assert not out.exists()

@@ -56,6 +56,12 @@ def main(argv=None) -> int:
     ap.add_argument("--num-fewshot", type=count(0), help="harness: few-shot examples per prompt")
     ap.add_argument("--log-samples", action="store_true",
                     help="harness: every request's arguments and answers in the results")
+    ap.add_argument("--gen-kwargs", metavar="K=V,...",
+                    help="harness: generation settings over every task's own, as lm-eval's "
+                         "--gen_kwargs (max_gen_toks, until, do_sample, temperature, top_p)")
+    ap.add_argument("--output-path", metavar="DIR",
+                    help="harness: also write each task's results and samples in lm-eval's "
+                         "own layout here (what its tooling reads)")
     ap.add_argument("--limit", type=count(), default=None,
                     help="records to evaluate (default 100; harness: per task, default all)")
     ap.add_argument("--batches", type=count(), default=16, help="ppl: validation batches")
@@ -69,6 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
 
+    from setdiff_dist.checkpoint.weights import provenance
     from setdiff_dist.eval import tasks
     from setdiff_dist.inference.decoder import Sampling, check_text, decoder_for
     from setdiff_dist.inference.settings import decode_settings, inference_dtype
@@ -80,6 +87,8 @@ def main(argv=None) -> int:
         check_text("--prompt", text)
     limit = args.limit if args.limit is not None or args.task == "harness" else 100
     harness_flags = [f for f, v in (("--harness-tasks", args.harness_tasks),
+                                    ("--gen-kwargs", args.gen_kwargs),
+                                    ("--output-path", args.output_path),
                                     ("--include-path", args.include_path),
                                     ("--num-fewshot", args.num_fewshot),
                                     ("--log-samples", args.log_samples)) if v not in (None, False)]
@@ -103,9 +112,11 @@ def main(argv=None) -> int:
         except ImportError as exc:
             raise tasks.EvalError(f"lm-evaluation-harness is not installed ({exc}); install it "
                                   "with: pip install 'setdiff-dist[eval]'") from None
-        harness_tasks = [t.strip() for t in harness_tasks]
-        manager = harness.task_manager(harness_tasks, args.include_path)
-        harness_tasks = harness.load_tasks(harness_tasks, manager)  # (their datasets, now)
+        harness_names = [t.strip() for t in harness_tasks]
+        manager = harness.task_manager(harness_names, args.include_path)
+        # their datasets, and every generation task's settings, before the model is loaded
+        harness_tasks, leaves = harness.load_tasks(harness_names, manager)
+        harness.check_generation(leaves, harness.parse_gen_kwargs(args.gen_kwargs))
     if args.out:  # where the result goes is checked before the evaluation, not after it
         parent = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
@@ -128,8 +139,13 @@ def main(argv=None) -> int:
     if args.task == "harness":
         lm = harness.SetdiffLM(loaded=(model, cfg, tok), batch_size=args.batch_size,
                                preset=args.preset, **flags)
+        # each finished task's results on disk before the next starts
         result = harness.run(lm, manager, harness_tasks, limit, args.num_fewshot,
-                             args.log_samples)
+                             args.log_samples, gen_kwargs=args.gen_kwargs,
+                             output_path=args.output_path, names=harness_names,
+                             on_result=lambda r: write_result(args, {
+                                 "task": "harness", **provenance(args.checkpoint,
+                                                                 args.raw_weights), **r}))
     elif args.task == "choice":
         from setdiff_dist.eval.likelihood import Scorer
 
@@ -155,7 +171,6 @@ def main(argv=None) -> int:
 
     if dist.get_rank() != 0:
         return 0
-    from setdiff_dist.checkpoint.weights import provenance
 
     result = {"task": args.task, **provenance(args.checkpoint, args.raw_weights), **result}
     if args.task not in ("ppl", "choice", "harness"):
@@ -163,13 +178,18 @@ def main(argv=None) -> int:
                                               "top_p", "repetition_penalty", "max_new_tokens")}
     # (harness: each task's requests carry their own max_gen_toks and until; the results'
     # "generation" lists what the requests decoded with)
+    print(write_result(args, result))
+    return 0
+
+
+def write_result(args, result: dict) -> str:
+    """``result`` as JSON text, written (atomically) to ``--out`` when given."""
     text = json_text(result, indent=2)
     if args.out:
         from setdiff_dist.checkpoint.files import write_atomic
 
         write_atomic(args.out, text + "\n")
-    print(text)
-    return 0
+    return text
 
 
 

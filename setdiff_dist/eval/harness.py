@@ -30,6 +30,8 @@ from lm_eval.api.registry import register_model
 
 from setdiff_dist.eval.likelihood import ScoreError, Scorer
 
+log = logging.getLogger("setdiff_dist.eval.harness")
+
 
 @register_model("setdiff")
 class SetdiffLM(TemplateLM):
@@ -97,7 +99,11 @@ class SetdiffLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         pairs = [(ctx, cont) for _, ctx, cont in requests]
-        out = self.scorer.loglikelihood_tokens(pairs)
+        out, step = [], 8 * self.scorer.batch_size
+        with _progress(len(pairs), "loglikelihood", disable_tqdm) as bar:
+            for lo in range(0, len(pairs), step):
+                out += self.scorer.loglikelihood_tokens(pairs[lo:lo + step])
+                bar.update(len(pairs[lo:lo + step]))
         for (key, _, _), answer in zip(requests, out):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -120,46 +126,56 @@ class SetdiffLM(TemplateLM):
             groups.setdefault(json.dumps(kwargs, sort_keys=True, default=str), []).append(
                 (i, context))
         out: list = [None] * len(requests)
-        for key, items in groups.items():
-            kwargs = json.loads(key)
-            for lo in range(0, len(items), self.scorer.batch_size):
-                chunk = items[lo:lo + self.scorer.batch_size]
-                for (i, _), text in zip(chunk, self._generate([c for _, c in chunk],
-                                                                      kwargs)):
-                    out[i] = text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        with _progress(len(requests), "generate_until", disable_tqdm) as bar:
+            for key, items in groups.items():
+                kwargs = json.loads(key)
+                for lo in range(0, len(items), self.scorer.batch_size):
+                    chunk = items[lo:lo + self.scorer.batch_size]
+                    for (i, _), text in zip(chunk, self._generate([c for _, c in chunk],
+                                                                          kwargs)):
+                        out[i] = text
+                        self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                    bar.update(len(chunk))
         return out
 
+    #: what lm-eval's ``hf`` model generates when a task does not say (``max_gen_toks``)
+    max_gen_toks = 256
+
     def _generate(self, contexts: list[str], kwargs: dict) -> list[str]:
+        """As lm-eval's ``hf`` model: the request's settings normalized by lm-eval itself
+        (``max_gen_toks`` 256 unless the task says), each context cut from the left to leave
+        room for the generation (with a line saying so), the text cut at the first ``until``
+        string."""
+        from setdiff_dist.errors import rank_and_world
         from setdiff_dist.inference.decoder import Sampling, StopCriteria
 
-        kwargs = dict(kwargs)
-        until = kwargs.pop("until", None) or []
-        until = [until] if isinstance(until, str) else list(until)
+        g = generation_settings(kwargs, self.max_gen_toks)
+        until, max_new, greedy = g["until"], g["max_gen_toks"], g["greedy"]
         d = self.decode
-        max_new = int(kwargs.pop("max_gen_toks", d["max_new_tokens"]))
-        greedy = d["greedy"]
-        if "do_sample" in kwargs:
-            greedy = not kwargs.pop("do_sample")
-        temperature = float(kwargs.pop("temperature", d["temperature"]))
-        if temperature == 0:
-            greedy = True
-        top_p = float(kwargs.pop("top_p", d["top_p"]))
-        if kwargs:
-            raise ScoreError(f"generation arguments {', '.join(sorted(kwargs))} are not "
-                             "supported (until, max_gen_toks, do_sample, temperature, top_p "
-                             "are); remove them from the task's generation_kwargs")
+        temperature = g.get("temperature", d["temperature"]) if not greedy else 1.0
+        top_p = g.get("top_p", d["top_p"])
         window = d["window"]
-        # a prompt and the first window fit the context (set decoding crops its cache past
-        # it); block and MDLM decoding need the whole continuation to fit as well
-        keep = self.max_length - (max_new if self.decoder.decoding in ("block", "mdlm")
-                                  else window)
+        # what hf keeps of a context: the model's length minus the generation's (set decoding
+        # also needs its first window in the cache)
+        room = max_new if self.decoder.decoding in ("block", "mdlm") else max(max_new, window)
+        keep = self.max_length - room
         if keep < 1:
             raise ScoreError(f"max_gen_toks={max_new} leaves no room for a prompt in this "
-                             f"{self.decoder.decoding} model's context of {self.max_length}")
-        prompts = [(self.tok.encode(c) or [self.tok.eos_id])[-keep:] for c in contexts]
-        sampling = Sampling(greedy=greedy, temperature=temperature if not greedy else 1.0,
-                            top_p=top_p, repetition_penalty=d["repetition_penalty"])
+                             f"{self.decoder.decoding} model's context of {self.max_length} "
+                             "tokens (lm-eval's hf model refuses it too): set a smaller "
+                             "max_gen_toks in the task's generation_kwargs or --gen-kwargs")
+        encoded = [self.tok.encode(c) or [self.tok.eos_id] for c in contexts]
+        cut = [len(e) - keep for e in encoded if len(e) > keep]
+        if cut and rank_and_world()[0] == 0:
+            import sys
+
+            print(f"setdiff harness: {len(cut)} of {len(encoded)} prompts are longer than the "
+                  f"{keep} tokens left of the context ({self.max_length}) for {room} "
+                  f"generated; their left ends are cut (up to {max(cut)} tokens), as lm-eval's "
+                  "hf model cuts them", file=sys.stderr, flush=True)
+        prompts = [e[-keep:] for e in encoded]
+        sampling = Sampling(greedy=greedy, temperature=temperature, top_p=top_p,
+                            repetition_penalty=d["repetition_penalty"])
         stop = StopCriteria(eos_id=self.tok.eos_id, stop=tuple(u for u in until if u),
                             max_repeat_run=d["max_repeat_run"])
         used = json.dumps({"max_new_tokens": max_new, "until": until, "greedy": greedy,
@@ -177,6 +193,91 @@ class SetdiffLM(TemplateLM):
                     text = text.split(u)[0]
             texts.append(text)
         return texts
+
+
+def _progress(total: int, what: str, disable: bool):
+    """A progress bar of ``total`` requests on standard error (rank 0; none when lm-eval
+    says so)."""
+    from tqdm import tqdm
+
+    from setdiff_dist.errors import rank_and_world
+
+    return tqdm(total=total, desc=f"setdiff {what}", unit="req", leave=False,
+                disable=disable or rank_and_world()[0] != 0)
+
+
+SUPPORTED = ("until", "max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens",
+             "do_sample", "temperature", "top_p", "num_beams")
+
+
+def generation_settings(kwargs: dict, default_max_gen_toks: int = SetdiffLM.max_gen_toks) -> dict:
+    """A generation request's (or a task's) settings as lm-eval's own ``normalize_gen_kwargs``
+    reads them (the aliases of ``max_gen_toks``, ``do_sample`` against ``temperature``), and
+    what our decoder makes of them: ``until`` (a list), ``max_gen_toks``, ``greedy`` and the
+    sampling ``temperature`` / ``top_p`` given. A setting we cannot honour (beam search, any
+    other key) is a :class:`ScoreError` naming it."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    unknown = sorted(set(kwargs) - set(SUPPORTED))
+    beams = kwargs.get("num_beams", 1)
+    if unknown or (beams is not None and int(beams) != 1):
+        what = ", ".join(unknown + ([f"num_beams={beams}"] if int(beams or 1) != 1 else []))
+        raise ScoreError(f"generation setting(s) {what} are not supported by set decoding "
+                         f"({', '.join(SUPPORTED)} are; num_beams only 1): remove them from the "
+                         "task's generation_kwargs or --gen-kwargs")
+    g = normalize_gen_kwargs({k: v for k, v in kwargs.items() if k != "num_beams"},
+                             default_max_gen_toks)
+    until = g.pop("until", None) or []
+    out = {"until": [until] if isinstance(until, str) else list(until),
+           "max_gen_toks": int(g["max_gen_toks"]), "greedy": not g.get("do_sample", False)}
+    if float(g.get("temperature") or 0.0) > 0:
+        out["temperature"] = float(g["temperature"])
+    else:
+        out["greedy"] = True
+    if "top_p" in g and g["top_p"] is not None:
+        out["top_p"] = float(g["top_p"])
+    return out
+
+
+def parse_gen_kwargs(text: Optional[str]) -> dict:
+    """``--gen-kwargs K=V,...`` as lm-eval parses its ``--gen_kwargs`` (its own parser)."""
+    if not text:
+        return {}
+    from lm_eval.utils import simple_parse_args_string
+
+    try:
+        return simple_parse_args_string(text)
+    except Exception as exc:  # noqa: BLE001 (its parser raises several kinds)
+        raise ScoreError(f"--gen-kwargs {text!r}: {exc} (expected K=V,K=V)") from None
+
+
+def check_generation(tasks: list, gen_kwargs: Optional[dict] = None) -> None:
+    """Every generation task's settings (its ``generation_kwargs``, with ``gen_kwargs`` over
+    them, as lm-eval merges them) checked before the model computes anything: a setting set
+    decoding cannot honour is one line and exit 2, not a failure after the first tasks ran."""
+    for task in _leaves(tasks):
+        config = getattr(task, "config", None)
+        if getattr(config, "output_type", None) != "generate_until":
+            continue
+        kwargs = dict(getattr(config, "generation_kwargs", None) or {})
+        kwargs.update(gen_kwargs or {})
+        try:
+            generation_settings(kwargs)
+        except ScoreError as exc:
+            raise ScoreError(f"harness task {config.task}: {exc}") from None
+
+
+def _leaves(tasks) -> list:
+    """The task objects of :func:`load_tasks`' list (groups opened, names skipped)."""
+    out = []
+    for t in tasks:
+        if isinstance(t, dict):
+            out += _leaves(list(t.values()))
+        elif isinstance(t, (list, tuple)):
+            out += _leaves(list(t))
+        elif hasattr(t, "config"):
+            out.append(t)
+    return out
 
 
 def task_manager(tasks: list[str], include_path: Optional[str]):
@@ -199,8 +300,9 @@ def task_manager(tasks: list[str], include_path: Optional[str]):
     return manager
 
 
-def load_tasks(tasks: list[str], manager) -> list:
-    """The harness's task (and group) objects of ``tasks``, their datasets loaded: done before
+def load_tasks(tasks: list[str], manager) -> tuple[list, list]:
+    """The harness's task (and group) objects of ``tasks`` and every task among them, their
+    datasets loaded: done before
     any model is loaded, so that a dataset that cannot be had (offline, no such dataset) is
     said at once, in a line, rather than as a traceback after the load."""
     try:
@@ -214,31 +316,61 @@ def load_tasks(tasks: list[str], manager) -> list:
             "reach: download it where the hub is reachable into the datasets cache "
             "(HF_DATASETS_CACHE; then HF_DATASETS_OFFLINE=1 here), or run a task of your own on "
             "local files (--include-path DIR; tests/harness/ has examples)") from None
-    # the requested objects (a tag, which expands to tasks, is loaded again by name)
-    return [loaded["groups"].get(t) or loaded["tasks"].get(t) or t for t in tasks]
+    # the requested objects (a tag, which expands to tasks, is loaded again by name), and
+    # every task among them (a group's own)
+    return ([loaded["groups"].get(t) or loaded["tasks"].get(t) or t for t in tasks],
+            list(loaded["tasks"].values()))
 
 
 def run(lm: SetdiffLM, manager, tasks: list, limit: Optional[int],
-        num_fewshot: Optional[int] = None, log_samples: bool = False, seed: int = 0) -> dict:
-    """Run the harness's ``tasks`` (names, or :func:`load_tasks`' objects) on ``lm``; the
-    harness's results, reduced to JSON, with the generation settings each task's requests
-    actually decoded with (``generation``)."""
+        num_fewshot: Optional[int] = None, log_samples: bool = False, seed: int = 0,
+        gen_kwargs: Optional[str] = None, output_path: Optional[str] = None,
+        names: Optional[list[str]] = None, on_result=None) -> dict:
+    """Run the harness's ``tasks`` (names, or :func:`load_tasks`' objects) on ``lm``, one at a
+    time: after each, ``on_result(result so far)`` (rank 0), so that a task that fails later
+    loses none of the finished ones; with ``output_path``, each task's results and samples in
+    lm-eval's own layout there (its ``EvaluationTracker``: what lm-eval's tooling reads). The
+    result: the harness's results reduced to JSON, the few-shot count (``n-shot``) and task
+    configs, and the generation settings the requests decoded with (``generation``)."""
     import lm_eval
+    from lm_eval.loggers import EvaluationTracker
 
-    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
-                                  num_fewshot=num_fewshot, log_samples=log_samples,
-                                  random_seed=seed, numpy_random_seed=seed,
-                                  torch_random_seed=seed, fewshot_random_seed=seed)
-    if out is None:  # (the harness reports on global rank 0 only)
-        return {}
-    result = {"results": out["results"], "n_samples": out.get("n-samples"),
-              "versions": out.get("versions"), "likelihood": lm.scorer.likelihood,
-              "exact_likelihood": lm.scorer.exact}
+    result: dict = {}
+    for i, task in enumerate(tasks):
+        name = names[i] if names else str(task)
+        tracker = EvaluationTracker(output_path=output_path) if output_path else None
+        out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit,
+                                      num_fewshot=num_fewshot, log_samples=log_samples,
+                                      gen_kwargs=gen_kwargs, evaluation_tracker=tracker,
+                                      random_seed=seed, numpy_random_seed=seed,
+                                      torch_random_seed=seed, fewshot_random_seed=seed)
+        if out is None:  # (the harness reports on global rank 0 only)
+            continue
+        samples = out.pop("samples", None)
+        if tracker is not None:
+            tracker.general_config_tracker.model_name_sanitized = "setdiff"
+            tracker.save_results_aggregated(results=dict(out), samples=samples)
+            for task_name in (samples or {}):
+                tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+        _merge(result, out, samples if log_samples else None, lm)
+        log.info("harness task %s done (%d of %d)", name, i + 1, len(tasks))
+        if on_result is not None:
+            on_result(result)
+    return result
+
+
+def _merge(result: dict, out: dict, samples: Optional[dict], lm: SetdiffLM) -> None:
+    """One task's lm-eval output into the combined result."""
+    for key, ours in (("results", "results"), ("n-samples", "n_samples"),
+                      ("versions", "versions"), ("n-shot", "n-shot"), ("configs", "configs"),
+                      ("higher_is_better", "higher_is_better")):
+        if out.get(key):
+            result.setdefault(ours, {}).update(json.loads(json.dumps(out[key], default=str)))
+    result["likelihood"], result["exact_likelihood"] = lm.scorer.likelihood, lm.scorer.exact
     if lm.generated:
         result["generation"] = [dict(json.loads(k), requests=n) for k, n in lm.generated.items()]
-    if log_samples:
-        result["samples"] = {task: [{k: s[k] for k in ("doc_id", "doc", "target", "arguments",
-                                                       "resps", "filtered_resps") if k in s}
-                                    for s in samples]
-                             for task, samples in out["samples"].items()}
-    return result
+    if samples is not None:
+        result.setdefault("samples", {}).update({
+            task: [{k: s[k] for k in ("doc_id", "doc", "target", "arguments", "resps",
+                                      "filtered_resps") if k in s} for s in task_samples]
+            for task, task_samples in samples.items()})
