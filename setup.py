@@ -49,6 +49,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         # lm-evaluation-harness: setdiff-eval --task harness (our lm_eval model class)
         "eval": ["lm_eval==0.4.13"],
+        # Weights & Biases beside tensorboard (logging.wandb)
+        "wandb": ["wandb==0.31.0"],
         # GSM-style task generation (setdiff-tasks gsm)
         "tasks": ["reasoning-gym==0.1.25"],
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.11",
@@ -61,7 +63,9 @@ setup(
                  "lm_eval==0.4.13", "accelerate==1.15.0", "ruff==0.17.6",
                  # line coverage of the suite, subprocesses and spawned ranks included
                  # (pyproject.toml's [tool.coverage.run]): pytest --cov=setdiff_dist
-                 "pytest-cov==7.1.0", "coverage==7.17.5"],
+                 "pytest-cov==7.1.0", "coverage==7.17.5",
+                 # the W&B logger's test (offline: nothing leaves the machine)
+                 "wandb==0.31.0"],
     },
     entry_points={
         "console_scripts": [

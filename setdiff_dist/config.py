@@ -274,6 +274,19 @@ class DecodeConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """Loggers beside metrics.jsonl and tensorboard (train.tensorboard), on global rank 0."""
+
+    wandb: bool = _f(False, "log the same scalars to Weights & Biases (pip install "
+                     "'setdiff-dist[wandb]'); a resumed run continues the same W&B run")
+    wandb_project: str = _f("setdiff", "W&B project")
+    wandb_run_name: Optional[str] = _f(None, "W&B run name; null = run_dir's name")
+    wandb_mode: str = _f("offline", "online (needs WANDB_API_KEY or wandb login) or offline "
+                         "(written to run_dir/wandb; upload later with wandb sync)",
+                         choices=("online", "offline"))
+
+
+@dataclass
 class Config:
     run_dir: str = _f("runs/default", "directory for logs, metrics and checkpoints")
     resume: str = _f("auto", "auto (latest checkpoint in run_dir, if any), never, or a "
@@ -287,6 +300,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -54,7 +54,7 @@ from .engine import (
     schedule_changes,
     time_gradient_reduction,
 )
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, check_loggers
 from .param_gather import ParamPrefetch
 from .timers import PhaseTimers, Profile, Stragglers
 from .watchdog import Watchdog
@@ -94,6 +94,7 @@ class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
         check_precision(cfg)
+        check_loggers(cfg)
         par = cfg.parallel
         initialize_model_parallel(par.tensor, par.pipeline, par.virtual_pipeline,
                                   seed=cfg.train.seed, backend=par.backend, context=par.context)
@@ -453,7 +454,7 @@ class Trainer:
         flops = training_flops_per_token(cfg.model, L, causal_lm=self.objective.order.causal_lm)
         metrics = MetricsLogger(cfg.run_dir, self.rank == 0, cfg.train.steps, flops,
                                 dist.get_world_size(), cfg.train.tensorboard, self.step,
-                                cfg.train.peak_tflops)
+                                cfg.train.peak_tflops, cfg=cfg)
         if self.resumed_from and self.rank == 0:
             print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
         # a resumed run already has a checkpoint of its first step

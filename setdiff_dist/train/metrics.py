@@ -4,8 +4,9 @@ Only global rank 0 writes. Every logged step appends one JSON object to
 ``<run_dir>/metrics.jsonl`` (``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
 ``samples_seen``, the phase timers' ``time_<phase>`` seconds per step and the ranks' step times
 ``step_time_min`` / ``_median`` / ``_max`` with the ``slowest_rank``, and more); tensorboard gets
-the same scalars plus the perplexity bound, MFU and memory. tokens/s and MFU count training
-time only (:mod:`setdiff_dist.train.timers`).
+the same scalars plus the perplexity bound, MFU and memory, and so does Weights & Biases with
+``logging.wandb`` (:class:`WandbLogger`). tokens/s and MFU count training time only
+(:mod:`setdiff_dist.train.timers`).
 """
 
 from __future__ import annotations
@@ -37,15 +38,59 @@ def memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def check_loggers(cfg) -> None:
+    """Refuse, at start, a logger that cannot run here (never a silent fallback)."""
+    if cfg.logging.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            from setdiff_dist.errors import TrainingError
+
+            raise TrainingError("logging.wandb=true needs Weights & Biases, which is not "
+                                "installed: pip install 'setdiff-dist[wandb]' (or set "
+                                "logging.wandb=false)") from None
+
+
+class WandbLogger:
+    """The scalars tensorboard gets, under the same names (``train/loss``, ``valid/...``), in
+    a W&B run in ``run_dir/wandb``; its id is kept in ``run_dir/wandb_id`` so that a resumed
+    run (and a restart) continues the same W&B run."""
+
+    def __init__(self, run_dir: str, cfg, start_step: int = 0):
+        import wandb
+
+        lc = cfg.logging
+        id_file = os.path.join(run_dir, "wandb_id")
+        if os.path.isfile(id_file):
+            run_id = open(id_file).read().strip()
+        else:
+            import uuid
+
+            run_id = uuid.uuid4().hex[:12]
+            with open(id_file, "w") as fh:
+                fh.write(run_id + "\n")
+        self.run = wandb.init(project=lc.wandb_project, id=run_id, resume="allow",
+                              name=lc.wandb_run_name or os.path.basename(
+                                  os.path.normpath(run_dir)),
+                              dir=run_dir, mode=lc.wandb_mode, config=cfg.to_dict())
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, step: int, values: dict) -> None:
+        self.run.log({"step": step, **values})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str, enabled: bool, total_steps: int, flops_per_token: float,
                  world_size: int, tensorboard: bool = True, start_step: int = 0,
-                 peak_tflops: Optional[float] = None):
+                 peak_tflops: Optional[float] = None, cfg=None):
         self.enabled, self.total, self.flops_per_token = enabled, total_steps, flops_per_token
         self.world_size = world_size
         self.peak = peak_tflops * 1e12 if peak_tflops else device_peak_flops()
         self._t0, self._step0 = time.perf_counter(), start_step
-        self.writer = None
+        self.writer = self.wandb = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -54,6 +99,17 @@ class MetricsLogger:
 
                 self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"),
                                             purge_step=start_step + 1)
+            if cfg is not None and cfg.logging.wandb:
+                self.wandb = WandbLogger(run_dir, cfg, start_step)
+
+    def _scalars(self, step: int, values: dict) -> None:
+        """The scalars of one line to tensorboard and W&B, under the same names."""
+        if self.writer:
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        if self.wandb:
+            self.wandb.log(step, values)
 
     def log(self, record: dict, tokens_since_last: int, train_seconds: float) -> None:
         """One line for ``record``; tokens/s (and MFU) over ``train_seconds``, the steps' own
@@ -69,13 +125,11 @@ class MetricsLogger:
             record["mfu"] = tps * self.flops_per_token / (self.peak * self.world_size)
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
-        if self.writer:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.writer.add_scalar(f"train/{k}", v, step)
-            if math.isfinite(record["loss"]) and record["loss"] < 50:
-                self.writer.add_scalar("train/ppl_bound", math.exp(record["loss"]), step)
-            self.writer.flush()
+        scalars = {f"train/{k}": v for k, v in record.items()
+                   if isinstance(v, (int, float)) and k != "step"}
+        if math.isfinite(record["loss"]) and record["loss"] < 50:
+            scalars["train/ppl_bound"] = math.exp(record["loss"])
+        self._scalars(step, scalars)
         done = step - self._step0
         eta = (now - self._t0) / max(done, 1) * (self.total - step)
         mfu = f"  mfu {record['mfu'] * 100:4.1f}%" if "mfu" in record else ""
@@ -88,16 +142,15 @@ class MetricsLogger:
             return
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps({"step": step, **values}) + "\n")
-        if self.writer:
-            for k, v in values.items():
-                self.writer.add_scalar(f"valid/{k}", v, step)
-            self.writer.flush()
+        self._scalars(step, {f"valid/{k}": v for k, v in values.items()})
         print(f"step {step:>6}  validation: " + "  ".join(f"{k} {v:.4f}" for k, v in
                                                         values.items()), flush=True)
 
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+        if self.wandb:
+            self.wandb.close()
 
 
 # the phases of the progress line, by their short names
