@@ -17,7 +17,8 @@
 - ``infill``: ROCStories-style infilling on real prose: windows of five consecutive KJV verses
   (within a chapter), or with ``--unit clause`` five clauses (sentence-sized, so that a window
   fits L = 128), the middle one or three to fill. Records: ``left``, ``middle``, ``right``,
-  ``n_middle``, ``source``.
+  ``n_middle``, ``source``. ``setdiff-eval --task infill`` keeps of a record longer than the
+  model's context the tokens nearest the middle (counted as ``contexts_cut``).
 
 (No summarization proxy yet: the offline candidate, the gensim enwiki sample, needs a 25 MB
 wheel of an unrelated library.)

@@ -57,6 +57,11 @@ class Model:
         return self._decoder.decoding
 
     @property
+    def decoder(self):
+        """The decoder (:func:`setdiff_dist.inference.decoder.decoder_for`) the calls use."""
+        return self._decoder
+
+    @property
     def context(self) -> int:
         """The model's context in tokens (the prompt and what is generated share it)."""
         return self.config.data.seq_len

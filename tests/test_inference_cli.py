@@ -256,3 +256,18 @@ def test_a_set_diffusion_checkpoint_is_exported_to_hf_only_as_a_causal_lm_on_req
     assert "exported as a causal LM on request" in res.stderr
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["setdiff_trained_as"].startswith("set diffusion, order.kind=staggered")
+
+
+def test_an_infill_record_longer_than_the_context_keeps_the_context_nearest_the_middle():
+    """setdiff-tasks infill records (five KJV verses) are longer than a tiny model's context:
+    the evaluation keeps each side's tokens nearest the middle instead of skipping them, and
+    skips only a middle that does not fit alone."""
+    from setdiff_dist.eval.tasks import fit_context
+
+    left, right = list(range(100)), list(range(200, 260))
+    assert fit_context(left[:10], 5, right[:10], 32) == (left[:10], right[:10])
+    got_left, got_right = fit_context(left, 20, right, 64)
+    assert len(got_left) + 20 + len(got_right) == 64 and len(got_left) == len(got_right) == 22
+    assert got_left == left[-22:] and got_right == right[:22]  # (the tokens next to the middle)
+    assert fit_context(left, 20, right[:5], 64) == (left[-39:], right[:5])  # (right needs less)
+    assert fit_context(left, 65, right, 64) is None

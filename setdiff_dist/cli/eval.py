@@ -75,11 +75,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
 
+    from setdiff_dist.api import load
     from setdiff_dist.checkpoint.weights import provenance
     from setdiff_dist.eval import tasks
-    from setdiff_dist.inference.decoder import Sampling, check_text, decoder_for
-    from setdiff_dist.inference.settings import decode_settings, inference_dtype
-    from setdiff_dist.inference.weights import build_inference_model
+    from setdiff_dist.inference.decoder import Sampling, check_text
+    from setdiff_dist.inference.settings import decode_settings
 
     # everything that can be checked before a model load is
     check_decode_flags(args)
@@ -122,10 +122,9 @@ def main(argv=None) -> int:
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise tasks.EvalError(f"--out {args.out}: {parent} is not a writable directory; "
                                   "create it first")
-    model, cfg, tok = build_inference_model(args.checkpoint, tensor=args.tensor_parallel,
-                                            dtype=inference_dtype(args.dtype),
-                                            raw=args.raw_weights)
-    decoder = decoder_for(model, tok, cfg)
+    loaded = load(args.checkpoint, tensor_parallel=args.tensor_parallel, dtype=args.dtype,
+                  raw_weights=args.raw_weights)  # (the Python API's model)
+    model, cfg, tok, decoder = loaded.module, loaded.config, loaded.tokenizer, loaded.decoder
     mode = decoder.decoding
     if args.task == "infill":  # here, not per record: tasks.infilling skips records it
         decoder.check_infill()  # cannot decode, and this is no record's fault

@@ -176,12 +176,35 @@ def infill_window(tok, rec: dict) -> tuple[list[int], list[int], list[int]]:
             tok.encode(" " + rec["right"]))
 
 
+def fit_context(left: list, n: int, right: list, context: int):
+    """``(left, right)`` cut to fit ``n`` masked tokens between them in ``context`` tokens:
+    each keeps the tokens nearest the middle, the budget shared evenly unless one side needs
+    less; None when the middle alone does not fit."""
+    if len(left) + n + len(right) <= context:
+        return left, right
+    budget = context - n
+    if budget < 0:
+        return None
+    keep_left = min(len(left), max(budget - len(right), budget // 2))
+    keep_right = min(len(right), budget - keep_left)
+    return left[len(left) - keep_left:], right[:keep_right]
+
+
 def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, threshold: float,
               sampling: Sampling) -> dict:
-    scores, examples, skipped = [], [], 0
+    """ROUGE of each record's infill against its middle; a record longer than the model's
+    context keeps the context nearest the middle (counted: ``contexts_cut``), and one whose
+    middle alone does not fit is skipped (``skipped_too_long``)."""
+    scores, examples, skipped, cut = [], [], 0, 0
     for rec in _records(path, limit, "infill"):
         left, middle, right = infill_window(tok, rec)
         n = len(middle)
+        fitted = fit_context(left, n, right, decoder.context)
+        if fitted is None:
+            skipped += 1
+            continue
+        cut += fitted != (left, right)
+        left, right = fitted
         try:
             r = decoder.infill([left], [right], [n], window=min(window or n, n),
                                threshold=threshold, sampling=sampling)[0]
@@ -194,7 +217,8 @@ def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, thre
     if not scores:
         raise _nothing_evaluated(path, skipped, decoder)
     mean = {k: sum(s[k] for s in scores) / len(scores) for k in ("rouge1", "rouge2", "rougeL")}
-    return {**mean, "count": len(scores), "skipped_too_long": skipped, "examples": examples}
+    return {**mean, "count": len(scores), "skipped_too_long": skipped, "contexts_cut": cut,
+            "examples": examples}
 
 
 # A GSM answer is "#### <number>"; it is complete only once something that cannot continue the
