@@ -229,14 +229,24 @@ def test_the_python_api_from_a_fresh_interpreter(run):
     assert got["tokens"] == want["tokens"] and got["one"] == want["tokens"][0]
     assert got["text"] == want["texts"][0] and got["trace"] == want["trace"][0]
     assert got["steps"] == want["steps"][0]
-    # scoring: what setdiff-eval's scorer answers (one and the same code), in nats
+    # scoring: what setdiff-eval's scorer answers (one and the same code), in nats; the
+    # process group this sets up (as at TP=1: no megatron) ends with the test, as do the
+    # variables it sets: none may stay in this process
     from setdiff_dist.eval.likelihood import Scorer
     from setdiff_dist.inference.weights import build_inference_model
+    from setdiff_dist.parallel import destroy_model_parallel
 
-    scorer = Scorer(*build_inference_model(str(run)))
-    want_ll = scorer.loglikelihood([("Shall I compare thee", " to a"), ("", "Love")])
+    saved = dict(os.environ)
+    try:
+        scorer = Scorer(*build_inference_model(str(run)))
+        want_ll = scorer.loglikelihood([("Shall I compare thee", " to a"), ("", "Love")])
+        want_score = scorer.rolling(["Shall I compare thee", "Love"])
+    finally:
+        destroy_model_parallel()
+        os.environ.clear()
+        os.environ.update(saved)
     assert [tuple(x) for x in got["ll"]] == [tuple(x) for x in want_ll]
-    assert got["score"] == scorer.rolling(["Shall I compare thee", "Love"])
+    assert got["score"] == want_score
     assert got["score1"] == got["score"][1] and all(s < 0 for s in got["score"])
     assert got["exact"] is False and "staggered" in got["repr"]
 
