@@ -51,6 +51,8 @@ setup(
         "eval": ["lm_eval==0.4.13"],
         # Weights & Biases beside tensorboard (logging.wandb)
         "wandb": ["wandb==0.31.0"],
+        # setdiff-serve: the OpenAI-compatible HTTP server and its Prometheus metrics
+        "serve": ["fastapi==0.165.0", "uvicorn==0.55.0", "prometheus-client==0.26.0"],
         # GSM-style task generation (setdiff-tasks gsm)
         "tasks": ["reasoning-gym==0.1.25"],
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.11",
@@ -65,7 +67,10 @@ setup(
                  # (pyproject.toml's [tool.coverage.run]): pytest --cov=setdiff_dist
                  "pytest-cov==7.1.0", "coverage==7.17.5",
                  # the W&B logger's test (offline: nothing leaves the machine)
-                 "wandb==0.31.0"],
+                 "wandb==0.31.0",
+                 # the server's tests talk to it with the real OpenAI client
+                 "fastapi==0.165.0", "uvicorn==0.55.0", "prometheus-client==0.26.0",
+                 "openai==3.60.0"],
     },
     entry_points={
         "console_scripts": [
@@ -75,6 +80,7 @@ setup(
             "setdiff-generate=setdiff_dist.cli.generate:main",
             "setdiff-convert=setdiff_dist.cli.convert:main",
             "setdiff-eval=setdiff_dist.cli.eval:main",
+            "setdiff-serve=setdiff_dist.cli.serve:main",
             "setdiff-lm-eval=setdiff_dist.eval.lm_eval_cli:main",
             "setdiff-prep=data_prep.prep:main",
             "setdiff-corpus=data_prep.corpus:main",

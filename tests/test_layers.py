@@ -6,6 +6,7 @@
 - ``inference/`` imports nothing of training;
 - ``eval/`` (tasks, the likelihood scorer, the harness adapter) imports nothing of training or
   the commands;
+- ``serve/`` (the HTTP server) imports nothing of training, evaluation or the commands;
 - ``objective.py`` (the loss and the evaluation loop of every command) imports nothing of
   inference, training, evaluation, checkpoints or the commands;
 - only ``train/`` imports DeepSpeed (the commands reach it through ``train/``);
@@ -20,6 +21,7 @@ FORBIDDEN = {
     "model": {"inference", "train", "eval", "cli"},
     "inference": {"train", "eval", "cli"},
     "eval": {"train", "cli"},
+    "serve": {"train", "eval", "cli"},
     "diffusion": {"model", "inference", "train", "eval", "cli", "checkpoint"},
     "parallel": {"model", "inference", "train", "eval", "cli", "checkpoint"},
     # the objective (training, evaluation, the demo): the model's inputs and losses only

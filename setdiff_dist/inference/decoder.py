@@ -41,6 +41,7 @@ from .decoding import (
     DecodeError,
     Decoder,
     Result,
+    Rules,
     Sample,
     Sampling,
     StopCriteria,
@@ -51,7 +52,7 @@ from .decoding import (
 from .kv_cache import KVCache
 from .sampling import accept, pick
 
-__all__ = ["BlockDecoder", "DecodeError", "Decoder", "MDLMDecoder", "Result", "Sample",
+__all__ = ["BlockDecoder", "DecodeError", "Decoder", "MDLMDecoder", "Result", "Rules", "Sample",
            "Sampling", "SetDecoder", "StopCriteria", "check_text", "check_threshold",
            "decoder_for", "model_device"]
 
@@ -130,10 +131,7 @@ class SetDecoder(Decoder):
         B = len(samples)
         self._last_logits = {}
         cache = KVCache(self.model.config.num_layers, B, self.device)
-        # the sampling stream lives where the logits do (one draw per step for all rows; the
-        # per-sample path, used when logits are kept for tests, draws on the host)
-        gen = torch.Generator(device=self.device if not self.keep_logits else "cpu") \
-            .manual_seed(sampling.seed)
+        rules = Rules(window, threshold, sampling, stop, self.generator(sampling.seed))
         start = time.perf_counter()
         # prefill: the context as clean tokens, causal in position order (left, then right)
         for s, ids in zip(samples, prefill):
@@ -142,10 +140,17 @@ class SetDecoder(Decoder):
                 positions += list(range(s.region[-1] + 1, s.region[-1] + 1 + len(ids)
                                         - s.prompt_len))
             s.pending = list(zip(positions, ids))
+            s.rules = rules
         while not all(s.done for s in samples):
-            self._step(samples, cache, window, threshold, sampling, stop, order, gen, infill)
+            self.step(samples, cache, order, infill)
         seconds = time.perf_counter() - start
         return [s.result(self.tok, seconds) for s in samples]
+
+    def generator(self, seed: int) -> torch.Generator:
+        """A sampling stream: where the logits are (one draw per step for all rows that share
+        it), or on the host when logits are kept for tests (drawn per sample)."""
+        return torch.Generator(device=self.device if not self.keep_logits else "cpu") \
+            .manual_seed(seed)
 
     def _candidates(self, s, window, order, b):
         if s.finished():
@@ -154,13 +159,18 @@ class SetDecoder(Decoder):
             return [order[b][s.committed]]
         return s.window(window)
 
-    def _step(self, samples, cache, window, threshold, sampling, stop, order, gen, infill):
+    def step(self, samples, cache, order=None, infill=False):
+        """One forward for every row of ``samples`` (each with its :class:`Rules`) over
+        ``cache`` (one cache row per sample): their pending commits go into the cache, their
+        candidates are chosen and accepted, stops are checked. A row's result does not depend
+        on the other rows: rows may join (with their prompt as pending commits) and leave
+        between steps (:mod:`setdiff_dist.serve.batch`)."""
         B = len(samples)
         commits = [s.pending for s in samples]
         if self.mode == "causal":
             cands = [[] if s.done else s.masked(1) for s in samples]
         else:
-            cands = [[] if s.done else self._candidates(s, window, order, b)
+            cands = [[] if s.done else self._candidates(s, s.rules.window, order, b)
                      for b, s in enumerate(samples)]
         C = max(len(c) for c in commits)
         M = 0 if self.mode == "causal" else max(len(c) for c in cands)
@@ -196,43 +206,63 @@ class SetDecoder(Decoder):
             else:
                 logits = logits[torch.arange(B, device=logits.device),
                                 torch.tensor(last, device=logits.device)][:, None]
+        fast = None if self.keep_logits else self._pick(logits, samples, cands)
         if self.keep_logits:  # chosen per sample, which records them
-            fast, logits = None, logits.float().cpu()
-        else:
-            seen = [s.seen() for s in samples] if sampling.repetition_penalty != 1.0 else None
-            fast = pick(logits, sampling, gen, seen)
+            logits = logits.float().cpu()
         for b, s in enumerate(samples):
             s.pending = []
             if s.done:
                 continue
             s.steps += 1
-            if self.mode == "causal":
-                if not cands[b]:
-                    s.done = True
-                    continue
-            else:
-                if not cands[b]:
-                    s.done = True
-                    continue
+            if not cands[b]:
+                s.done = True
+                continue
+            r = s.rules
             if fast is not None:
-                picks = accept(fast[0][b], fast[1][b], cands[b], threshold)
+                picks = accept(fast[b][0], fast[b][1], cands[b], r.threshold)
             else:
-                picks = self._choose(logits[b, :len(cands[b])], cands[b], s, sampling, gen,
-                                     threshold)
+                picks = self._choose(logits[b, :len(cands[b])], cands[b], s, r.sampling,
+                                     r.gen, r.threshold)
             s.trace.append(sorted((p, c) for p, _, c in picks))
             picks = [(p, t) for p, t, _ in picks]
             s.commit(picks)
             s.pending = sorted(picks)
             if not infill:
-                self._check_stop(s, stop)
+                self._check_stop(s, r.stop)
             if s.finished():
                 s.done = True
         if not infill:  # (an infill fits the context by construction: never crop its left side)
-            # past the model's context, forget the oldest cache entries: the next step's tokens
-            # (pending commits and up to `window` queries) must fit next to the cache
-            need = max(len(s.pending) for s in samples) + window
-            if int(cache.valid.sum(1).max()) + need > self.context:
-                cache.crop(self.context - need)
+            # past the model's context, forget a row's oldest cache entries: its next step's
+            # tokens (pending commits and up to its window of queries) must fit beside them
+            need = [len(s.pending) + s.rules.window for s in samples]
+            live = cache.valid.sum(1).tolist()
+            if any(h + k > self.context for h, k in zip(live, need)):
+                cache.crop(torch.tensor([[self.context - k] for k in need],
+                                        device=cache.valid.device))
+
+    def _pick(self, logits, samples, cands):
+        """Each row's ``(tokens, confidences)`` for its candidate rows of ``logits [B, M, V]``:
+        rows that share their sampling and random stream in one :func:`pick` (one batched
+        draw, as a batch of one call always is); a row with a stream of its own draws for its
+        own candidates only, as it would alone."""
+        groups: dict = {}
+        for b, s in enumerate(samples):
+            groups.setdefault(s.rules.pick_key(), []).append(b)
+        out = [None] * len(samples)
+        for rows in groups.values():
+            r = samples[rows[0]].rules
+            if len(rows) == len(samples):
+                part = logits
+            elif len(rows) == 1:
+                part = logits[rows[0]:rows[0] + 1, :max(len(cands[rows[0]]), 1)]
+            else:
+                part = logits[torch.tensor(rows, device=logits.device)]
+            seen = ([samples[b].seen() for b in rows]
+                    if r.sampling.repetition_penalty != 1.0 else None)
+            toks, conf = pick(part, r.sampling, r.gen, seen)
+            for j, b in enumerate(rows):
+                out[b] = (toks[j], conf[j])
+        return out
 
     def _step_pattern(self, C: int, n: int):
         """The step's own-token mask for ``C`` commits among ``n`` tokens, before validity, by

@@ -86,6 +86,27 @@ class StopCriteria:
 
 
 @dataclass
+class Rules:
+    """How one sample decodes: its window, threshold, sampling, stop criteria and random
+    stream. A batch of one call shares one; a server's rows each have their own, so a row
+    decodes as it would alone whatever else is in the batch."""
+
+    window: int = 16
+    threshold: float = math.inf
+    sampling: Sampling = Sampling()
+    stop: StopCriteria = StopCriteria()
+    gen: Optional[torch.Generator] = None
+
+    def pick_key(self):
+        """Rows with the same key choose their tokens in one :func:`pick` (greedy rows draw
+        nothing, so their random stream does not matter)."""
+        s = self.sampling
+        greedy = s.greedy or s.temperature == 0
+        return (None if greedy else id(self.gen), greedy, s.temperature, s.top_p,
+                s.repetition_penalty)
+
+
+@dataclass
 class Sample:
     tokens: list                 # token id per position, None while masked
     region: list                 # positions to generate, in position order
@@ -99,6 +120,7 @@ class Sample:
     left: int = 0        # region[:left] is committed (the left prefix)
     checked: int = 0     # region[:checked] was searched for stops
     committed: int = 0   # positions of the region committed so far
+    rules: Optional[Rules] = None  # how it decodes (set decoding's per-row settings)
 
     def seen(self) -> set:
         """The token ids this sample holds (for a repetition penalty)."""

@@ -126,9 +126,38 @@ class KVCache:
             self._positions[:, self.length:end] = positions[:, :count]
             self.length = end
 
-    def crop(self, keep_last: int) -> None:
+    # -- rows that join and leave (continuous batching) ------------------------------------------
+    def add_rows(self, n: int) -> None:
+        """Append ``n`` empty rows (samples that join the batch: their prompt goes in as the
+        next step's commits)."""
+        def grow(t):
+            return torch.cat([t, t.new_zeros(n, *t.shape[1:])], 0)
+
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                if t is not None:
+                    store[i] = grow(t)
+        self._valid, self._positions = grow(self._valid), grow(self._positions)
+        self.batch += n
+
+    def keep_rows(self, rows: list) -> None:
+        """Keep only these rows, in this order (samples that finished leave the batch)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self._valid.device)
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                if t is not None:
+                    store[i] = t.index_select(0, index)
+        self._valid = self._valid.index_select(0, index)
+        self._positions = self._positions.index_select(0, index)
+        self.batch = len(rows)
+        if not rows:  # an empty batch starts again from an empty buffer
+            self.k = [None] * len(self.k)
+            self.v = [None] * len(self.v)
+            self.length = 0
+
+    def crop(self, keep_last) -> None:
         """Forget all but the ``keep_last`` most recent valid entries of each sample (past the
-        model's context)."""
+        model's context); an int, or ``[b, 1]`` per sample."""
         valid = self.valid
         newer = valid.flip(1).cumsum(1).flip(1)  # valid entries at or after each slot
         self._valid[:, :self.length] = valid & (newer <= keep_last)

@@ -1,0 +1,165 @@
+"""``setdiff-serve``: an OpenAI-compatible HTTP server with continuous batching of set decoding.
+
+    setdiff-serve --checkpoint runs/tiny-cpu [--host 127.0.0.1 --port 8000]
+    torchrun --nproc-per-node 2 -m setdiff_dist.cli.serve --checkpoint DIR --tensor-parallel 2
+
+    curl 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "tiny-cpu", "prompt": "Shall I compare thee", "max_tokens": 32}'
+
+or any OpenAI client (``base_url="http://127.0.0.1:8000/v1"``). ``POST /v1/completions``,
+``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus); the fields are in
+:mod:`setdiff_dist.serve.app`. Requests join the running batch between decoding steps and leave
+it when they finish (continuous batching): a long request never holds a short one back. At most
+``--max-batch-size`` decode at once and ``--max-queue`` wait; past that a request gets 429 with
+``Retry-After``. SIGTERM (or Ctrl-C) stops taking connections, finishes every request already
+taken and exits 0.
+
+Under torchrun with ``--tensor-parallel N`` (N ranks), rank 0 serves HTTP and sends each step's
+plan (who joins, who leaves) to the other ranks; every rank decodes its shard of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from setdiff_dist.cli import HelpFormatter, add_dtype_argument, add_weights_argument, command, count
+from setdiff_dist.errors import SetdiffError
+
+
+class ServeError(SetdiffError):
+    """A server that cannot start as asked (exit 2)."""
+
+
+@command("setdiff-serve", process_group=True)
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="setdiff-serve", description=__doc__,
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--checkpoint", required=True,
+                    help="a training run directory, a checkpoint directory, or an export")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the model's name in the API (default: the checkpoint's directory name)")
+    ap.add_argument("--max-batch-size", type=count(), default=16,
+                    help="requests decoded together at most (rows of the running batch)")
+    ap.add_argument("--max-queue", type=count(0), default=64,
+                    help="requests waiting for a row at most; more get 429")
+    ap.add_argument("--tensor-parallel", type=count(), default=1,
+                    help="shard the model over this many ranks (under torchrun)")
+    add_dtype_argument(ap)
+    add_weights_argument(ap)
+    ap.add_argument("--log-level", default="info",
+                    choices=["critical", "error", "warning", "info", "debug"],
+                    help="uvicorn's log level (each request is logged at info)")
+    ap.add_argument("--ready-file", default=None,
+                    help="write 'host:port' here once the server listens (with --port 0)")
+    args = ap.parse_args(argv)
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if not _importable(m)]
+    if missing:
+        raise ServeError(f"setdiff-serve needs {', '.join(missing)}: pip install "
+                         "'setdiff-dist[serve]'")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tensor_parallel:
+        raise ServeError(f"{world} ranks were launched for --tensor-parallel "
+                         f"{args.tensor_parallel}: run one server per model replica, with as "
+                         "many ranks as its tensor-parallel size (torchrun --nproc-per-node N "
+                         "... --tensor-parallel N)")
+
+    from setdiff_dist.api import load
+
+    model = load(args.checkpoint, tensor_parallel=args.tensor_parallel, dtype=args.dtype,
+                 raw_weights=args.raw_weights)
+    from setdiff_dist.serve.batch import ContinuousBatch
+    from setdiff_dist.serve.scheduler import PlanChannel, follow
+
+    ContinuousBatch(model.decoder)  # (a checkpoint that cannot be served says so on every rank)
+    channel = PlanChannel() if args.tensor_parallel > 1 else None
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        # rank 0 decides when to stop (after draining); a SIGTERM torchrun forwards here must
+        # not end this rank's shard under the requests still in flight
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        follow(model.decoder, channel)
+        return 0
+    return serve(model, args, channel)
+
+
+def serve(model, args, channel) -> int:
+    import contextlib
+
+    import uvicorn
+
+    from setdiff_dist.serve.app import Service, create_app
+    from setdiff_dist.serve.metrics import Metrics
+    from setdiff_dist.serve.scheduler import Scheduler
+
+    name = args.served_model_name or _model_name(args.checkpoint)
+    metrics = Metrics(name)
+    scheduler = Scheduler(model.decoder, max_batch=args.max_batch_size,
+                          max_queue=args.max_queue, metrics=metrics, channel=channel)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        yield
+        scheduler.stop()  # (uvicorn has drained the requests by now)
+
+    app = create_app(Service(model, name, scheduler, metrics), lifespan=lifespan)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            lifespan="on", timeout_graceful_shutdown=None)
+    server = uvicorn.Server(config)
+    if args.ready_file:
+        _announce_when_ready(server, args.ready_file)
+    print(f"setdiff-serve: {name} ({model.decoding} decoding, context {model.context}, "
+          f"TP={args.tensor_parallel}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
+          flush=True)
+    # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: this
+    # one, so that a drained server exits 0 (a scheduler's stop, not a kill)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    server.run()
+    if not server.started:
+        raise ServeError(f"could not listen on {args.host}:{args.port} (see the error above): "
+                         "pick another --port or stop what uses it")
+    return 0
+
+
+def _announce_when_ready(server, path: str) -> None:
+    """Write the bound ``host:port`` to ``path`` once uvicorn listens (tests and scripts use
+    ``--port 0``: any free port)."""
+    import threading
+    import time
+
+    def watch():
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            sock = server.servers[0].sockets[0].getsockname()
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{sock[0]}:{sock[1]}\n")
+            os.replace(tmp, path)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _model_name(path: str) -> str:
+    from pathlib import Path
+
+    p = Path(path).resolve()
+    return p.parent.parent.name if p.parent.name == "checkpoints" else p.name
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

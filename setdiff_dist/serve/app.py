@@ -1,0 +1,308 @@
+"""The OpenAI-compatible HTTP API (FastAPI) in front of the :class:`Scheduler`:
+
+- ``POST /v1/completions``: OpenAI's fields (``model``, ``prompt``: a string, a list of them,
+  token ids or a list of those; ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
+  ``stream``, ``stream_options``, ``n`` = 1, ``user``) and set decoding's (``window``,
+  ``threshold``, ``repetition_penalty``, ``max_repeat_run``, ``ignore_eos``,
+  ``return_token_ids``). What a request leaves out comes from the checkpoint's ``decode``
+  section, as in ``setdiff-generate``. The answer is OpenAI's completion object; each choice
+  and the ``usage`` also carry ``forward_steps`` and ``tokens_per_step`` (and the choice
+  ``largest_batch``: the most requests it decoded beside, itself included).
+- ``stream: true``: server-sent events, one chunk per decoding step that makes new text. The
+  text is the part of the completion committed and contiguous from the prompt, so the chunks
+  add up to exactly the final text although set decoding commits positions out of order.
+- ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+
+Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON,
+an unknown field, a value out of range or a prompt longer than the context; 404 for another
+model's name; 429 (with ``Retry-After``) when the queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from setdiff_dist.inference.decoding import DecodeError
+
+from .batch import Spec, check_spec
+from .scheduler import QueueFull, Scheduler
+
+DISCONNECT_POLL_S = 0.2  # how often a waiting (non-streamed) request checks for its client
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """The body of ``POST /v1/completions`` (unknown fields are an error, not ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    stop: Optional[Union[str, list[str]]] = Field(None)
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: int = Field(1, ge=1, le=1)
+    user: Optional[str] = None
+    # set decoding's own
+    window: Optional[int] = Field(None, ge=1)
+    threshold: Optional[float] = Field(None, ge=0)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    max_repeat_run: Optional[int] = Field(None, ge=1)
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None):
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class Service:
+    """What the routes need: the model, its name, the scheduler and the metrics."""
+
+    def __init__(self, model, name: str, scheduler: Scheduler, metrics):
+        self.model, self.name, self.scheduler, self.metrics = model, name, scheduler, metrics
+        self.created = int(time.time())
+
+    # -- a request's specs ------------------------------------------------------------------------
+    def specs(self, req: CompletionRequest) -> list[Spec]:
+        """One :class:`Spec` per prompt (raises :class:`DecodeError`: a 400)."""
+        tok = self.model.tokenizer
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise DecodeError("prompt is an empty list: give a string or token ids")
+        greedy = None if req.temperature is None else req.temperature == 0
+        d = self.model.settings(None, window=req.window, threshold=req.threshold,
+                                greedy=greedy, temperature=req.temperature or None,
+                                top_p=req.top_p, repetition_penalty=req.repetition_penalty,
+                                max_new_tokens=req.max_tokens,
+                                max_repeat_run=req.max_repeat_run)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(not s for s in stop):
+            raise DecodeError("an empty stop string would stop at once; give some text")
+        out = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                ids = tok.encode(prompt) if prompt else [tok.eos_id]  # "": unconditional
+            else:
+                ids = list(prompt) or [tok.eos_id]
+                bad = [t for t in ids if not 0 <= t < self.model.config.model.vocab_size]
+                if bad:
+                    raise DecodeError(f"prompt {i} has token ids outside the vocabulary of "
+                                      f"{self.model.config.model.vocab_size}: {bad[:5]}")
+            spec = Spec(id=f"{uuid.uuid4().hex}-{i}", prompt=tuple(ids),
+                        max_tokens=d["max_new_tokens"], window=d["window"],
+                        threshold=d["threshold"], greedy=d["greedy"],
+                        temperature=d["temperature"], top_p=d["top_p"],
+                        repetition_penalty=d["repetition_penalty"],
+                        seed=req.seed if req.seed is not None else 0, stop=tuple(stop),
+                        patterns=tuple(d["stop"]), eos_stop=not req.ignore_eos,
+                        max_repeat_run=d["max_repeat_run"])
+            check_spec(spec, self.model.context, self.model.decoding)
+            out.append(spec)
+        return out
+
+    # -- submitting and waiting -------------------------------------------------------------------
+    def submit(self, specs: list[Spec]) -> asyncio.Queue:
+        """Queue every prompt of one request, or none (429); their events come to one queue
+        as ``(index, event)``."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        done = []
+        try:
+            for i, spec in enumerate(specs):
+                self.scheduler.submit(spec, lambda ev, i=i: loop.call_soon_threadsafe(
+                    events.put_nowait, (i, ev)))
+                done.append(spec)
+        except QueueFull:
+            for spec in done:
+                self.scheduler.cancel(spec.id)
+            raise
+        return events
+
+    def cancel(self, specs, finished) -> None:
+        for i, spec in enumerate(specs):
+            if i not in finished:
+                self.scheduler.cancel(spec.id)
+
+    def completion(self, rid: str, choices: list, usage=None) -> dict:
+        out = {"id": rid, "object": "text_completion", "created": int(time.time()),
+               "model": self.name, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    @staticmethod
+    def choice(index: int, out: dict, token_ids: bool) -> dict:
+        c = {"index": index, "text": out["full_text"], "logprobs": None,
+             "finish_reason": out["finish_reason"], "forward_steps": out["steps"],
+             "tokens_per_step": out["tokens_per_step"],
+             "largest_batch": out["largest_batch"]}
+        if token_ids:
+            c["token_ids"] = out["tokens"]
+        return c
+
+    @staticmethod
+    def usage(outs: list) -> dict:
+        prompt = sum(o["prompt_tokens"] for o in outs)
+        completion = sum(len(o["tokens"]) for o in outs)
+        steps = sum(o["steps"] for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion, "forward_steps": steps,
+                "tokens_per_step": completion / max(steps, 1)}
+
+
+def create_app(service: Service, lifespan=None):
+    """The FastAPI application of ``setdiff-serve`` (``lifespan``: FastAPI's, which starts and
+    stops the scheduler's thread)."""
+    app = FastAPI(title="setdiff-serve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    metrics = service.metrics
+
+    def bad_request(message: str, param=None, code=None, status=400):
+        if metrics is not None:
+            metrics.requests.labels(outcome="bad_request").inc()
+        return JSONResponse(error_body(message, param=param, code=code), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:] if x != "body") or None
+        kind = first.get("type", "")
+        if kind == "json_invalid":
+            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+        elif kind == "extra_forbidden":
+            message = (f"unknown field {where!r}: this server takes OpenAI's completion fields "
+                       "and window, threshold, repetition_penalty, max_repeat_run, ignore_eos, "
+                       "return_token_ids")
+        else:
+            message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ())[1:])}: "
+                                f"{e.get('msg')}" for e in errors) or "invalid request"
+        return bad_request(message, param=where, code=kind or None)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running": len(service.scheduler.batch),
+                "waiting": service.scheduler.waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": service.name, "object": "model", "created": service.created,
+            "owned_by": "setdiff-dist", "max_model_len": service.model.context,
+            "decoding": service.model.decoding}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        if req.model != service.name:
+            return bad_request(f"the model {req.model!r} does not exist: this server serves "
+                               f"{service.name!r} (GET /v1/models)", param="model",
+                               code="model_not_found", status=404)
+        try:
+            specs = service.specs(req)
+        except DecodeError as exc:
+            code = "context_length_exceeded" if "context" in str(exc) else None
+            return bad_request(str(exc), code=code)
+        try:
+            events = service.submit(specs)
+        except QueueFull as exc:
+            if metrics is not None:
+                metrics.requests.labels(outcome="rejected_queue_full").inc()
+            return JSONResponse(error_body(f"too many requests: {exc}; retry later",
+                                           type_="rate_limit_error",
+                                           code="rate_limit_exceeded"),
+                                status_code=429, headers={"Retry-After": "1"})
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return StreamingResponse(_stream(service, req, specs, events, rid),
+                                     media_type="text/event-stream")
+        outs, finished = {}, set()
+        getter = asyncio.ensure_future(events.get())
+        checked = time.monotonic()
+        try:
+            while len(finished) < len(specs):
+                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():  # (its rows leave: finally)
+                        return Response(status_code=499)
+                if not done:
+                    continue
+                i, ev = getter.result()
+                getter = asyncio.ensure_future(events.get())
+                if ev.get("done"):
+                    finished.add(i)
+                    outs[i] = ev
+        finally:
+            getter.cancel()
+            service.cancel(specs, finished)
+        failed = [o["error"] for o in outs.values() if "error" in o]
+        if failed:
+            if metrics is not None:
+                metrics.requests.labels(outcome="failed").inc()
+            return JSONResponse(error_body(failed[0], type_="server_error"), status_code=500)
+        ordered = [outs[i] for i in range(len(specs))]
+        return service.completion(rid, [
+            service.choice(i, o, req.return_token_ids) for i, o in enumerate(ordered)],
+            usage=service.usage(ordered))
+
+    return app
+
+
+async def _stream(service: Service, req: CompletionRequest, specs, events, rid):
+    """The server-sent events of a streamed completion (the client going away cancels this
+    generator: its rows leave the batch)."""
+    finished, outs = set(), {}
+
+    def chunk(choices, usage=None):
+        return f"data: {json.dumps(service.completion(rid, choices, usage))}\n\n"
+
+    try:
+        while len(finished) < len(specs):
+            i, ev = await events.get()
+            if "error" in ev:
+                finished.add(i)
+                body = error_body(ev["error"], type_="server_error")
+                yield f"data: {json.dumps(body)}\n\n"
+                continue
+            c = {"index": i, "text": ev.get("text", ""), "logprobs": None,
+                 "finish_reason": None}
+            if ev.get("done"):
+                finished.add(i)
+                outs[i] = ev
+                c.update(finish_reason=ev["finish_reason"], forward_steps=ev["steps"],
+                         tokens_per_step=ev["tokens_per_step"],
+                         largest_batch=ev["largest_batch"])
+                if req.return_token_ids:
+                    c["token_ids"] = ev["tokens"]
+            yield chunk([c])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage=service.usage([outs[i] for i in sorted(outs)]))
+        yield "data: [DONE]\n\n"
+    finally:
+        service.cancel(specs, finished)

@@ -1,0 +1,207 @@
+"""Continuous batching of set decoding: requests join and leave the running batch between
+decoding steps.
+
+Every row of the batch is one request with its own :class:`~setdiff_dist.inference.decoding.Rules`
+(window, threshold, sampling with its own seeded stream, stop criteria). A request that joins
+puts its prompt in as the next step's commits, so its prefill is fused with the first candidates
+of that step (as ``setdiff-generate`` does), beside the other rows' ordinary steps; a request
+that finishes (or is cancelled) leaves right after the step, and its cache row with it. A row's
+tokens do not depend on what else is in the batch: each step is
+:meth:`~setdiff_dist.inference.decoder.SetDecoder.step`, whose rows attend only their own cache
+entries and draw from their own streams.
+
+Nothing here knows about HTTP or threads: :mod:`setdiff_dist.serve.scheduler` drives it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from setdiff_dist.inference.decoding import DecodeError, Rules, Sample, Sampling, StopCriteria
+from setdiff_dist.inference.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One request as the batch needs it: plain values only, so that rank 0 can send it to
+    the other tensor-parallel ranks."""
+
+    id: str
+    prompt: tuple          # token ids (not empty)
+    max_tokens: int
+    window: int
+    threshold: float
+    greedy: bool
+    temperature: float
+    top_p: float
+    repetition_penalty: float
+    seed: int
+    stop: tuple = ()       # literal stop strings (OpenAI's meaning: the text ends before one)
+    patterns: tuple = ()   # the checkpoint's decode.stop (setdiff-generate's meaning)
+    eos_stop: bool = True
+    max_repeat_run: Optional[int] = None
+
+
+def check_spec(spec: Spec, context: int, decoding: str) -> None:
+    """What a request can get wrong that decoding would only find later (raises
+    :class:`DecodeError`, whose message the server returns as a 400)."""
+    n = len(spec.prompt)
+    if n + spec.window > context:
+        raise DecodeError(f"the prompt has {n} tokens; with window {spec.window} it does not fit "
+                          f"the model's context of {context} tokens: shorten it to at most "
+                          f"{context - spec.window} tokens")
+    if spec.max_tokens < 1:
+        raise DecodeError(f"max_tokens must be at least 1, got {spec.max_tokens}")
+    Sampling(greedy=spec.greedy, temperature=spec.temperature, top_p=spec.top_p,
+             repetition_penalty=spec.repetition_penalty, seed=spec.seed)
+    if decoding not in ("set", "causal"):
+        raise DecodeError(f"a {decoding} checkpoint cannot be served")
+
+
+@dataclass
+class Row:
+    """A request in the batch: its spec, its decoding state and what the server has sent."""
+
+    spec: Spec
+    sample: Sample
+    joined: float                      # when it joined the batch (time.monotonic)
+    first_token: Optional[float] = None  # when its first generated token was committed
+    sent: str = ""                     # text streamed so far
+    largest_batch: int = 0             # the most rows it decoded beside (itself included)
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.sample.done or self.cancelled
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's: "stop" at end-of-text or a stop string, "length" at max_tokens."""
+        return "stop" if self.sample.end is not None else "length"
+
+    def prefix(self) -> list:
+        """The generated token ids committed and contiguous from the prompt (up to a stop)."""
+        s = self.sample
+        s.advance()
+        end = s.end if s.end is not None else math.inf
+        return [s.tokens[p] for p in s.region[:s.left] if p < end]
+
+
+class ContinuousBatch:
+    """The running batch on a :class:`~setdiff_dist.inference.decoder.SetDecoder` (set or
+    causal decoding): :meth:`admit` rows, :meth:`step`, and the finished rows come back."""
+
+    def __init__(self, decoder):
+        if getattr(decoder, "decoding", None) not in ("set", "causal"):
+            raise DecodeError(
+                f"continuous batching serves set-diffusion and causal checkpoints; this one "
+                f"decodes with the {getattr(decoder, 'decoding', '?')} baseline's sampler, "
+                "which setdiff-generate runs")
+        self.decoder = decoder
+        self.rows: list[Row] = []
+        self.cache = KVCache(decoder.model.config.num_layers, 0, decoder.device)
+        self.steps = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def admit(self, specs: list) -> list[Row]:
+        """Add these requests; their prompts are the next step's commits."""
+        now, new = time.monotonic(), []
+        for spec in specs:
+            prompt = list(spec.prompt)
+            sample = Sample(tokens=prompt + [None] * spec.max_tokens,
+                            region=list(range(len(prompt), len(prompt) + spec.max_tokens)),
+                            prompt_len=len(prompt))
+            sample.pending = list(enumerate(prompt))
+            sampling = Sampling(greedy=spec.greedy, temperature=spec.temperature,
+                                top_p=spec.top_p, repetition_penalty=spec.repetition_penalty,
+                                seed=spec.seed)
+            stop = StopCriteria(eos_id=self.decoder.tok.eos_id if spec.eos_stop else None,
+                                stop=list(spec.patterns)
+                                + [literal(s) for s in spec.stop],
+                                max_repeat_run=spec.max_repeat_run)
+            sample.rules = Rules(spec.window, spec.threshold, sampling, stop,
+                                 self.decoder.generator(spec.seed))
+            new.append(Row(spec, sample, now))
+        if new:
+            self.cache.add_rows(len(new))
+            self.rows += new
+        return new
+
+    def cancel(self, ids) -> list[Row]:
+        """Take these requests out of the batch now (a client that went away)."""
+        ids = set(ids)
+        gone = [r for r in self.rows if r.spec.id in ids]
+        for r in gone:
+            r.cancelled = True
+        self._retire()
+        return gone
+
+    def step(self) -> list[Row]:
+        """One decoding step of every row; returns the rows that finished in it (they have
+        left the batch)."""
+        if not self.rows:
+            return []
+        self.decoder.step([r.sample for r in self.rows], self.cache)
+        self.steps += 1
+        now, size = time.monotonic(), len(self.rows)
+        for r in self.rows:
+            r.largest_batch = max(r.largest_batch, size)
+            if r.first_token is None and r.sample.left > 0:
+                r.first_token = now
+        return self._retire()
+
+    def _retire(self) -> list[Row]:
+        done = [r for r in self.rows if r.done]
+        if done:
+            keep = [i for i, r in enumerate(self.rows) if not r.done]
+            self.cache.keep_rows(keep)
+            self.rows = [self.rows[i] for i in keep]
+        return done
+
+
+def literal(text: str) -> str:
+    """A stop string as the decoder's stop criteria take it, matched literally (they read a
+    ``re:`` prefix as a regular expression; an OpenAI client means the characters)."""
+    return "re:" + re.escape(text) if text.startswith("re:") else text
+
+
+@dataclass
+class TextStream:
+    """The text a request can send so far, so that the pieces sent add up to exactly the final
+    text although set decoding commits positions out of order: only the prefix committed and
+    contiguous from the prompt is text; a trailing incomplete character (U+FFFD) and anything
+    that could still turn out to start a stop string are held back."""
+
+    tokenizer: object
+    stop: tuple = ()
+    hold: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def final(self, row: Row) -> str:
+        """The whole completion's text (cut before the first stop string, as OpenAI's)."""
+        text = self.tokenizer.decode(row.sample.output())
+        cuts = [text.find(s) for s in self.stop if s in text]
+        return text[:min(cuts)] if cuts else text
+
+    def delta(self, row: Row) -> str:
+        """What to send now (and mark as sent): the rest of the final text once the row is
+        done; before, the new stable part of its committed prefix."""
+        if row.sample.done:
+            text = self.final(row)
+        else:
+            text = self.tokenizer.decode(row.prefix())
+            text = text.rstrip("\ufffd")
+            if self.hold:
+                text = text[:max(len(text) - self.hold, 0)]
+        if not text.startswith(row.sent) or len(text) <= len(row.sent):
+            return ""
+        piece, row.sent = text[len(row.sent):], text
+        return piece

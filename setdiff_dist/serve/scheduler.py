@@ -1,0 +1,237 @@
+"""The decoding thread of the server: a bounded queue of requests in front of the
+:class:`~setdiff_dist.serve.batch.ContinuousBatch`, and the loop that admits, cancels and steps.
+
+Between two steps the loop takes what the queue holds (up to the free rows of the batch) and
+the cancellations that came in, makes them one :class:`Plan`, and applies it; under tensor
+parallelism rank 0 first broadcasts the plan (:class:`PlanChannel`) and every other rank applies
+the same plan to its own shard (:func:`follow`), so all ranks step the same batch. Each row's
+new text and its end go back to the request that asked through the ``listener`` it gave.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .batch import ContinuousBatch, Spec, TextStream
+
+HEARTBEAT_S = 1.0  # an idle rank 0 tells the other ranks it is alive this often
+
+
+class QueueFull(Exception):
+    """The queue of waiting requests is full (HTTP 429)."""
+
+
+@dataclass
+class Plan:
+    """What every rank does before the next step: admit these specs, cancel these ids; or
+    ``stop`` (the server is done)."""
+
+    admit: list = field(default_factory=list)
+    cancel: list = field(default_factory=list)
+    stop: bool = False
+
+
+class PlanChannel:
+    """Rank 0's plans to the other tensor-parallel ranks, over a gloo group of its own (plans
+    are small Python objects; this keeps them off NCCL and the model's streams)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = dist.new_group(backend="gloo")
+
+    def send(self, plan: Plan) -> None:
+        self.dist.broadcast_object_list([plan], src=0, group=self.group)
+
+    def recv(self) -> Plan:
+        box = [None]
+        self.dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+@dataclass
+class Ticket:
+    """A request waiting or running: its spec, its text stream and who to tell."""
+
+    spec: Spec
+    stream: TextStream
+    listener: Callable[[dict], None]
+    arrived: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    """The bounded queue and the decoding loop (:meth:`run`, in a thread of its own)."""
+
+    def __init__(self, decoder, *, max_batch: int, max_queue: int, metrics=None,
+                 channel: Optional[PlanChannel] = None):
+        self.batch = ContinuousBatch(decoder)
+        self.decoder, self.max_batch, self.max_queue = decoder, max_batch, max_queue
+        self.metrics, self.channel = metrics, channel
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._cancels: set = set()
+        self._tickets: dict = {}
+        self._stopping = False
+        self.thread: Optional[threading.Thread] = None
+
+    # -- the HTTP side ----------------------------------------------------------------------------
+    def submit(self, spec: Spec, listener: Callable[[dict], None]) -> None:
+        """Queue a request; raise :class:`QueueFull` if the queue holds ``max_queue`` already.
+        ``listener`` is called from the decoding thread with ``{"text": new text}`` after each
+        step that adds some, and at the end with ``"done": True`` and the outcome."""
+        stream = TextStream(self.decoder.tok, spec.stop)
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{len(self._queue)} requests are waiting (--max-queue "
+                                f"{self.max_queue})")
+            ticket = Ticket(spec, stream, listener)
+            self._queue.append(ticket)
+            self._tickets[spec.id] = ticket
+            self._gauges()
+            self._cond.notify()
+
+    def cancel(self, request_id: str) -> None:
+        """The client went away: free its row (or its place in the queue) before the next
+        step."""
+        with self._cond:
+            waiting = [t for t in self._queue if t.spec.id == request_id]
+            if waiting:
+                self._queue.remove(waiting[0])
+                self._tickets.pop(request_id, None)
+                self._count_cancel()
+            elif request_id in self._tickets:
+                self._cancels.add(request_id)
+            self._gauges()
+            self._cond.notify()
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="setdiff-decode", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Finish what is queued and running, then end the loop (and the other ranks')."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    # -- the decoding thread ----------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            plan = self._next_plan()
+            if plan is None:
+                continue
+            if self.channel is not None:
+                self.channel.send(plan)
+            if plan.stop:
+                return
+            try:
+                self._apply(plan)
+            except Exception as exc:  # a bug in a step: fail the batch, keep serving
+                traceback.print_exc(file=sys.stderr)
+                self._fail_all(f"decoding failed: {type(exc).__name__}: {exc}")
+
+    def _next_plan(self) -> Optional[Plan]:
+        with self._cond:
+            idle = lambda: not (self._queue or self._cancels or len(self.batch)  # noqa: E731
+                                or self._stopping)
+            if idle():
+                self._cond.wait(HEARTBEAT_S if self.channel is not None else None)
+                if idle():  # (a heartbeat for the other ranks, or a spurious wake-up)
+                    return Plan() if self.channel is not None else None
+            if self._stopping and not self._queue and not len(self.batch):
+                return Plan(stop=True)
+            room = self.max_batch - (len(self.batch) - len(self._cancels))
+            admit = [self._queue.popleft().spec for _ in range(min(max(room, 0),
+                                                                     len(self._queue)))]
+            cancel, self._cancels = sorted(self._cancels), set()
+            return Plan(admit=admit, cancel=cancel)
+
+    def _apply(self, plan: Plan) -> None:
+        for row in self.batch.cancel(plan.cancel):
+            self._tickets.pop(row.spec.id, None)
+            self._count_cancel()
+        rows = self.batch.admit(plan.admit)
+        if self.metrics is not None:
+            for row in rows:
+                ticket = self._tickets[row.spec.id]
+                self.metrics.queue_seconds.observe(row.joined - ticket.arrived)
+        self._gauges()
+        if not len(self.batch):
+            return
+        start = time.perf_counter()
+        running = list(self.batch.rows)
+        finished = self.batch.step()
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(time.perf_counter() - start)
+            self.metrics.batch_rows.observe(len(running))
+        for row in running:
+            ticket = self._tickets.get(row.spec.id)
+            if ticket is None:
+                continue
+            piece = ticket.stream.delta(row)
+            if row in finished:
+                self._tickets.pop(row.spec.id, None)
+                ticket.listener(self._outcome(row, ticket, piece))
+            elif piece:
+                ticket.listener({"text": piece})
+        self._gauges()
+
+    def _outcome(self, row, ticket: Ticket, piece: str) -> dict:
+        s = row.sample
+        tokens = s.output()
+        now = time.monotonic()
+        ttft = (row.first_token or now) - ticket.arrived
+        out = {"text": piece, "done": True, "finish_reason": row.finish_reason,
+               "full_text": ticket.stream.final(row), "tokens": tokens,
+               "prompt_tokens": len(row.spec.prompt),
+               "steps": s.steps, "tokens_per_step": len(tokens) / max(s.steps, 1),
+               "largest_batch": row.largest_batch, "seconds": now - ticket.arrived,
+               "time_to_first_token": ttft}
+        if self.metrics is not None:
+            self.metrics.finished(out)
+        return out
+
+    def _fail_all(self, message: str) -> None:
+        rows, self.batch = self.batch.rows, ContinuousBatch(self.decoder)
+        for row in rows:
+            ticket = self._tickets.pop(row.spec.id, None)
+            if ticket is not None:
+                ticket.listener({"done": True, "error": message})
+        self._gauges()
+
+    def _count_cancel(self) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(outcome="cancelled").inc()
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self._queue))
+            self.metrics.running.set(len(self.batch))
+
+
+def follow(decoder, channel: PlanChannel) -> None:
+    """A tensor-parallel rank other than 0: apply rank 0's plans to this rank's shard until it
+    says stop."""
+    batch = ContinuousBatch(decoder)
+    while True:
+        plan = channel.recv()
+        if plan.stop:
+            return
+        batch.cancel(plan.cancel)
+        batch.admit(plan.admit)
+        batch.step()
