@@ -79,6 +79,14 @@ class Server:
             time.sleep(0.02)
 
     def close(self):
+        # torchrun's ranks run in sessions of their own: kill them by name, then torchrun
+        ranks = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                               text=True).stdout.split()
+        for pid in ranks:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
@@ -356,6 +364,20 @@ def test_tensor_parallel_serving_under_torchrun_answers_as_tp1(server, set_run, 
         assert max(c.largest_batch for c in got.values()) > 1
         alone = two.complete(asks[0][0], return_token_ids=True, **asks[0][1])
         assert alone.choices[0].token_ids == want[0]
+        # a rank that dies mid-request: the request fails at once with the reason (it does
+        # not hang), and rank 0 exits 1 so that the job ends and can be restarted
+        rank1 = [int(p) for p in subprocess.run(["pgrep", "-P", str(two.proc.pid)],
+                                                capture_output=True, text=True).stdout.split()
+                 if "RANK=1" in open(f"/proc/{p}/environ").read().split("\0")]
+        failed = []
+        asker = threading.Thread(target=lambda: failed.append(pytest.raises(
+            openai.APIStatusError, _long, two).value))
+        asker.start()
+        two.wait_for(lambda m: m["setdiff_batch_size"] == 1)
+        os.kill(rank1[0], signal.SIGKILL)
+        asker.join(timeout=60)
+        assert failed and "tensor-parallel" in str(failed[0]), failed
+        assert two.proc.wait(timeout=60) != 0
     finally:
         two.close()
 

@@ -104,16 +104,26 @@ def serve(model, args, channel) -> int:
     scheduler = Scheduler(model.decoder, max_batch=args.max_batch_size,
                           max_queue=args.max_queue, metrics=metrics, channel=channel)
 
+    service = Service(model, name, scheduler, metrics)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        import asyncio
+
+        service.bind(asyncio.get_running_loop())
         scheduler.start()
         yield
         scheduler.stop()  # (uvicorn has drained the requests by now)
 
-    app = create_app(Service(model, name, scheduler, metrics), lifespan=lifespan)
+    app = create_app(service, lifespan=lifespan)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             lifespan="on", timeout_graceful_shutdown=None)
     server = uvicorn.Server(config)
+
+    def fatal(why: str) -> None:  # (a broken tensor-parallel group: exit 1, to be restarted)
+        server.should_exit = True
+
+    scheduler.on_fatal = fatal
     if args.ready_file:
         _announce_when_ready(server, args.ready_file)
     print(f"setdiff-serve: {name} ({model.decoding} decoding, context {model.context}, "
@@ -126,6 +136,9 @@ def serve(model, args, channel) -> int:
     if not server.started:
         raise ServeError(f"could not listen on {args.host}:{args.port} (see the error above): "
                          "pick another --port or stop what uses it")
+    if scheduler.fatal:
+        print(f"setdiff-serve: stopped: {scheduler.fatal}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -35,6 +35,7 @@ class Plan:
     admit: list = field(default_factory=list)
     cancel: list = field(default_factory=list)
     stop: bool = False
+    reset: bool = False  # a step failed on rank 0: every rank empties its batch first
 
 
 class PlanChannel:
@@ -79,17 +80,23 @@ class Scheduler:
         self._cancels: set = set()
         self._tickets: dict = {}
         self._stopping = False
+        self._reset = False
         self.thread: Optional[threading.Thread] = None
+        self.fatal: Optional[str] = None  # why decoding stopped for good (a broken TP group)
+        self.on_fatal: Optional[Callable[[str], None]] = None
+        #: how a step's ``[(listener, event)]`` reach the listeners (default: called here)
+        self.deliver: Callable[[list], None] = deliver_now
 
     # -- the HTTP side ----------------------------------------------------------------------------
     def submit(self, spec: Spec, listener: Callable[[dict], None]) -> None:
         """Queue a request; raise :class:`QueueFull` if the queue holds ``max_queue`` already.
-        ``listener`` is called from the decoding thread with ``{"text": new text}`` after each
-        step that adds some, and at the end with ``"done": True`` and the outcome."""
+        ``listener`` gets ``{"text": new text}`` after each step that adds some, and at the end
+        ``"done": True`` and the outcome; through :attr:`deliver`, which hands each step's
+        events over at once (the server's: one call into its event loop per step)."""
         stream = TextStream(self.decoder.tok, spec.stop)
         with self._cond:
-            if self._stopping:
-                raise QueueFull("the server is shutting down")
+            if self._stopping or self.fatal:
+                raise QueueFull(f"the server is stopping ({self.fatal or 'shutting down'})")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"{len(self._queue)} requests are waiting (--max-queue "
                                 f"{self.max_queue})")
@@ -130,20 +137,47 @@ class Scheduler:
         return len(self._queue)
 
     # -- the decoding thread ----------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.fatal is None and (self.thread is None or self.thread.is_alive())
+
     def run(self) -> None:
         while True:
             plan = self._next_plan()
             if plan is None:
                 continue
             if self.channel is not None:
-                self.channel.send(plan)
+                try:
+                    self.channel.send(plan)
+                except Exception as exc:  # another rank died: nothing can decode any more
+                    self._die(f"a tensor-parallel rank failed or cannot be reached "
+                              f"({type(exc).__name__}: {exc})")
+                    return
             if plan.stop:
                 return
             try:
                 self._apply(plan)
-            except Exception as exc:  # a bug in a step: fail the batch, keep serving
+            except Exception as exc:
+                if self.channel is not None and _collective_error(exc):
+                    self._die(f"a tensor-parallel rank failed or cannot be reached "
+                              f"({type(exc).__name__}: {exc})")
+                    return
+                # a failed step: fail the batch, keep serving
                 traceback.print_exc(file=sys.stderr)
                 self._fail_all(f"decoding failed: {type(exc).__name__}: {exc}")
+
+    def _die(self, why: str) -> None:
+        """Decoding cannot go on: fail what is queued and running, and tell the server."""
+        print(f"setdiff-serve: {why}", file=sys.stderr, flush=True)
+        with self._cond:
+            self.fatal = why
+            waiting, self._queue = list(self._queue), collections.deque()
+        self._fail_all(why)
+        for ticket in waiting:
+            self._tickets.pop(ticket.spec.id, None)
+        self.deliver([(t.listener, {"done": True, "error": why}) for t in waiting])
+        if self.on_fatal is not None:
+            self.on_fatal(why)
 
     def _next_plan(self) -> Optional[Plan]:
         with self._cond:
@@ -159,7 +193,8 @@ class Scheduler:
             admit = [self._queue.popleft().spec for _ in range(min(max(room, 0),
                                                                      len(self._queue)))]
             cancel, self._cancels = sorted(self._cancels), set()
-            return Plan(admit=admit, cancel=cancel)
+            reset, self._reset = self._reset, False
+            return Plan(admit=admit, cancel=cancel, reset=reset)
 
     def _apply(self, plan: Plan) -> None:
         for row in self.batch.cancel(plan.cancel):
@@ -179,6 +214,7 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.step_seconds.observe(time.perf_counter() - start)
             self.metrics.batch_rows.observe(len(running))
+        outbox = []
         for row in running:
             ticket = self._tickets.get(row.spec.id)
             if ticket is None:
@@ -186,9 +222,11 @@ class Scheduler:
             piece = ticket.stream.delta(row)
             if row in finished:
                 self._tickets.pop(row.spec.id, None)
-                ticket.listener(self._outcome(row, ticket, piece))
+                outbox.append((ticket.listener, self._outcome(row, ticket, piece)))
             elif piece:
-                ticket.listener({"text": piece})
+                outbox.append((ticket.listener, {"text": piece}))
+        if outbox:
+            self.deliver(outbox)
         self._gauges()
 
     def _outcome(self, row, ticket: Ticket, piece: str) -> dict:
@@ -208,10 +246,10 @@ class Scheduler:
 
     def _fail_all(self, message: str) -> None:
         rows, self.batch = self.batch.rows, ContinuousBatch(self.decoder)
-        for row in rows:
-            ticket = self._tickets.pop(row.spec.id, None)
-            if ticket is not None:
-                ticket.listener({"done": True, "error": message})
+        self._reset = True  # (the other ranks empty theirs with the next plan)
+        tickets = [self._tickets.pop(row.spec.id, None) for row in rows]
+        self.deliver([(t.listener, {"done": True, "error": message}) for t in tickets
+                      if t is not None])
         self._gauges()
 
     def _count_cancel(self) -> None:
@@ -224,6 +262,11 @@ class Scheduler:
             self.metrics.running.set(len(self.batch))
 
 
+def deliver_now(outbox: list) -> None:
+    for listener, event in outbox:
+        listener(event)
+
+
 def follow(decoder, channel: PlanChannel) -> None:
     """A tensor-parallel rank other than 0: apply rank 0's plans to this rank's shard until it
     says stop."""
@@ -232,6 +275,22 @@ def follow(decoder, channel: PlanChannel) -> None:
         plan = channel.recv()
         if plan.stop:
             return
+        if plan.reset:
+            batch = ContinuousBatch(decoder)
         batch.cancel(plan.cancel)
         batch.admit(plan.admit)
-        batch.step()
+        try:
+            batch.step()
+        except Exception as exc:
+            if _collective_error(exc):
+                raise
+            traceback.print_exc(file=sys.stderr)  # (rank 0 failed the same step: a reset comes)
+
+
+def _collective_error(exc: Exception) -> bool:
+    """Whether ``exc`` came from torch.distributed (a rank gone or a timeout), not from the
+    step's own computation."""
+    import torch.distributed as dist
+
+    return isinstance(exc, getattr(dist, "DistError", ())) or "gloo" in str(exc).lower() \
+        or "nccl" in str(exc).lower()
