@@ -93,6 +93,12 @@ class OrderConfig:
                       "always uses the unclipped range)", min=0.0, max=1.0)
     t_max: float = _f(1.0, "block / masked: upper clip omega of the per-set diffusion time, "
                       "for training", min=0.0, max=1.0)
+    stratified_times: bool = _f(True, "block / masked: draw the diffusion times stratified "
+                                "over the global batch, as MDLM's and BD3LM's antithetic "
+                                "sampling (sample j of the G in a step takes block b's time "
+                                "from stratum j * blocks + b of [t_min, t_max]): the same "
+                                "expected loss with less variance; false = an independent "
+                                "time per set. The likelihood bound is never stratified")
     eval_seed: int = _f(20260707, "seed of the fixed evaluation orders (reproducible PPL bounds)",
                         min=0)
 

@@ -42,6 +42,11 @@ class Objective:
         self.seed, self.stream = seed, stream
         self.schedule = None if self.order.causal_lm else self.order.schedule(
             cfg.order, self.seq_len, evaluation=evaluation)
+        # stratified diffusion times over the global batch (training only: the bound's
+        # estimate stays one independent draw per sequence)
+        self.strata = cfg.data.global_batch_size if (
+            cfg.order.stratified_times and not evaluation and self.schedule is not None
+            and not self.schedule.singleton) else None
 
     @property
     def model_seq_len(self) -> int:
@@ -71,7 +76,7 @@ class Objective:
             return out, terms
         sample = sample_orders(self.schedule, self.seq_len, batch.indices, self.seed,
                                context=first_clean(batch.context), padding=batch.padding,
-                               stream=self.stream)
+                               stream=self.stream, strata=self.strata)
         return nelbo_step(module, tokens, sample, self.backend)
 
     def evaluate(self, module, batches, device) -> tuple[float, float]:

@@ -76,6 +76,12 @@ def test_the_trainer_and_the_evaluation_draw_their_own_ranges(kind):
     cfg = load_config(None, [f"order.kind={kind}", "order.t_min=0.5", "data.seq_len=32"])
     assert Objective(cfg, seed=0).schedule.t_min == 0.5
     assert Objective(cfg, seed=0, evaluation=True).schedule.t_min == 0.0
+    # training stratifies the times over the global batch (MDLM's antithetic sampling); the
+    # bound and the option's off switch do not
+    assert Objective(cfg, seed=0).strata == cfg.data.global_batch_size
+    assert Objective(cfg, seed=0, evaluation=True).strata is None
+    off = load_config(None, [f"order.kind={kind}", "order.stratified_times=false"])
+    assert Objective(off, seed=0).strata is None
 
 
 def test_the_window_is_positional():

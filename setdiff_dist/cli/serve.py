@@ -11,8 +11,9 @@ or any OpenAI client (``base_url="http://127.0.0.1:8000/v1"``). ``POST /v1/compl
 :mod:`setdiff_dist.serve.app`. Requests join the running batch between decoding steps and leave
 it when they finish (continuous batching): a long request never holds a short one back. At most
 ``--max-batch-size`` decode at once and ``--max-queue`` wait; past that a request gets 429 with
-``Retry-After``. SIGTERM (or Ctrl-C) stops taking connections, finishes every request already
-taken and exits 0.
+``Retry-After``. SIGTERM stops taking connections, finishes every request already taken
+(queued ones too) and exits 0; Ctrl-C does the same and exits 130; a second Ctrl-C stops at
+once.
 
 Under torchrun with ``--tensor-parallel N`` (N ranks), rank 0 serves HTTP and sends each step's
 plan (who joins, who leaves) to the other ranks; every rank decodes its shard of the model.

@@ -136,14 +136,21 @@ class BlockSchedule(OrderSchedule):
         """Tokens per set for a sequence of ``seq_len``."""
         return self.block_size
 
-    def draw(self, seq_len, gen):
+    def draw(self, seq_len, gen, stratum: Optional[tuple[int, int]] = None):
+        """``stratum = (j, G)``: this is sample ``j`` of ``G`` in a batch whose times are
+        stratified (:func:`sample_orders`): block ``b`` draws its time inside stratum
+        ``j * blocks + b`` of ``G * blocks`` equal parts of the range."""
         group = torch.arange(seq_len) // self.size(seq_len)
         n_blocks = int(group[-1]) + 1
         u = torch.rand(seq_len, generator=gen, dtype=torch.float64)
         # 1 - U lies in (0, 1]; the floor keeps the 1/t weight's variance bounded
         lo = max(self.t_min, T_EPS)
-        t = lo + (self.t_max - lo) * (1.0 - torch.rand(n_blocks, generator=gen,
-                                                       dtype=torch.float64))
+        w = 1.0 - torch.rand(n_blocks, generator=gen, dtype=torch.float64)
+        if stratum is not None:
+            j, strata = stratum
+            w = (j * n_blocks + torch.arange(n_blocks, dtype=torch.float64) + w) / \
+                (strata * n_blocks)
+        t = lo + (self.t_max - lo) * w
         R = (n_blocks - 1 - group.to(torch.float64) + u) / n_blocks
         return R, group, u, t
 
@@ -212,20 +219,29 @@ class OrderSample:
 
 def sample_orders(schedule: OrderSchedule, seq_len: int, indices: Sequence[int] | torch.Tensor,
                   seed: int, *, context: Optional[torch.Tensor] = None,
-                  padding: Optional[torch.Tensor] = None, stream: int = 0) -> OrderSample:
+                  padding: Optional[torch.Tensor] = None, stream: int = 0,
+                  strata: Optional[int] = None) -> OrderSample:
     """Draw the orders (and in-set noise) of the samples with global indices ``indices``.
 
     ``context`` and ``padding`` are optional ``[B, L]`` boolean masks: context tokens (a prompt,
     or the left and right context of an infill) are revealed first in position order and are
-    never predicted; padding is revealed last and excluded from the loss."""
+    never predicted; padding is revealed last and excluded from the loss.
+
+    ``strata`` (the global batch size ``G``, for schedules with diffusion times): stratified
+    times, MDLM's and BD3LM's antithetic sampling. The sample at stream position ``i`` is
+    sample ``i mod G`` of its step's batch and draws inside its own strata, so the ``G``
+    samples of a step cover the time range evenly whatever the data-parallel layout (each
+    time is still uniform over the step's samples: the loss keeps its expectation)."""
     indices = [int(i) for i in (indices.tolist() if torch.is_tensor(indices) else indices)]
     B, L = len(indices), int(seq_len)
     R = torch.empty(B, L, dtype=torch.float64)
     group = torch.empty(B, L, dtype=torch.long)
     u = torch.zeros(B, L, dtype=torch.float64)
     t_tok = torch.ones(B, L, dtype=torch.float64)
+    stratify = bool(strata) and not schedule.singleton
     for b, idx in enumerate(indices):
-        r, g, ub, tg = schedule.draw(L, sample_generator(seed, idx, stream))
+        kw = {"stratum": (idx % strata, strata)} if stratify else {}
+        r, g, ub, tg = schedule.draw(L, sample_generator(seed, idx, stream), **kw)
         R[b], group[b] = r, g
         if ub is not None:
             u[b], t_tok[b] = ub, tg[g]

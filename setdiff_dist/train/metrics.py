@@ -56,7 +56,7 @@ class WandbLogger:
     a W&B run in ``run_dir/wandb``; its id is kept in ``run_dir/wandb_id`` so that a resumed
     run (and a restart) continues the same W&B run."""
 
-    def __init__(self, run_dir: str, cfg, start_step: int = 0):
+    def __init__(self, run_dir: str, cfg):
         import wandb
 
         lc = cfg.logging
@@ -100,7 +100,7 @@ class MetricsLogger:
                 self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"),
                                             purge_step=start_step + 1)
             if cfg is not None and cfg.logging.wandb:
-                self.wandb = WandbLogger(run_dir, cfg, start_step)
+                self.wandb = WandbLogger(run_dir, cfg)
 
     def _scalars(self, step: int, values: dict) -> None:
         """The scalars of one line to tensorboard and W&B, under the same names."""
