@@ -168,12 +168,30 @@ def test_eval_tasks(run, tmp_path):
     out = {}
     for task, extra in (("ppl", []), ("infill", ["--data", str(infill)]),
                         ("gsm", ["--data", str(gsm), "--max-new-tokens", "8"]),
-                        ("throughput", ["--max-new-tokens", "8", "--window", "4"])):
+                        ("throughput", ["--max-new-tokens", "8", "--window", "4"]),
+                        ("gsm:sweep", ["--data", str(gsm), "--max-new-tokens", "8",
+                                       "--thresholds", "0.5,inf"]),
+                        ("throughput:tau", ["--max-new-tokens", "8", "--window", "4",
+                                            "--threshold", "0.5"])):
         path = tmp_path / f"{task}.json"
-        res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task", task, "--out",
-                      path, *extra)
+        res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task",
+                      task.split(":")[0], "--out", path, *extra)
         assert res.returncode == 0, res.stderr[-3000:]
         out[task] = json.loads(path.read_text())
+    # the tau sweep from one command: a row per tau; its tau = inf row is plain --task gsm
+    # (the checkpoint's threshold)
+    sweep = out.pop("gsm:sweep")["sweep"]
+    assert [r["threshold"] for r in sweep] == [0.5, "inf"]
+    assert {k: sweep[1][k] for k in ("accuracy", "tokens_per_step", "count")} == \
+        {k: out["gsm"][k] for k in ("accuracy", "tokens_per_step", "count")}
+    assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] >= 1 for r in sweep)
+    # --threshold is what --task throughput measures (it used to be ignored)
+    assert [(r["window"], r["threshold"]) for r in out.pop("throughput:tau")["settings"]] == \
+        [(4, 0.5)]
+    for bad, said in ((["--task", "ppl", "--thresholds", "0.5"], "sweeps --task gsm"),
+                      (["--task", "throughput", "--thresholds", "0.5,x"], "not a number")):
+        res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, *bad)
+        assert res.returncode == 2 and said in res.stderr, res.stderr
     # what 6 steps learned: the bound is below the loss of step 1 (the weights as drawn)
     first_loss = losses(run)[1]
     assert 1 < out["ppl"]["ppl_bound"] < math.exp(first_loss) and out["ppl"]["exact"] is False

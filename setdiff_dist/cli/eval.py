@@ -3,7 +3,8 @@
     setdiff-eval --checkpoint runs/tiny-cpu --task ppl [--shards data/tiny-cpu]
     setdiff-eval --checkpoint DIR --task infill --data infill.jsonl [--limit 100] [--window 4]
     setdiff-eval --checkpoint DIR --task gsm --data gsm.jsonl [--max-new-tokens 256]
-    setdiff-eval --checkpoint DIR --task throughput [--prompt TEXT ...]
+                 [--thresholds 0.5,0.7,0.9,inf]            # the paper's tau sweep
+    setdiff-eval --checkpoint DIR --task throughput [--prompt TEXT ...] [--threshold T]
     setdiff-eval --checkpoint DIR --task choice --data choice.jsonl
     setdiff-eval --checkpoint DIR --task harness --harness-tasks T1,T2 [--include-path DIR]
                  [--num-fewshot K] [--log-samples]
@@ -68,6 +69,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=count(), default=8)
     add_decode_arguments(ap)
     ap.add_argument("--prompt", action="append", default=None, help="throughput prompts")
+    ap.add_argument("--thresholds", metavar="TAU,...", default=None,
+                    help="gsm / throughput: sweep these thresholds (e.g. 0.5,0.7,0.9,inf): per "
+                         "tau, accuracy (gsm), tokens/step and tokens/s, as the paper's tau "
+                         "sweep")
     ap.add_argument("--tensor-parallel", type=count(), default=1,
                     help="shard the model over this many ranks (under torchrun)")
     add_dtype_argument(ap)
@@ -83,6 +88,12 @@ def main(argv=None) -> int:
 
     # everything that can be checked before a model load is
     check_decode_flags(args)
+    thresholds = parse_thresholds(args.thresholds) if args.thresholds else None
+    if thresholds and args.task not in ("gsm", "throughput"):
+        raise tasks.EvalError(f"--thresholds sweeps --task gsm or throughput, not --task "
+                              f"{args.task}")
+    if thresholds and args.threshold is not None:
+        raise tasks.EvalError("give --threshold or --thresholds, not both")
     for text in args.prompt or []:
         check_text("--prompt", text)
     limit = args.limit if args.limit is not None or args.task == "harness" else 100
@@ -156,14 +167,21 @@ def main(argv=None) -> int:
     elif args.task == "infill":
         result = tasks.infilling(decoder, tok, args.data, limit, d["window"],
                                  d["threshold"], sampling)
+    elif args.task == "gsm" and thresholds:
+        result = tasks.gsm_sweep(decoder, tok, args.data, limit, d["max_new_tokens"],
+                                 d["window"], thresholds, sampling)
     elif args.task == "gsm":
         result = tasks.gsm(decoder, tok, args.data, limit, d["max_new_tokens"],
                            d["window"], d["threshold"], sampling)
     else:
         prompts = args.prompt or ["Shall I compare thee", "In the beginning", "O Romeo"]
         w = d["window"]
-        settings = {"set": [(1, math.inf), (w, math.inf), (w, 0.9), (w, 0.5)],
-                    "causal": [(1, math.inf)]}.get(mode, [(w, math.inf), (w, 0.9), (w, 0.5)])
+        if thresholds or args.threshold is not None:  # the thresholds asked for, at W
+            settings = [(w, tau) for tau in thresholds or [d["threshold"]]]
+        else:
+            settings = {"set": [(1, math.inf), (w, math.inf), (w, 0.9), (w, 0.5)],
+                        "causal": [(1, math.inf)]}.get(mode, [(w, math.inf), (w, 0.9),
+                                                              (w, 0.5)])
         result = tasks.throughput(decoder, tok, prompts, d["max_new_tokens"], settings,
                                   sampling)
     import torch.distributed as dist
@@ -179,6 +197,23 @@ def main(argv=None) -> int:
     # "generation" lists what the requests decoded with)
     print(write_result(args, result))
     return 0
+
+
+def parse_thresholds(text: str) -> list[float]:
+    """``--thresholds 0.5,0.9,inf`` as floats (each a confidence in [0, 1], or inf)."""
+    from setdiff_dist.eval.tasks import EvalError
+
+    out = []
+    for part in text.split(","):
+        try:
+            tau = float(part)
+        except ValueError:
+            raise EvalError(f"--thresholds {text}: {part!r} is not a number (give e.g. "
+                            "0.5,0.7,0.9,inf)") from None
+        if math.isnan(tau) or tau < 0:
+            raise EvalError(f"--thresholds {text}: {part} is not a confidence in [0, 1] or inf")
+        out.append(tau)
+    return out
 
 
 def write_result(args, result: dict) -> str:

@@ -236,26 +236,55 @@ def _answer(text: str):
 
 
 def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, window: int,
-        threshold: float, sampling: Sampling) -> dict:
+        threshold: float, sampling: Sampling, warmup: int = 0) -> dict:
+    """Accuracy by the ``####`` answer rule, one problem at a time (batch 1, the paper's
+    setting), with tokens/step and tokens/s (the mean of per-problem rates, as
+    :func:`throughput`); ``warmup`` first problems are decoded once before, not counted."""
     correct, total, skipped, examples = 0, 0, 0, []
+    rates, per_step = [], []
     stop = StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
-    for rec in _records(path, limit, "gsm"):
+    records = _records(path, limit, "gsm")
+    for rec in records[:warmup]:  # (allocations, kernels, caches of this shape)
         try:
+            decoder.generate([tok.encode(rec["prompt"])], max_new_tokens, window=window,
+                             threshold=threshold, sampling=sampling, stop=stop)
+        except DecodeError:
+            pass
+    for rec in records:
+        try:
+            t = time.perf_counter()
             r = decoder.generate([tok.encode(rec["prompt"])], max_new_tokens, window=window,
                                  threshold=threshold, sampling=sampling, stop=stop)[0]
+            seconds = time.perf_counter() - t
         except DecodeError:  # longer than the model's context
             skipped += 1
             continue
         got = _answer(r.text)
         correct += int(got is not None and got == str(rec["answer"]).replace(",", ""))
         total += 1
+        rates.append(len(r.tokens) / max(seconds, 1e-9))
+        per_step.append(r.tokens_per_step)
         if len(examples) < 3:
             examples.append({"prompt": rec["prompt"], "output": r.text, "answer": rec["answer"],
                              "extracted": got})
     if not total:
         raise _nothing_evaluated(path, skipped, decoder)
     return {"accuracy": correct / total, "count": total, "skipped_too_long": skipped,
+            "tokens_per_step": sum(per_step) / total, "tokens_per_s": sum(rates) / total,
             "examples": examples}
+
+
+def gsm_sweep(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int,
+              window: int, thresholds: list[float], sampling: Sampling) -> dict:
+    """The paper's tau sweep (accuracy against speed): :func:`gsm` at each threshold, one
+    warm-up problem each; one row per tau."""
+    rows = []
+    for tau in thresholds:
+        r = gsm(decoder, tok, path, limit, max_new_tokens, window, tau, sampling, warmup=1)
+        rows.append({"threshold": tau, **{k: r[k] for k in (
+            "accuracy", "tokens_per_step", "tokens_per_s", "count", "skipped_too_long")},
+            "examples": r["examples"][:1]})
+    return {"sweep": rows, "method": THROUGHPUT_METHOD}
 
 
 THROUGHPUT_METHOD = ("batch 1; per setting, the mean over the prompts of each sample's "
