@@ -158,6 +158,25 @@ def test_rouge_by_hand():
     assert rouge("", "anything")["rougeL"] == 0.0
 
 
+def test_summarization_rouge_is_rouge_scores():
+    """--task summarize scores with Google's rouge-score (stemmed): its README's example pair
+    gives its published F1, and a multi-sentence pair what the library gives directly."""
+    from rouge_score import rouge_scorer
+
+    from setdiff_dist.eval.tasks import rouge_f1
+    from setdiff_dist.eval.tasks import rouge_scorer as ours
+
+    got = rouge_f1(ours(), "The quick brown dog jumps on the log.",
+                   "The quick brown fox jumps over the lazy dog")
+    assert round(got["rouge1"], 4) == 0.7059 and round(got["rougeL"], 4) == 0.5882
+    pred = "Police arrest two men.\nThe market rallied"
+    ref = "Two men were arrested.\nMarkets rally"
+    direct = rouge_scorer.RougeScorer(["rouge2", "rougeLsum"], use_stemmer=True).score(ref, pred)
+    mine = rouge_f1(ours(), pred, ref)
+    assert mine["rouge2"] == direct["rouge2"].fmeasure
+    assert mine["rougeLsum"] == direct["rougeLsum"].fmeasure
+
+
 def test_eval_tasks(run, tmp_path):
     infill = tmp_path / "infill.jsonl"
     infill.write_text(json.dumps({"left": "Shall I", "middle": "compare thee", "right": "to a",
@@ -165,6 +184,13 @@ def test_eval_tasks(run, tmp_path):
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text(json.dumps({"prompt": "Question: 2+2?\nAnswer: ", "completion": "#### 4",
                                "answer": "4"}) + "\n")
+    cnn = tmp_path / "cnn_dm.jsonl"  # CNN/DailyMail's schema
+    cnn.write_text("".join(json.dumps({"article": a, "highlights": h, "id": str(i)}) + "\n"
+                           for i, (a, h) in enumerate([
+                               ("Shall I compare thee to a summer's day? " * 40,
+                                "A summer's day.\nThou art more lovely."),
+                               ("Thou art.",
+                                "Thou art.")])))
     out = {}
     for task, extra in (("ppl", []), ("infill", ["--data", str(infill)]),
                         ("gsm", ["--data", str(gsm), "--max-new-tokens", "8"]),
@@ -172,7 +198,9 @@ def test_eval_tasks(run, tmp_path):
                         ("gsm:sweep", ["--data", str(gsm), "--max-new-tokens", "8",
                                        "--thresholds", "0.5,inf"]),
                         ("throughput:tau", ["--max-new-tokens", "8", "--window", "4",
-                                            "--threshold", "0.5"])):
+                                            "--threshold", "0.5"]),
+                        ("summarize", ["--data", str(cnn), "--max-new-tokens", "8", "--window",
+                                       "4"])):
         path = tmp_path / f"{task}.json"
         res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task",
                       task.split(":")[0], "--out", path, *extra)
@@ -185,6 +213,15 @@ def test_eval_tasks(run, tmp_path):
     assert {k: sweep[1][k] for k in ("accuracy", "tokens_per_step", "count")} == \
         {k: out["gsm"][k] for k in ("accuracy", "tokens_per_step", "count")}
     assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] >= 1 for r in sweep)
+    # summaries: rouge-score's F1 of each, the long article cut to fit the context of 32
+    summ = out.pop("summarize")
+    assert summ["count"] == 2 and summ["articles_cut"] == 1 and summ["tokens_per_step"] >= 1
+    from setdiff_dist.eval.tasks import rouge_f1, rouge_scorer
+
+    for ex in summ["examples"]:
+        assert {k: ex[k] for k in ("rouge1", "rouge2", "rougeL", "rougeLsum")} == \
+            rouge_f1(rouge_scorer(), ex["summary"].strip(), ex["highlights"])
+    assert summ["rouge1"] == sum(ex["rouge1"] for ex in summ["examples"]) / 2
     # --threshold is what --task throughput measures (it used to be ignored)
     assert [(r["window"], r["threshold"]) for r in out.pop("throughput:tau")["settings"]] == \
         [(4, 0.5)]

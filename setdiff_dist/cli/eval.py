@@ -4,6 +4,7 @@
     setdiff-eval --checkpoint DIR --task infill --data infill.jsonl [--limit 100] [--window 4]
     setdiff-eval --checkpoint DIR --task gsm --data gsm.jsonl [--max-new-tokens 256]
                  [--thresholds 0.5,0.7,0.9,inf]            # the paper's tau sweep
+    setdiff-eval --checkpoint DIR --task summarize --data cnn_dm.jsonl  # ROUGE (rouge-score)
     setdiff-eval --checkpoint DIR --task throughput [--prompt TEXT ...] [--threshold T]
     setdiff-eval --checkpoint DIR --task choice --data choice.jsonl
     setdiff-eval --checkpoint DIR --task harness --harness-tasks T1,T2 [--include-path DIR]
@@ -48,10 +49,15 @@ def main(argv=None) -> int:
                                  formatter_class=HelpFormatter)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--task", required=True,
-                    choices=("ppl", "infill", "gsm", "throughput", "choice", "harness"))
+                    choices=("ppl", "infill", "gsm", "summarize", "throughput", "choice",
+                             "harness"))
     ap.add_argument("--shards", help="ppl: a shard directory with a valid split")
     ap.add_argument("--data", help="infill / gsm: a .jsonl from setdiff-tasks; choice: "
-                                   "records {context, choices, gold}")
+                                   "records {context, choices, gold}; summarize: records "
+                                   "{article, highlights} (CNN/DailyMail)")
+    ap.add_argument("--template", default=None,
+                    help="summarize: the prompt around {article} (default: the article, a "
+                         "blank line, 'TL;DR:' and a newline)")
     ap.add_argument("--harness-tasks", help="harness: lm-eval task names, comma-separated")
     ap.add_argument("--include-path", help="harness: a directory of task YAMLs of your own")
     ap.add_argument("--num-fewshot", type=count(0), help="harness: few-shot examples per prompt")
@@ -106,7 +112,11 @@ def main(argv=None) -> int:
     if harness_flags and args.task != "harness":
         raise tasks.EvalError(f"{', '.join(harness_flags)} go with --task harness, not --task "
                               f"{args.task}: remove them, or run --task harness")
-    if args.task in ("infill", "gsm", "choice"):
+    if args.template is not None and args.task != "summarize":
+        raise tasks.EvalError("--template goes with --task summarize")
+    if args.task == "summarize":
+        tasks.rouge_scorer()  # (installed: said before the model loads)
+    if args.task in ("infill", "gsm", "choice", "summarize"):
         if not args.data:
             raise tasks.EvalError(f"--task {args.task} needs --data FILE.jsonl "
                                   f"({tasks.TASK_MAKE[args.task]})")
@@ -167,6 +177,10 @@ def main(argv=None) -> int:
     elif args.task == "infill":
         result = tasks.infilling(decoder, tok, args.data, limit, d["window"],
                                  d["threshold"], sampling)
+    elif args.task == "summarize":
+        result = tasks.summarize(decoder, tok, args.data, limit, d["max_new_tokens"],
+                                 d["window"], d["threshold"], sampling,
+                                 args.template or tasks.SUMMARY_TEMPLATE)
     elif args.task == "gsm" and thresholds:
         result = tasks.gsm_sweep(decoder, tok, args.data, limit, d["max_new_tokens"],
                                  d["window"], thresholds, sampling)

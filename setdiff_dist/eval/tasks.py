@@ -6,6 +6,8 @@
 - :func:`infilling`: ROUGE-1/2/L F1 of infilled middles against the references
   (``setdiff-tasks infill`` records), the middle length given by the reference's tokens.
 - :func:`gsm`: exact-match accuracy of the number after ``####`` (``setdiff-tasks gsm``).
+- :func:`summarize`: ROUGE-1/2/L/Lsum F1 (Google's ``rouge-score``, stemmed, as CNN/DailyMail
+  is reported) of generated summaries against the highlights.
 - :func:`throughput`: tokens/s and tokens/step of set decoding at several (W, tau), next to
   cached AR decoding.
 """
@@ -82,12 +84,14 @@ def rouge(candidate: str, reference: str) -> dict:
 
 
 TASK_FIELDS = {"infill": ("left", "middle", "right"), "gsm": ("prompt", "answer"),
-               "choice": ("context", "choices", "gold")}
+               "choice": ("context", "choices", "gold"), "summarize": ("article", "highlights")}
 # how to make each task's file
 TASK_MAKE = {"infill": "setdiff-tasks infill --out FILE.jsonl",
              "gsm": "setdiff-tasks gsm --out FILE.jsonl",
              "choice": 'one JSON object per line: {"context": str, "choices": [str, ...], '
-                       '"gold": index of the right choice}'}
+                       '"gold": index of the right choice}',
+             "summarize": 'CNN/DailyMail\'s records, one JSON object per line: {"article": '
+                          'str, "highlights": str (the reference summary, a sentence a line)}'}
 
 
 def _records(path: str, limit: int, task: str) -> list[dict]:
@@ -285,6 +289,66 @@ def gsm_sweep(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: i
             "accuracy", "tokens_per_step", "tokens_per_s", "count", "skipped_too_long")},
             "examples": r["examples"][:1]})
     return {"sweep": rows, "method": THROUGHPUT_METHOD}
+
+
+SUMMARY_TEMPLATE = "{article}\n\nTL;DR:\n"
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+
+
+def rouge_scorer():
+    """Google's ``rouge-score`` (the package CNN/DailyMail results are computed with), with the
+    Porter stemmer; ``rougeLsum`` splits summaries at newlines."""
+    try:
+        from rouge_score import rouge_scorer as rs
+    except ImportError:
+        raise EvalError("--task summarize scores with rouge-score, which is not installed: "
+                        "pip install 'setdiff-dist[eval]'") from None
+    return rs.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
+
+
+def rouge_f1(scorer, prediction: str, reference: str) -> dict:
+    """ROUGE F1 of one summary, per key of :data:`ROUGE_KEYS`."""
+    scores = scorer.score(reference, prediction)
+    return {k: scores[k].fmeasure for k in ROUGE_KEYS}
+
+
+def summarize(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int,
+              window: int, threshold: float, sampling: Sampling,
+              template: str = SUMMARY_TEMPLATE) -> dict:
+    """Summaries of CNN/DailyMail-style records (``{"article", "highlights"}``): the prompt is
+    ``template`` around the article, cut at the end of the article's text (never the
+    template's cue) so that the prompt, the window and the summary fit the context; ROUGE
+    F1 (:func:`rouge_f1`) means over the records, with tokens/step and tokens/s."""
+    if "{article}" not in template:
+        raise EvalError(f"--template {template!r} has no {{article}} field")
+    scorer = rouge_scorer()
+    head, tail = template.split("{article}", 1)
+    cue = tok.encode(tail)
+    budget = decoder.context - window - min(max_new_tokens, decoder.context // 2) - len(cue)
+    if budget < 8:
+        raise EvalError(f"a context of {decoder.context} tokens leaves no room for the article "
+                        f"next to --max-new-tokens {max_new_tokens} and the window {window}")
+    stop = StopCriteria(eos_id=tok.eos_id)
+    totals, rates, per_step, examples, cut = Counter(), [], [], [], 0
+    records = _records(path, limit, "summarize")
+    for rec in records:
+        ids = tok.encode(head + rec["article"])
+        if len(ids) > budget:
+            ids, cut = ids[:budget], cut + 1
+        t = time.perf_counter()
+        r = decoder.generate([ids + cue], max_new_tokens, window=window, threshold=threshold,
+                             sampling=sampling, stop=stop)[0]
+        rates.append(len(r.tokens) / max(time.perf_counter() - t, 1e-9))
+        per_step.append(r.tokens_per_step)
+        scores = rouge_f1(scorer, r.text.strip(), rec["highlights"])
+        totals.update(scores)
+        if len(examples) < 3:
+            examples.append({"summary": r.text, "highlights": rec["highlights"], **scores})
+    n = len(records)
+    return {**{k: totals[k] / n for k in ROUGE_KEYS}, "count": n, "articles_cut": cut,
+            "template": template, "tokens_per_step": sum(per_step) / n,
+            "tokens_per_s": sum(rates) / n, "scorer": "rouge-score, use_stemmer=True",
+            "examples": examples}
 
 
 THROUGHPUT_METHOD = ("batch 1; per setting, the mean over the prompts of each sample's "
