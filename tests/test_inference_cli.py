@@ -251,6 +251,46 @@ def test_eval_tasks(run, tmp_path):
     assert res.returncode == 2 and "needs --data" in res.stderr
 
 
+def test_generative_perplexity_is_the_scorers_own_loss_and_mauve_runs(run, trained, tmp_path):
+    """--task genppl: unconditional samples scored by a Hugging Face causal LM (here our
+    causal checkpoint exported with --to-hf, standing in for GPT-2 Large): the perplexity is
+    transformers' own loss on the same texts; MAUVE against reference texts is in (0, 1]."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = tmp_path / "scorer"
+    res = run_cli("setdiff_dist.cli.convert", "--checkpoint",
+                  trained("order.kind=causal", tokenizer="bpe:300"), "--to-hf", "--out", hf)
+    assert res.returncode == 0, res.stderr[-3000:]
+    refs = tmp_path / "refs.txt"
+    refs.write_text("\n\n".join(["Shall I compare thee to a summer's day?",
+                                  "Thou art more lovely and more temperate.",
+                                  "Rough winds do shake the darling buds of May.",
+                                  "And summer's lease hath all too short a date."]))
+    out = tmp_path / "genppl.json"
+    res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task", "genppl", "--scorer",
+                  hf, "--samples", "3", "--max-new-tokens", "12", "--window", "4",
+                  "--references", refs, "--out", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    texts = got["examples"]
+    assert len(texts) == 3 and len(set(texts)) > 1  # (sampled, not greedy)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(hf)
+    bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([[bos] + tok.encode(text, add_special_tokens=False)])
+            total += model(ids, labels=ids).loss.item() * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    assert got["scored_tokens"] == count
+    assert math.isclose(got["gen_ppl"], math.exp(total / count), rel_tol=1e-6)
+    assert 0 < got["mauve"] <= 1 and got["mauve_references"] == 3
+    res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task", "genppl")
+    assert res.returncode == 2 and "needs --scorer" in res.stderr
+
+
 def test_the_python_api_from_a_fresh_interpreter(run):
     """``setdiff_dist.load(path).generate(...)`` in a new interpreter: the tokens of
     setdiff-generate with the same settings; log-likelihoods and scores as setdiff-eval's

@@ -5,6 +5,7 @@
     setdiff-eval --checkpoint DIR --task gsm --data gsm.jsonl [--max-new-tokens 256]
                  [--thresholds 0.5,0.7,0.9,inf]            # the paper's tau sweep
     setdiff-eval --checkpoint DIR --task summarize --data cnn_dm.jsonl  # ROUGE (rouge-score)
+    setdiff-eval --checkpoint DIR --task genppl --scorer gpt2-large/ [--references owt.jsonl]
     setdiff-eval --checkpoint DIR --task throughput [--prompt TEXT ...] [--threshold T]
     setdiff-eval --checkpoint DIR --task choice --data choice.jsonl
     setdiff-eval --checkpoint DIR --task harness --harness-tasks T1,T2 [--include-path DIR]
@@ -49,12 +50,20 @@ def main(argv=None) -> int:
                                  formatter_class=HelpFormatter)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--task", required=True,
-                    choices=("ppl", "infill", "gsm", "summarize", "throughput", "choice",
-                             "harness"))
+                    choices=("ppl", "infill", "gsm", "summarize", "genppl", "throughput",
+                             "choice", "harness"))
     ap.add_argument("--shards", help="ppl: a shard directory with a valid split")
     ap.add_argument("--data", help="infill / gsm: a .jsonl from setdiff-tasks; choice: "
                                    "records {context, choices, gold}; summarize: records "
                                    "{article, highlights} (CNN/DailyMail)")
+    ap.add_argument("--scorer", metavar="HF_DIR",
+                    help="genppl: a local Hugging Face causal LM that scores the samples (GPT-2 "
+                         "Large in the paper) and featurizes them for MAUVE")
+    ap.add_argument("--samples", type=count(), default=64,
+                    help="genppl: unconditional samples of --max-new-tokens each")
+    ap.add_argument("--references", metavar="FILE",
+                    help="genppl: human texts for MAUVE (JSONL of {text} or blank-line-"
+                         "separated paragraphs); none = no MAUVE")
     ap.add_argument("--template", default=None,
                     help="summarize: the prompt around {article} (default: the article, a "
                          "blank line, 'TL;DR:' and a newline)")
@@ -116,6 +125,17 @@ def main(argv=None) -> int:
         raise tasks.EvalError("--template goes with --task summarize")
     if args.task == "summarize":
         tasks.rouge_scorer()  # (installed: said before the model loads)
+    genppl_flags = [f for f, v in (("--scorer", args.scorer),
+                                   ("--references", args.references)) if v is not None]
+    if genppl_flags and args.task != "genppl":
+        raise tasks.EvalError(f"{', '.join(genppl_flags)} go with --task genppl")
+    if args.task == "genppl":
+        if not args.scorer:
+            raise tasks.EvalError("--task genppl needs --scorer HF_DIR (a local Hugging Face "
+                                  "causal LM: GPT-2 Large in the paper)")
+        scorer = tasks.HFScorer(args.scorer)
+        references = tasks.read_texts(args.references, args.samples) \
+            if args.references else None
     if args.task in ("infill", "gsm", "choice", "summarize"):
         if not args.data:
             raise tasks.EvalError(f"--task {args.task} needs --data FILE.jsonl "
@@ -151,7 +171,9 @@ def main(argv=None) -> int:
         decoder.check_infill()  # cannot decode, and this is no record's fault
     # each task's operating point from the paper, unless --preset says otherwise; evaluation
     # decodes greedily unless --no-greedy (reproducible numbers)
-    flags = dict(decode_flags(args), greedy=True if args.greedy is None else args.greedy)
+    # (genppl samples: the paper's unconditional samples are drawn, not greedy)
+    flags = dict(decode_flags(args), greedy=(args.task != "genppl") if args.greedy is None
+                 else args.greedy)
     d = decode_settings(cfg, args.preset or {"gsm": "gsm", "infill": "infill"}.get(args.task),
                         **flags)
     sampling = Sampling(greedy=d["greedy"], temperature=d["temperature"], top_p=d["top_p"],
@@ -177,6 +199,11 @@ def main(argv=None) -> int:
     elif args.task == "infill":
         result = tasks.infilling(decoder, tok, args.data, limit, d["window"],
                                  d["threshold"], sampling)
+    elif args.task == "genppl":
+        result = tasks.generative_perplexity(decoder, tok, scorer, args.samples,
+                                             d["max_new_tokens"], d["window"], d["threshold"],
+                                             sampling, args.batch_size, references)
+        result["scorer"] = args.scorer
     elif args.task == "summarize":
         result = tasks.summarize(decoder, tok, args.data, limit, d["max_new_tokens"],
                                  d["window"], d["threshold"], sampling,

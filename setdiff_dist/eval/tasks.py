@@ -8,6 +8,9 @@
 - :func:`gsm`: exact-match accuracy of the number after ``####`` (``setdiff-tasks gsm``).
 - :func:`summarize`: ROUGE-1/2/L/Lsum F1 (Google's ``rouge-score``, stemmed, as CNN/DailyMail
   is reported) of generated summaries against the highlights.
+- :func:`generative_perplexity`: unconditional samples scored by a Hugging Face causal LM the
+  user supplies (GPT-2 Large in the paper), and MAUVE (``mauve-text``) against reference texts,
+  featurized by the same model.
 - :func:`throughput`: tokens/s and tokens/step of set decoding at several (W, tau), next to
   cached AR decoding.
 """
@@ -349,6 +352,119 @@ def summarize(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: i
             "template": template, "tokens_per_step": sum(per_step) / n,
             "tokens_per_s": sum(rates) / n, "scorer": "rouge-score, use_stemmer=True",
             "examples": examples}
+
+
+class HFScorer:
+    """A local Hugging Face causal LM (``transformers``), as the paper scores samples with GPT-2
+    Large: the per-token NLL of texts (after the model's BOS, or its end-of-text when it has no
+    BOS) and MAUVE's features (the last layer's hidden state at each text's last token)."""
+
+    def __init__(self, path: str, device: str = "cpu", max_length: int = 1024):
+        import os
+
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise EvalError(f"--scorer {path}: not a Hugging Face model directory (no "
+                            "config.json); give a local causal LM, e.g. GPT-2 Large saved with "
+                            "save_pretrained, or a setdiff-convert --to-hf export")
+        try:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError:
+            raise EvalError("--task genppl scores with transformers, which is not installed: "
+                            "pip install transformers") from None
+        import torch
+
+        self.torch = torch
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+        self.model.eval()
+        self.device, self.max_length = device, max_length
+        bos = self.tok.bos_token_id if self.tok.bos_token_id is not None else \
+            self.tok.eos_token_id
+        if bos is None:
+            raise EvalError(f"--scorer {path}: its tokenizer has neither a BOS nor an "
+                            "end-of-text token to condition the first token on")
+        self.bos = bos
+
+    def ids(self, text: str) -> list:
+        return [self.bos] + self.tok.encode(text, add_special_tokens=False)[:self.max_length - 1]
+
+    def nll(self, texts: list) -> tuple[float, int]:
+        """``(sum of -log p over every text token, tokens)``."""
+        total, count = 0.0, 0
+        with self.torch.no_grad():
+            for text in texts:
+                ids = self.ids(text)
+                if len(ids) < 2:
+                    continue
+                x = self.torch.tensor([ids], device=self.device)
+                out = self.model(x, labels=x)
+                total += out.loss.item() * (len(ids) - 1)
+                count += len(ids) - 1
+        return total, count
+
+    def features(self, texts: list):
+        import numpy as np
+
+        rows = []
+        with self.torch.no_grad():
+            for text in texts:
+                x = self.torch.tensor([self.ids(text)], device=self.device)
+                h = self.model(x, output_hidden_states=True).hidden_states[-1]
+                rows.append(h[0, -1].float().cpu().numpy())
+        return np.stack(rows)
+
+
+def generative_perplexity(decoder: SetDecoder, tok, scorer: HFScorer, samples: int,
+                          max_new_tokens: int, window: int, threshold: float,
+                          sampling: Sampling, batch_size: int = 8,
+                          references: list = None, seed: int = 0) -> dict:
+    """``samples`` unconditional generations of ``max_new_tokens`` (from end-of-text, stopping
+    only at the length, as the paper samples), their perplexity under ``scorer`` (token-
+    weighted over all samples), and, with ``references`` (human texts), MAUVE between the
+    two sets of the scorer's features."""
+    import dataclasses
+
+    texts, per_step, seconds = [], [], 0.0
+    for start in range(0, samples, batch_size):
+        n = min(batch_size, samples - start)
+        t = time.perf_counter()
+        out = decoder.generate([[tok.eos_id]] * n, max_new_tokens, window=window,
+                               threshold=threshold,
+                               sampling=dataclasses.replace(sampling, seed=seed + start))
+        seconds += time.perf_counter() - t
+        texts += [r.text for r in out]
+        per_step += [r.tokens_per_step for r in out]
+    nll, count = scorer.nll(texts)
+    result = {"gen_ppl": math.exp(nll / max(count, 1)), "samples": samples,
+              "scored_tokens": count, "tokens_per_step": sum(per_step) / samples,
+              "tokens_per_s": samples * max_new_tokens / max(seconds, 1e-9),
+              "examples": texts[:3]}
+    if references:
+        try:
+            import mauve
+        except ImportError:
+            raise EvalError("MAUVE needs mauve-text: pip install 'setdiff-dist[eval]'") from None
+        m = mauve.compute_mauve(p_features=scorer.features(references),
+                                q_features=scorer.features(texts), seed=seed, verbose=False)
+        result.update(mauve=float(m.mauve), mauve_references=len(references))
+    return result
+
+
+def read_texts(path: str, limit: int) -> list:
+    """Reference texts for MAUVE: a JSONL file of ``{"text": ...}`` records, or plain text with
+    one text per blank-line-separated paragraph."""
+    try:
+        raw = open(path, encoding="utf-8").read()
+    except FileNotFoundError:
+        raise EvalError(f"--references {path}: no such file") from None
+    if path.endswith(".jsonl"):
+        texts = [json.loads(line)["text"] for line in raw.splitlines() if line.strip()]
+    else:
+        texts = [p.strip() for p in raw.split("\n\n") if p.strip()]
+    if len(texts) < 2:
+        raise EvalError(f"--references {path}: MAUVE needs at least 2 texts, found "
+                        f"{len(texts)}")
+    return texts[:limit]
 
 
 THROUGHPUT_METHOD = ("batch 1; per setting, the mean over the prompts of each sample's "
