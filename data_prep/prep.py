@@ -3,8 +3,11 @@
     setdiff-prep --input PATH [PATH ...] --tokenizer SPEC --seq-len L --out DIR [options]
 
 Inputs: ``.txt`` (one document per file, or per blank-line paragraph with
-``--split-paragraphs``), ``.jsonl`` (one document per line, text in ``--text-field``), either
-optionally gzip'd (``.gz``); directories are read recursively in name order.
+``--split-paragraphs``), records, one document each: ``.jsonl`` (optionally gzip'd), ``.csv``
+(a header row), ``.parquet``, ``.arrow`` and ``datasets.save_to_disk`` folders (the form
+Hugging Face datasets come in on disk). A record's text is ``--text-field``: a field, or a
+template of fields such as ``"Question: {question}\nAnswer: {answer}"``; ``--prompt-field``
+likewise. Directories are read recursively in name order.
 
 Modes: ``packed`` (documents joined with end-of-text tokens and cut into sequences of L tokens;
 the incomplete tail is dropped and counted) and ``padded`` (one document per sequence, padded, for
@@ -55,6 +58,15 @@ def input_files(paths: list[str]) -> list[str]:
     files = []
     for p in paths:
         if os.path.isdir(p):
+            if os.path.isfile(os.path.join(p, "dataset_dict.json")):
+                splits = sorted(d for d in os.listdir(p) if os.path.isdir(os.path.join(p, d)))
+                raise PrepError(f"{p}: a datasets DatasetDict (save_to_disk) with splits "
+                                f"{', '.join(splits)}: give one split's folder, e.g. "
+                                f"{os.path.join(p, splits[0] if splits else 'train')}")
+            arrow = _saved_dataset(p)
+            if arrow is not None:  # (its JSON files describe it: they are not documents)
+                files += arrow
+                continue
             found = sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs)
             if not found:
                 raise PrepError(f"{p}: directory holds no files")
@@ -64,6 +76,89 @@ def input_files(paths: list[str]) -> list[str]:
         else:
             raise PrepError(f"{p}: no such file or directory")
     return files
+
+
+def _saved_dataset(path: str) -> Optional[list[str]]:
+    """The Arrow files of a ``datasets`` ``save_to_disk`` folder, in order (None if it is not
+    one)."""
+    state = os.path.join(path, "state.json")
+    if not (os.path.isfile(state) and os.path.isfile(os.path.join(path, "dataset_info.json"))):
+        return None
+    try:
+        names = [f["filename"] for f in json.load(open(state))["_data_files"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PrepError(f"{state}: not a datasets state file ({exc})") from None
+    return [os.path.join(path, n) for n in names]
+
+
+TABLES = (".parquet", ".arrow", ".csv", ".csv.gz")
+
+
+def _table_records(path: str) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` of a Parquet file, an Arrow file (``datasets``' stream format or
+    Arrow's file format) or a CSV file (with a header), a batch at a time."""
+    if path.endswith((".csv", ".csv.gz")):
+        import csv
+        import io
+
+        reader = csv.DictReader(io.StringIO(_read_text(path)))
+        for i, rec in enumerate(reader, 2):
+            yield f"{path} line {i}", rec
+        return
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PrepError(f"{path}: reading Parquet and Arrow needs pyarrow: pip install "
+                        "pyarrow") from None
+    try:
+        if path.endswith(".parquet"):
+            batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+        else:
+            try:
+                batches = iter(pa.ipc.open_stream(path))
+            except pa.ArrowInvalid:
+                reader = pa.ipc.open_file(path)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        row = 0
+        for batch in batches:
+            for rec in batch.to_pylist():
+                row += 1
+                yield f"{path} row {row}", rec
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise PrepError(f"{path}: not a readable {os.path.splitext(path)[1][1:]} file "
+                        f"({exc})") from None
+
+
+def _json_records(path: str, text: str) -> Iterator[tuple[str, dict]]:
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {i}"
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PrepError(f"{where}: not valid JSON ({exc.msg})") from None
+
+
+def field(rec, spec: str, where: str, flag: str) -> str:
+    """A record's text: the field ``spec``, or ``spec`` as a template of fields (``"{question}
+    {answer}"``: Python's format over the record)."""
+    if not isinstance(rec, dict):
+        raise PrepError(f"{where}: not a record of fields")
+    if "{" in spec:
+        try:
+            return spec.format_map(rec)
+        except KeyError as exc:
+            raise PrepError(f"{where}: no field {exc.args[0]!r} for the template {flag} "
+                            f"{spec!r} (fields: {', '.join(map(str, rec))})") from None
+        except (ValueError, IndexError) as exc:
+            raise PrepError(f"{flag} {spec!r}: not a valid template ({exc})") from None
+    if not isinstance(rec.get(spec), str):
+        raise PrepError(f"{where}: no string field {spec!r} (choose it with {flag}, or give a "
+                        f"template such as '{{question}} {{answer}}'; fields: "
+                        f"{', '.join(map(str, rec))})")
+    return rec[spec]
 
 
 def _read_text(path: str) -> str:
@@ -89,34 +184,23 @@ def _read_text(path: str) -> str:
 
 def read_documents(path: str, text_field: str, prompt_field: Optional[str],
                    split_paragraphs: bool) -> Iterator[Document]:
-    text = _read_text(path)
     base = path[:-3] if path.endswith(".gz") else path
-    if base.endswith((".jsonl", ".json")):
+    if base.endswith((".jsonl", ".json")) or path.endswith(TABLES):
+        records = _table_records(path) if path.endswith(TABLES) else \
+            _json_records(path, _read_text(path))
         n = 0
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {i}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PrepError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
-                raise PrepError(f"{where}: no string field {text_field!r} (choose it with "
-                                "--text-field)")
-            prompt = ""
-            if prompt_field:
-                if not isinstance(rec.get(prompt_field), str):
-                    raise PrepError(f"{where}: no string field {prompt_field!r} "
-                                    "(--prompt-field)")
-                prompt = rec[prompt_field]
+        for where, rec in records:
+            text = field(rec, text_field, where, "--text-field")
+            prompt = field(rec, prompt_field, where, "--prompt-field") if prompt_field else ""
             n += 1
-            yield Document(rec[text_field], prompt, where)
+            yield Document(text, prompt, where)
         if n == 0:
             raise PrepError(f"{path}: no documents")
         return
+    text = _read_text(path)
     if prompt_field:
-        raise PrepError(f"{path}: --prompt-field needs .jsonl input")
+        raise PrepError(f"{path}: --prompt-field needs records (.jsonl, .parquet, .arrow, "
+                        ".csv)")
     if split_paragraphs:
         for k, para in enumerate(p.strip() for p in text.split("\n\n")):
             if para:
@@ -335,9 +419,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seq-len", type=count(2), help="tokens per sequence (L)")
     ap.add_argument("--out", help="output directory")
     ap.add_argument("--mode", choices=("packed", "padded"), default="packed")
-    ap.add_argument("--text-field", default="text", help="JSONL field with the text")
+    ap.add_argument("--text-field", default="text",
+                    help="records: the field with the text, or a template of fields "
+                         "('{question} {answer}')")
     ap.add_argument("--prompt-field", default=None,
-                    help="JSONL field with a prompt (padded mode: marked as context)")
+                    help="records: the field (or template) of a prompt (padded mode: marked "
+                         "as context)")
     ap.add_argument("--split-paragraphs", action="store_true",
                     help=".txt: one document per blank-line paragraph")
     ap.add_argument("--valid-every", type=count(0), default=100,

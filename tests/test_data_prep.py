@@ -260,3 +260,56 @@ def test_a_resume_at_another_data_parallel_size_sees_each_sample_once(shards):
         counted = Counter(t for _, t in got)
         assert all(counted[t] <= samples[t] for t in counted), after  # none twice
         assert sum(counted.values()) == steps * 8
+
+
+GSM8K_ROWS = [  # GSM8K's schema: question, answer (a worked solution ending in #### N)
+    {"question": "Tom has 3 apples and buys 4 more. How many?",
+     "answer": "He has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},
+    {"question": "A box holds 12 pens; 5 are red. How many are not?",
+     "answer": "12 - 5 = <<12-5=7>>7 are not red.\n#### 7"},
+    {"question": "Ann reads 2 pages a day for 9 days. Pages?",
+     "answer": "2 * 9 = <<2*9=18>>18 pages.\n#### 18"},
+]
+
+
+def test_datasets_in_their_on_disk_formats_give_the_same_shards(tmp_path):
+    """The same GSM8K rows as JSONL, CSV, Parquet and a datasets.save_to_disk folder (Arrow),
+    prepared with templates of their fields, give identical shards; a template that names a
+    missing field, and a DatasetDict folder, are clear errors."""
+    import csv
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    datasets = pytest.importorskip("datasets")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "gsm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
+    with open(src / "gsm.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["question", "answer"])
+        w.writeheader()
+        w.writerows(GSM8K_ROWS)
+    pq.write_table(pa.Table.from_pylist(GSM8K_ROWS), src / "gsm.parquet")
+    datasets.Dataset.from_list(GSM8K_ROWS).save_to_disk(str(src / "saved"))
+    digests = {}
+    for name in ("gsm.jsonl", "gsm.csv", "gsm.parquet", "saved"):
+        out = tmp_path / f"out-{name}"
+        m = prepare([str(src / name)], "bytes", 128, str(out), mode="padded",
+                    prompt_field="Question: {question}\nAnswer: ", text_field="{answer}",
+                    valid_every=0, progress=False)
+        assert m["documents"] == 3, name
+        digests[name] = {f: d for f, d in files_digest(out).items() if f != "manifest.json"}
+    assert all(d == digests["gsm.jsonl"] for d in digests.values()), digests
+    # the prompt is context, the solution the text: read back from the shards
+    tokens, length, context = ShardSet(str(tmp_path / "out-saved"))[0]
+    prompt = "Question: " + GSM8K_ROWS[0]["question"] + "\nAnswer: "
+    assert bytes(tokens[:context].tolist()).decode() == prompt
+    assert bytes(tokens[context:length - 1].tolist()).decode() == GSM8K_ROWS[0]["answer"]
+    with pytest.raises(PrepError, match="no field 'solution' for the template"):
+        prepare([str(src / "gsm.parquet")], "bytes", 128, str(tmp_path / "x"),
+                text_field="{question} {solution}", progress=False)
+    dd = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(GSM8K_ROWS)}).save_to_disk(
+        str(dd))
+    with pytest.raises(PrepError, match="give one split's folder"):
+        prepare([str(dd)], "bytes", 128, str(tmp_path / "y"), progress=False)
