@@ -180,3 +180,20 @@ def test_the_layer_plan_holds_under_context_parallelism(tmp_path):
         for mode in ("selective", "full"):
             for name, g in grads["none"].items():
                 assert torch.equal(grads[mode][name], g), (rank, mode, name)
+
+
+def test_every_paper_row_fits_the_papers_gpus():
+    """configs/paper/: each table row (model x order) plans at 8 GPUs of 80 GB (the 110M
+    recipes' global batch of 512 at their micro-batch) with room to spare."""
+    from pathlib import Path
+
+    from setdiff_dist.config import load_config
+    from setdiff_dist.train.plan import GiB, plan
+
+    rows = sorted(p for p in Path("configs/paper").glob("*-*-*.yaml"))
+    assert len(rows) >= 10
+    for path in rows:
+        cfg = load_config(str(path))
+        p = plan(cfg, 8)
+        assert p.data == 8 and max(s.total for s in p.stages) < 80 * GiB, path
+        assert cfg.data.global_batch_size == 512 and cfg.optimizer.lr == 3e-4, path
