@@ -228,18 +228,25 @@ def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, thre
             "examples": examples}
 
 
-# A GSM answer is "#### <number>"; it is complete only once something that cannot continue the
-# number is committed after it (a newline, a space, a letter, end of text): with a tokenizer that
-# splits digits, "#### 4" is a prefix of "#### 42". A period or comma ends it only when a
-# non-digit follows ("42." then a newline; "1,234" goes on).
+# A GSM answer is "#### <number>" (GSM8K's own solutions) or "\boxed{<number>}" (the distilled
+# solutions the paper fine-tunes on). "####" is complete only once something that cannot continue
+# the number is committed after it (a newline, a space, a letter, end of text): with a tokenizer
+# that splits digits, "#### 4" is a prefix of "#### 42". A period or comma ends it only when a
+# non-digit follows ("42." then a newline; "1,234" goes on). "\boxed{...}" is complete at its
+# closing brace.
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
-GSM_STOP = rf"####\s*{_NUMBER}(?=[^\d.,]|[.,]\D)"
+_HASH = rf"####\s*({_NUMBER})(?=[^\d.,]|[.,]\D)"
+_BOXED = rf"\\boxed\{{\s*({_NUMBER})\s*\}}"
+GSM_STOP = rf"{_HASH}|{_BOXED}"
 
 
 def _answer(text: str):
-    """The whole number after ``####`` (commas dropped), or None."""
-    m = re.search(rf"####\s*({_NUMBER})", text)
-    return m.group(1).replace(",", "") if m else None
+    """The whole number of the first closed answer marker, ``#### N`` (end of text closes it
+    too) or ``\\boxed{N}`` (commas dropped), or None."""
+    found = [m for m in (re.search(rf"####\s*({_NUMBER})", text), re.search(_BOXED, text)) if m]
+    if not found:
+        return None
+    return min(found, key=lambda m: m.start()).group(1).replace(",", "")
 
 
 def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, window: int,
