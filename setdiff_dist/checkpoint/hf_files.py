@@ -132,7 +132,13 @@ def write_hf(tensors: dict, config: dict, out: str, dtype: str,
             json.dump(index, fh, indent=2, sort_keys=True)
     with open(os.path.join(tmp, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2, sort_keys=True)
-    if tokenizer is not None and tokenizer.save(tmp) == "tokenizer.json" and \
+    shipped = tokenizer.save(tmp) if tokenizer is not None else None
+    if shipped is None and hasattr(tokenizer, "tok"):
+        # a built-in Hugging Face tokenizer (GPT-2's BPE) ships no file with shards, but
+        # transformers needs its tokenizer.json next to the weights
+        tokenizer.tok.save(os.path.join(tmp, "tokenizer.json"))
+        shipped = "tokenizer.json"
+    if shipped == "tokenizer.json" and \
             not os.path.isfile(os.path.join(tmp, "tokenizer_config.json")):
         with open(os.path.join(tmp, "tokenizer_config.json"), "w") as fh:
             json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
