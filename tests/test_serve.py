@@ -271,14 +271,15 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(small):
 
     def ask():
         try:
-            got.append(small.complete("Shall I", max_tokens=600, ignore_eos=True,
+            got.append(small.complete("Shall I", max_tokens=2000, ignore_eos=True,
                                       temperature=0))
         except Exception as exc:
             errors.append(repr(exc))
 
     threads = [threading.Thread(target=ask) for _ in range(2)]
-    for t in threads:
-        t.start()
+    threads[0].start()  # it runs (one row) ...
+    small.wait_for(lambda m: m["setdiff_batch_size"] == 1)
+    threads[1].start()  # ... and this one waits (a queue of one)
     small.wait_for(lambda m: m["setdiff_batch_size"] == 1 and m["setdiff_queue_depth"] == 1)
     small.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
@@ -287,7 +288,7 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(small):
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    assert [r.usage.completion_tokens for r in got] == [600, 600]
+    assert [r.usage.completion_tokens for r in got] == [2000, 2000]
     assert small.proc.wait(timeout=60) == 0, small.output()
 
 
