@@ -79,7 +79,12 @@ class WandbLogger:
         self.run.log({"step": step, **values})
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # and stop W&B's service process, which writes the run's file: the run is on disk
+        # when training returns (an offline run's file was found incomplete right after finish)
+        wandb.teardown()
 
 
 class MetricsLogger:
