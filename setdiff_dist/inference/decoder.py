@@ -45,6 +45,7 @@ from .decoding import (
     Sample,
     Sampling,
     StopCriteria,
+    check_prompt,
     check_text,
     check_threshold,
     model_device,
@@ -91,12 +92,8 @@ class SetDecoder(Decoder):
             if not p:
                 raise DecodeError(f"prompt {i} is empty: give some text (unconditional "
                                   "generation starts from the end-of-text token)")
-            if len(p) + window > self.context:
-                raise DecodeError(f"prompt {i} has {len(p)} tokens; with window {window} it "
-                                  f"does not fit the model's context of {self.context} tokens")
-        samples = [Sample(tokens=list(p) + [None] * max_new_tokens,
-                           region=list(range(len(p), len(p) + max_new_tokens)),
-                           prompt_len=len(p)) for p in prompts]
+            check_prompt(i, p, window, self.context)
+        samples = [Sample.continuation(p, max_new_tokens) for p in prompts]
         return self._run(samples, [list(p) for p in prompts], window, threshold, sampling, stop,
                          order, infill=False)
 

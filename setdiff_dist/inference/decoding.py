@@ -58,6 +58,14 @@ def check_text(what: str, text: str) -> None:
                           f"{text[exc.start:exc.start + 1]!r}); re-encode it as UTF-8") from None
 
 
+def check_prompt(i: int, prompt: list, window: int, context: int) -> None:
+    """Prompt ``i`` and a window of candidates must fit the model's context together."""
+    if len(prompt) + window > context:
+        raise DecodeError(f"prompt {i} has {len(prompt)} tokens; with window {window} it does "
+                          f"not fit the model's context of {context} tokens: shorten it to at "
+                          f"most {context - window} tokens")
+
+
 def model_device(model) -> torch.device:
     """Where a model's weights live (the lean model keeps them as buffers)."""
     device = getattr(model, "device", None)
@@ -121,6 +129,13 @@ class Sample:
     checked: int = 0     # region[:checked] was searched for stops
     committed: int = 0   # positions of the region committed so far
     rules: Optional[Rules] = None  # how it decodes (set decoding's per-row settings)
+
+    @classmethod
+    def continuation(cls, prompt: list, max_new_tokens: int) -> "Sample":
+        """A sample that continues ``prompt`` (token ids) by up to ``max_new_tokens``."""
+        n = len(prompt)
+        return cls(tokens=list(prompt) + [None] * max_new_tokens,
+                   region=list(range(n, n + max_new_tokens)), prompt_len=n)
 
     def seen(self) -> set:
         """The token ids this sample holds (for a repetition penalty)."""

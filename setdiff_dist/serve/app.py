@@ -124,7 +124,7 @@ class Service:
                         seed=req.seed if req.seed is not None else 0, stop=tuple(stop),
                         patterns=tuple(d["stop"]), eos_stop=not req.ignore_eos,
                         max_repeat_run=d["max_repeat_run"])
-            check_spec(spec, self.model.context, self.model.decoding)
+            check_spec(spec, self.model.context, i)
             out.append(spec)
         return out
 

@@ -21,7 +21,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from setdiff_dist.inference.decoding import DecodeError, Rules, Sample, Sampling, StopCriteria
+from setdiff_dist.inference.decoding import (
+    DecodeError,
+    Rules,
+    Sample,
+    Sampling,
+    StopCriteria,
+    check_prompt,
+)
 from setdiff_dist.inference.kv_cache import KVCache
 
 
@@ -46,20 +53,12 @@ class Spec:
     max_repeat_run: Optional[int] = None
 
 
-def check_spec(spec: Spec, context: int, decoding: str) -> None:
-    """What a request can get wrong that decoding would only find later (raises
-    :class:`DecodeError`, whose message the server returns as a 400)."""
-    n = len(spec.prompt)
-    if n + spec.window > context:
-        raise DecodeError(f"the prompt has {n} tokens; with window {spec.window} it does not fit "
-                          f"the model's context of {context} tokens: shorten it to at most "
-                          f"{context - spec.window} tokens")
-    if spec.max_tokens < 1:
-        raise DecodeError(f"max_tokens must be at least 1, got {spec.max_tokens}")
+def check_spec(spec: Spec, context: int, index: int = 0) -> None:
+    """What a request (its prompt number ``index``) can get wrong that decoding would only find
+    later (raises :class:`DecodeError`, whose message the server returns as a 400)."""
+    check_prompt(index, spec.prompt, spec.window, context)
     Sampling(greedy=spec.greedy, temperature=spec.temperature, top_p=spec.top_p,
              repetition_penalty=spec.repetition_penalty, seed=spec.seed)
-    if decoding not in ("set", "causal"):
-        raise DecodeError(f"a {decoding} checkpoint cannot be served")
 
 
 @dataclass
@@ -104,7 +103,6 @@ class ContinuousBatch:
         self.decoder = decoder
         self.rows: list[Row] = []
         self.cache = KVCache(decoder.model.config.num_layers, 0, decoder.device)
-        self.steps = 0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -113,11 +111,8 @@ class ContinuousBatch:
         """Add these requests; their prompts are the next step's commits."""
         now, new = time.monotonic(), []
         for spec in specs:
-            prompt = list(spec.prompt)
-            sample = Sample(tokens=prompt + [None] * spec.max_tokens,
-                            region=list(range(len(prompt), len(prompt) + spec.max_tokens)),
-                            prompt_len=len(prompt))
-            sample.pending = list(enumerate(prompt))
+            sample = Sample.continuation(spec.prompt, spec.max_tokens)
+            sample.pending = list(enumerate(spec.prompt))
             sampling = Sampling(greedy=spec.greedy, temperature=spec.temperature,
                                 top_p=spec.top_p, repetition_penalty=spec.repetition_penalty,
                                 seed=spec.seed)
@@ -148,7 +143,6 @@ class ContinuousBatch:
         if not self.rows:
             return []
         self.decoder.step([r.sample for r in self.rows], self.cache)
-        self.steps += 1
         now, size = time.monotonic(), len(self.rows)
         for r in self.rows:
             r.largest_batch = max(r.largest_batch, size)
