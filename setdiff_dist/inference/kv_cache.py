@@ -56,14 +56,19 @@ class KVCache:
             return
         capacity = max(2 * self.capacity, self.length + n)
         grow = capacity - self.capacity
-        for store in (self.k, self.v):
-            for i, t in enumerate(store):
-                if t is not None:
-                    store[i] = torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])], 2)
+        self._each_layer(lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])],
+                                             2))
         self._valid = torch.cat([self._valid, self._valid.new_zeros(self.batch, grow)], 1)
         self._positions = torch.cat([self._positions,
                                      self._positions.new_zeros(self.batch, grow)], 1)
         self.capacity = capacity
+
+    def _each_layer(self, fn) -> None:
+        """Replace every allocated layer's keys and values ``t`` by ``fn(t)``."""
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                if t is not None:
+                    store[i] = fn(t)
 
     def _squeeze(self) -> None:
         """Move each sample's live slots to the front, in order (attention does not depend on
@@ -133,22 +138,19 @@ class KVCache:
         def grow(t):
             return torch.cat([t, t.new_zeros(n, *t.shape[1:])], 0)
 
-        for store in (self.k, self.v):
-            for i, t in enumerate(store):
-                if t is not None:
-                    store[i] = grow(t)
+        self._each_layer(grow)
         self._valid, self._positions = grow(self._valid), grow(self._positions)
         self.batch += n
 
     def keep_rows(self, rows: list) -> None:
         """Keep only these rows, in this order (samples that finished leave the batch)."""
         index = torch.tensor(rows, dtype=torch.long, device=self._valid.device)
-        for store in (self.k, self.v):
-            for i, t in enumerate(store):
-                if t is not None:
-                    store[i] = t.index_select(0, index)
-        self._valid = self._valid.index_select(0, index)
-        self._positions = self._positions.index_select(0, index)
+
+        def keep(t):
+            return t.index_select(0, index)
+
+        self._each_layer(keep)
+        self._valid, self._positions = keep(self._valid), keep(self._positions)
         self.batch = len(rows)
         if not rows:  # an empty batch starts again from an empty buffer
             self.k = [None] * len(self.k)
