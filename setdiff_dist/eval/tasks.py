@@ -395,30 +395,25 @@ class HFScorer:
     def ids(self, text: str) -> list:
         return [self.bos] + self.tok.encode(text, add_special_tokens=False)[:self.max_length - 1]
 
-    def nll(self, texts: list) -> tuple[float, int]:
-        """``(sum of -log p over every text token, tokens)``."""
-        total, count = 0.0, 0
+    def score(self, texts: list, nll: bool = True, features: bool = False):
+        """One forward per text: ``(sum of -log p over every text token, tokens, MAUVE's
+        features [n, hidden] or None)`` (``nll=False``: the features only)."""
+        import numpy as np
+
+        total, count, rows = 0.0, 0, []
         with self.torch.no_grad():
             for text in texts:
                 ids = self.ids(text)
-                if len(ids) < 2:
-                    continue
                 x = self.torch.tensor([ids], device=self.device)
-                out = self.model(x, labels=x)
-                total += out.loss.item() * (len(ids) - 1)
-                count += len(ids) - 1
-        return total, count
-
-    def features(self, texts: list):
-        import numpy as np
-
-        rows = []
-        with self.torch.no_grad():
-            for text in texts:
-                x = self.torch.tensor([self.ids(text)], device=self.device)
-                h = self.model(x, output_hidden_states=True).hidden_states[-1]
-                rows.append(h[0, -1].float().cpu().numpy())
-        return np.stack(rows)
+                scored = nll and len(ids) >= 2
+                out = self.model(x, labels=x if scored else None,
+                                 output_hidden_states=features)
+                if scored:
+                    total += out.loss.item() * (len(ids) - 1)
+                    count += len(ids) - 1
+                if features:
+                    rows.append(out.hidden_states[-1][0, -1].float().cpu().numpy())
+        return total, count, (np.stack(rows) if features else None)
 
 
 def generative_perplexity(decoder: SetDecoder, tok, scorer: HFScorer, samples: int,
@@ -441,7 +436,7 @@ def generative_perplexity(decoder: SetDecoder, tok, scorer: HFScorer, samples: i
         seconds += time.perf_counter() - t
         texts += [r.text for r in out]
         per_step += [r.tokens_per_step for r in out]
-    nll, count = scorer.nll(texts)
+    nll, count, feats = scorer.score(texts, features=bool(references))
     result = {"gen_ppl": math.exp(nll / max(count, 1)), "samples": samples,
               "scored_tokens": count, "tokens_per_step": sum(per_step) / samples,
               "tokens_per_s": samples * max_new_tokens / max(seconds, 1e-9),
@@ -451,8 +446,9 @@ def generative_perplexity(decoder: SetDecoder, tok, scorer: HFScorer, samples: i
             import mauve
         except ImportError:
             raise EvalError("MAUVE needs mauve-text: pip install 'setdiff-dist[eval]'") from None
-        m = mauve.compute_mauve(p_features=scorer.features(references),
-                                q_features=scorer.features(texts), seed=seed, verbose=False)
+        m = mauve.compute_mauve(p_features=scorer.score(references, nll=False,
+                                                        features=True)[2],
+                                q_features=feats, seed=seed, verbose=False)
         result.update(mauve=float(m.mauve), mauve_references=len(references))
     return result
 
