@@ -129,14 +129,15 @@ class Service:
         return out
 
     # -- submitting and waiting -------------------------------------------------------------------
-    def submit(self, specs: list[Spec]) -> asyncio.Queue:
+    def submit(self, specs: list[Spec], streamed: bool) -> asyncio.Queue:
         """Queue every prompt of one request, or none (429); their events come to one queue
-        as ``(index, event)``."""
+        as ``(index, event)`` (new text after each step only when ``streamed``)."""
         events = asyncio.Queue()
         done = []
         try:
             for i, spec in enumerate(specs):  # (called in the event loop: see deliver)
-                self.scheduler.submit(spec, lambda ev, i=i: events.put_nowait((i, ev)))
+                self.scheduler.submit(spec, lambda ev, i=i: events.put_nowait((i, ev)),
+                                      streamed)
                 done.append(spec)
         except QueueFull:
             for spec in done:
@@ -241,7 +242,7 @@ def create_app(service: Service, lifespan=None):
             code = "context_length_exceeded" if "context" in str(exc) else None
             return bad_request(str(exc), code=code)
         try:
-            events = service.submit(specs)
+            events = service.submit(specs, req.stream)
         except QueueFull as exc:
             if metrics is not None:
                 metrics.requests.labels(outcome="rejected_queue_full").inc()

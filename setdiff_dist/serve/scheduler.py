@@ -64,6 +64,7 @@ class Ticket:
     spec: Spec
     stream: TextStream
     listener: Callable[[dict], None]
+    streamed: bool = True  # told of new text every step (else only of the outcome)
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -88,11 +89,13 @@ class Scheduler:
         self.deliver: Callable[[list], None] = deliver_now
 
     # -- the HTTP side ----------------------------------------------------------------------------
-    def submit(self, spec: Spec, listener: Callable[[dict], None]) -> None:
+    def submit(self, spec: Spec, listener: Callable[[dict], None],
+               streamed: bool = True) -> None:
         """Queue a request; raise :class:`QueueFull` if the queue holds ``max_queue`` already.
-        ``listener`` gets ``{"text": new text}`` after each step that adds some, and at the end
-        ``"done": True`` and the outcome; through :attr:`deliver`, which hands each step's
-        events over at once (the server's: one call into its event loop per step)."""
+        ``listener`` gets ``{"text": new text}`` after each step that adds some (when
+        ``streamed``), and at the end ``"done": True`` and the outcome; through
+        :attr:`deliver`, which hands each step's events over at once (the server's: one call
+        into its event loop per step)."""
         stream = TextStream(self.decoder.tok, spec.stop)
         with self._cond:
             if self._stopping or self.fatal:
@@ -100,7 +103,7 @@ class Scheduler:
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"{len(self._queue)} requests are waiting (--max-queue "
                                 f"{self.max_queue})")
-            ticket = Ticket(spec, stream, listener)
+            ticket = Ticket(spec, stream, listener, streamed)
             self._queue.append(ticket)
             self._tickets[spec.id] = ticket
             self._gauges()
@@ -217,8 +220,8 @@ class Scheduler:
         outbox = []
         for row in running:
             ticket = self._tickets.get(row.spec.id)
-            if ticket is None:
-                continue
+            if ticket is None or not (ticket.streamed or row in finished):
+                continue  # (no text is decoded for a request that is not streamed, until done)
             piece = ticket.stream.delta(row)
             if row in finished:
                 self._tickets.pop(row.spec.id, None)
