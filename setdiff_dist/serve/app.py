@@ -21,6 +21,7 @@ model's name; 429 (with ``Retry-After``) when the queue is full.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 import uuid
@@ -290,14 +291,14 @@ def create_app(service: Service, lifespan=None):
 async def _stream(service: Service, req: CompletionRequest, specs, events, rid):
     """The server-sent events of a streamed completion (the client going away cancels this
     generator: its rows leave the batch)."""
-    finished, outs = set(), {}
+    finished, outs, backlog = set(), {}, collections.deque()
 
     def chunk(choices, usage=None):
         return f"data: {json.dumps(service.completion(rid, choices, usage))}\n\n"
 
     try:
         while len(finished) < len(specs):
-            i, ev = await _coalesced(events)
+            i, ev = await _coalesced(events, backlog)
             if "error" in ev:
                 finished.add(i)
                 body = error_body(ev["error"], type_="server_error")
@@ -321,15 +322,17 @@ async def _stream(service: Service, req: CompletionRequest, specs, events, rid):
         service.cancel(specs, finished)
 
 
-async def _coalesced(events: asyncio.Queue):
+async def _coalesced(events: asyncio.Queue, backlog: collections.deque):
     """The next event of a stream, with the text of every later event of the same prompt that
     is already waiting folded into it (a client slower than the decoding steps gets fewer,
-    larger chunks instead of a growing backlog; the text adds up the same)."""
-    i, ev = await events.get()
-    while not ev.get("done") and not events.empty():
-        j, nxt = events._queue[0]  # (peek: asyncio.Queue keeps its items in a deque)
-        if j != i or "error" in nxt:
-            break
-        events.get_nowait()
+    larger chunks instead of a growing backlog; the text adds up the same). ``backlog``, the
+    stream's own, holds what was taken from ``events`` and not yet sent."""
+    if not backlog:
+        backlog.append(await events.get())
+    while not events.empty():
+        backlog.append(events.get_nowait())
+    i, ev = backlog.popleft()
+    while not ev.get("done") and backlog and backlog[0][0] == i and "error" not in backlog[0][1]:
+        _, nxt = backlog.popleft()
         ev = {**nxt, "text": ev["text"] + nxt.get("text", "")}
     return i, ev
