@@ -253,21 +253,17 @@ class _Split:
 
     def add(self, prompt: list[int], text: list[int], where: str) -> None:
         self.documents += 1
-        if self.mode == "packed" and self.bos is not None:
-            # each document [BOS] text [EOS] in the stream; each sequence [BOS], the next L - 2
-            # tokens of the stream, [EOS] (MDLM's and BD3LM's wrapped LM1B)
-            self.buffer += [self.bos] + prompt + text + [self.eos]
-            step = self.L - 2
-            while len(self.buffer) >= step:
-                row = [self.bos] + self.buffer[:step] + [self.eos]
-                self.writer.add(np.asarray(row, dtype=np.int32), self.L)
-                del self.buffer[:step]
-            return
         if self.mode == "packed":
-            self.buffer += prompt + text + [self.eos]
-            while len(self.buffer) >= self.L:
-                self.writer.add(np.asarray(self.buffer[: self.L], dtype=np.int32), self.L)
-                del self.buffer[: self.L]
+            # documents joined by [EOS]; with a BOS per chunk (MDLM's and BD3LM's wrapped LM1B)
+            # each document is [BOS] text [EOS] in the stream and each sequence [BOS], the next
+            # L - 2 tokens of the stream, [EOS]
+            head, tail = ([self.bos], [self.eos]) if self.bos is not None else ([], [])
+            self.buffer += head + prompt + text + [self.eos]
+            step = self.L - len(head) - len(tail)
+            while len(self.buffer) >= step:
+                self.writer.add(np.asarray(head + self.buffer[:step] + tail, dtype=np.int32),
+                                self.L)
+                del self.buffer[:step]
             return
         ids = prompt + text + [self.eos]
         if len(ids) > self.L:
