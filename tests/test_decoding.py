@@ -436,3 +436,40 @@ def test_choices_on_the_device_equal_the_per_sample_path():
                 p, idx = torch.softmax(logits[b, j], -1).sort(descending=True)
                 nucleus = idx[:int((p.cumsum(0) - p <= 0.5).sum())].tolist()
                 assert toks[b][j] in nucleus
+
+
+def test_a_draw_follows_the_distribution_and_a_row_draws_alike_alone_or_in_a_batch():
+    """Sampling inverts each row's distribution at a uniform number: the tokens follow the
+    softmax (a chi-square test over many draws), a token of zero probability is never drawn,
+    and a row with its own random stream draws the same tokens alone as beside other rows
+    (a server's requests)."""
+    from setdiff_dist.inference.decoder import Sampling
+    from setdiff_dist.inference.sampling import pick
+
+    logits = torch.randn(3, 4, V, generator=torch.Generator().manual_seed(1)) * 2
+    logits[..., 5] = -torch.inf  # never drawn
+    sampling = Sampling(temperature=1.0)
+    gens = [torch.Generator().manual_seed(10 + b) for b in range(3)]
+    counts = [2, 4, 1]
+    together = [pick(logits, sampling, gens, counts=counts)[0] for _ in range(5)]
+    alone = []
+    gens = [torch.Generator().manual_seed(10 + b) for b in range(3)]
+    for _ in range(5):
+        alone.append([pick(logits[b:b + 1, :counts[b]], sampling, [gens[b]])[0][0]
+                      for b in range(3)])
+    for t, a in zip(together, alone):
+        for b in range(3):
+            assert t[b][:counts[b]] == a[b]
+    # 20000 draws from one row's distribution: chi-square over the tokens it expects >= 5 times
+    probs = torch.softmax(logits[0, 0].double(), -1)
+    n = 20000
+    toks, conf = pick(logits[0, 0].expand(n, 1, V).contiguous(), sampling,
+                      torch.Generator().manual_seed(0))
+    drawn = torch.bincount(torch.tensor(toks).view(-1), minlength=V).double()
+    assert drawn[5] == 0
+    assert torch.allclose(torch.tensor(conf).view(-1).double(),
+                          probs[torch.tensor(toks).view(-1)], atol=1e-6)
+    big = probs * n >= 5
+    chi2 = (((drawn - probs * n) ** 2) / (probs * n))[big].sum().item()
+    dof = int(big.sum()) - 1
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)  # ~ the 99.9999th percentile

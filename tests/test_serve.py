@@ -307,7 +307,8 @@ def test_rows_that_join_and_leave_the_batch_decode_as_they_would_alone(set_run):
         dec = SetDecoder(model, tok, context=cfg.data.seq_len)
         settings = [("Shall I compare thee", 40, 4, 0.3, 0.0), ("When", 12, 8, 0.05, 1.0),
                     ("O", 70, 2, 0.5, 0.0), ("Thy glass", 30, 8, 0.02, 1.3),
-                    ("Look in thy", 5, 1, 2.0, 0.0), ("From", 50, 16, 0.1, 0.8)]
+                    ("Look in thy", 5, 1, 2.0, 0.0), ("From", 50, 16, 0.1, 0.8),
+                    ("Thou art more lovely", 8, 2, 0.5, 0.0)]
         specs = [Spec(id=str(i), prompt=tuple(tok.encode(p)), max_tokens=m, window=w,
                       threshold=th, greedy=t == 0, temperature=t or 1.0, top_p=1.0,
                       repetition_penalty=1.0, seed=i)
@@ -319,7 +320,10 @@ def test_rows_that_join_and_leave_the_batch_decode_as_they_would_alone(set_run):
                                        threshold=s.threshold, sampling=sampling,
                                        stop=StopCriteria(eos_id=tok.eos_id))[0].tokens
         batch, joins = ContinuousBatch(dec), {0: specs[:2], 1: specs[2:3], 3: specs[3:5],
-                                               9: specs[5:]}
+                                               5: specs[6:], 9: specs[5:6]}
+        apart = []  # (the long prompt's first step runs beside the batch's, not padding it)
+        batch._prefill_apart = lambda old, new: apart.append(
+            ContinuousBatch._prefill_apart(old, new)) or apart[-1]
         got, streamed, streams, out_of_order, step = {}, {}, {}, False, 0
         while joins or len(batch):
             for row in batch.admit(joins.pop(step, [])):
@@ -339,6 +343,7 @@ def test_rows_that_join_and_leave_the_batch_decode_as_they_would_alone(set_run):
         os.environ.update(saved)
     assert {k: r.sample.output() for k, r in got.items()} == alone
     assert max(r.largest_batch for r in got.values()) >= 4
+    assert True in apart and False in apart, apart
     assert out_of_order, "no step committed a position past the contiguous prefix"
     for k in got:
         assert streamed[k] == tok.decode(alone[k])
@@ -390,3 +395,37 @@ def test_a_server_that_cannot_start_says_why(tmp_path):
     assert res.returncode == 2 and "nothing" in res.stderr, res.stderr
     with pytest.raises(ValueError, match="the mdlm baseline's sampler, which setdiff-generate"):
         ContinuousBatch(type("MDLM", (), {"decoding": "mdlm"})())
+
+
+def test_the_http_process_and_rank_0_end_together(set_run, tmp_path):
+    """Rank 0 decodes and a process it spawned serves HTTP: if that process dies, rank 0 says
+    so and exits 1 (to be restarted) instead of decoding for nobody; if rank 0 is killed, the
+    HTTP process goes too (the kernel's parent-death signal) instead of holding the port."""
+    def http_pid(server):
+        kids = subprocess.run(["pgrep", "-P", str(server.proc.pid), "-f", "spawn_main"],
+                              capture_output=True, text=True).stdout.split()
+        assert len(kids) == 1, kids
+        return int(kids[0])
+
+    s = Server(set_run, tmp_path)
+    try:
+        assert s.complete("Shall I", **GREEDY).choices[0].finish_reason
+        os.kill(http_pid(s), signal.SIGKILL)
+        assert s.proc.wait(timeout=60) == 1
+        assert "the HTTP process ended with exit code -9" in s.output()
+    finally:
+        s.close()
+    s = Server(set_run, tmp_path)
+    try:
+        child = http_pid(s)
+        os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{child}") and \
+                open(f"/proc/{child}/stat").read().split()[2] != "Z":
+            assert time.monotonic() < deadline, "the HTTP process outlived rank 0"
+            time.sleep(0.1)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{s.url}/health", timeout=5)
+    finally:
+        s.close()

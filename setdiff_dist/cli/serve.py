@@ -15,8 +15,10 @@ it when they finish (continuous batching): a long request never holds a short on
 (queued ones too) and exits 0; Ctrl-C does the same and exits 130; a second Ctrl-C stops at
 once.
 
-Under torchrun with ``--tensor-parallel N`` (N ranks), rank 0 serves HTTP and sends each step's
-plan (who joins, who leaves) to the other ranks; every rank decodes its shard of the model.
+Rank 0 decodes, and a process it starts serves HTTP (:mod:`setdiff_dist.serve.engine`: the two
+do not share a GIL); if either ends, so does the other. Under torchrun with
+``--tensor-parallel N`` (N ranks), rank 0 sends each step's plan (who joins, who leaves) to the
+other ranks; every rank decodes its shard of the model.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def main(argv=None) -> int:
                     help="requests waiting for a row at most; more get 429")
     ap.add_argument("--tensor-parallel", type=count(), default=1,
                     help="shard the model over this many ranks (under torchrun)")
+    ap.add_argument("--threads", type=count(), default=None,
+                    help="CPU threads of each rank's decoding (default: OMP_NUM_THREADS, else "
+                         "the rank's share of the CPUs less one for the HTTP server on rank 0)")
     add_dtype_argument(ap)
     add_weights_argument(ap)
     ap.add_argument("--log-level", default="info",
@@ -70,6 +75,7 @@ def main(argv=None) -> int:
                          "many ranks as its tensor-parallel size (torchrun --nproc-per-node N "
                          "... --tensor-parallel N)")
 
+    _set_threads(args.threads)
     from setdiff_dist.api import load
 
     model = load(args.checkpoint, tensor_parallel=args.tensor_parallel, dtype=args.dtype,
@@ -92,11 +98,13 @@ def main(argv=None) -> int:
 
 
 def serve(model, args, channel) -> int:
-    import contextlib
+    """Rank 0: decode here (the scheduler's thread) and serve HTTP from a process of its own
+    (:mod:`setdiff_dist.serve.engine`); SIGTERM and SIGINT go on to it, it drains, then the
+    scheduler finishes and the other ranks stop."""
+    import multiprocessing as mp
+    import threading
 
-    import uvicorn
-
-    from setdiff_dist.serve.app import Service, create_app
+    from setdiff_dist.serve.engine import EngineHost, ModelView, http_main
     from setdiff_dist.serve.metrics import Metrics
     from setdiff_dist.serve.scheduler import Scheduler
 
@@ -104,62 +112,71 @@ def serve(model, args, channel) -> int:
     metrics = Metrics(name)
     scheduler = Scheduler(model.decoder, max_batch=args.max_batch_size,
                           max_queue=args.max_queue, metrics=metrics, channel=channel)
+    ctx = mp.get_context("spawn")  # (not fork: this process has torch's and gloo's threads)
+    here, there = ctx.Pipe()
+    host = EngineHost(scheduler, here, metrics)
+    options = {"host": args.host, "port": args.port, "log_level": args.log_level,
+               "ready_file": args.ready_file}
+    http = ctx.Process(target=http_main, args=(there, ModelView(model), name, options),
+                       name="setdiff-http")
+    got = []
 
-    service = Service(model, name, scheduler, metrics)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        import asyncio
-
-        service.bind(asyncio.get_running_loop())
-        scheduler.start()
-        yield
-        scheduler.stop()  # (uvicorn has drained the requests by now)
-
-    app = create_app(service, lifespan=lifespan)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            lifespan="on", timeout_graceful_shutdown=None)
-    server = uvicorn.Server(config)
+    def forward(signum, frame):  # (a second Ctrl-C: uvicorn stops at once, and so do we)
+        got.append(signum)
+        if http.pid is not None:
+            try:
+                os.kill(http.pid, signum)
+            except ProcessLookupError:
+                pass
 
     def fatal(why: str) -> None:  # (a broken tensor-parallel group: exit 1, to be restarted)
-        server.should_exit = True
+        host.send(("fatal", why))
+        forward(signal.SIGTERM, None)
 
     scheduler.on_fatal = fatal
-    if args.ready_file:
-        _announce_when_ready(server, args.ready_file)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    scheduler.start()
+    http.start()
+    there.close()
+    threading.Thread(target=host.serve, name="setdiff-http-link", daemon=True).start()
     print(f"setdiff-serve: {name} ({model.decoding} decoding, context {model.context}, "
           f"TP={args.tensor_parallel}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
           flush=True)
-    # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: this
-    # one, so that a drained server exits 0 (a scheduler's stop, not a kill)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    server.run()
-    if not server.started:
+    http.join()
+    if got.count(signal.SIGINT) >= 2:
+        return 130
+    scheduler.stop()  # (what the HTTP process took is done: it waited for it)
+    here.close()
+    if http.exitcode == 2:
         raise ServeError(f"could not listen on {args.host}:{args.port} (see the error above): "
                          "pick another --port or stop what uses it")
     if scheduler.fatal:
         print(f"setdiff-serve: stopped: {scheduler.fatal}", file=sys.stderr)
         return 1
-    return 0
+    if http.exitcode != 0:
+        print(f"setdiff-serve: the HTTP process ended with exit code {http.exitcode}",
+              file=sys.stderr)
+        return 1
+    return 130 if signal.SIGINT in got else 0
 
 
-def _announce_when_ready(server, path: str) -> None:
-    """Write the bound ``host:port`` to ``path`` once uvicorn listens (tests and scripts use
-    ``--port 0``: any free port)."""
-    import threading
-    import time
+def _set_threads(threads) -> None:
+    """The decoding thread's CPU threads. Rank 0's HTTP process wants a core: torch's default
+    (every core) leaves it none, and torch's OpenMP threads then wait on a preempted one (on 2
+    CPUs the tiny model served 1.3x the tokens/s with one decoding thread as with two, at 1
+    and at 16 concurrent clients)."""
+    import torch
 
-    def watch():
-        while not server.started and not server.should_exit:
-            time.sleep(0.05)
-        if server.started:
-            sock = server.servers[0].sockets[0].getsockname()
-            tmp = f"{path}.tmp"
-            with open(tmp, "w") as f:
-                f.write(f"{sock[0]}:{sock[1]}\n")
-            os.replace(tmp, path)
+    from setdiff_dist.processes import threads_per_rank
 
-    threading.Thread(target=watch, daemon=True).start()
+    if threads is None:
+        if "OMP_NUM_THREADS" in os.environ:  # (torchrun sets it: its choice, or the user's)
+            return
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        http = 1 if int(os.environ.get("LOCAL_RANK", "0")) == 0 else 0
+        threads = max(1, threads_per_rank(local) - http)
+    torch.set_num_threads(threads)
 
 
 def _model_name(path: str) -> str:

@@ -193,16 +193,11 @@ class SetDecoder(Decoder):
         # what each new token may attend: valid cache entries, then the step's own tokens
         pattern, eye = self._step_pattern(C, n)
         own = (pattern & valid[:, None, :] & valid[:, :, None]) | eye
-        # [B, s, V], on the device; the cache keeps the first C (the commits)
-        logits = self._cached_pass(cache, tokens, positions, valid, own, C,
-                                   logits_from=0 if self.mode == "causal" else C)
-        if self.mode == "causal":  # each sample's prediction comes from its last commit
-            last = [max(len(c) - 1, 0) for c in commits]
-            if min(last) == max(last):
-                logits = logits[:, last[0]:last[0] + 1]
-            else:
-                logits = logits[torch.arange(B, device=logits.device),
-                                torch.tensor(last, device=logits.device)][:, None]
+        # [B, s, V], on the device; the cache keeps the first C (the commits). Causal decoding
+        # needs one prediction per row, from its last commit: the head runs for that one only
+        at = (torch.tensor([max(len(c) - 1, 0) for c in commits], device=dev)
+              if self.mode == "causal" else C)
+        logits = self._cached_pass(cache, tokens, positions, valid, own, C, logits_from=at)
         fast = None if self.keep_logits else self._pick(logits, samples, cands)
         if self.keep_logits:  # chosen per sample, which records them
             logits = logits.float().cpu()
@@ -239,9 +234,10 @@ class SetDecoder(Decoder):
 
     def _pick(self, logits, samples, cands):
         """Each row's ``(tokens, confidences)`` for its candidate rows of ``logits [B, M, V]``:
-        rows that share their sampling and random stream in one :func:`pick` (one batched
-        draw, as a batch of one call always is); a row with a stream of its own draws for its
-        own candidates only, as it would alone."""
+        rows that decode alike (sampling settings) choose in one :func:`pick`. Rows that share
+        a random stream (one ``generate`` call) draw from it together; rows with streams of
+        their own (a server's requests) each draw for their own candidates only, as they would
+        alone, in the same batched pick."""
         groups: dict = {}
         for b, s in enumerate(samples):
             groups.setdefault(s.rules.pick_key(), []).append(b)
@@ -256,7 +252,10 @@ class SetDecoder(Decoder):
                 part = logits[torch.tensor(rows, device=logits.device)]
             seen = ([samples[b].seen() for b in rows]
                     if r.sampling.repetition_penalty != 1.0 else None)
-            toks, conf = pick(part, r.sampling, r.gen, seen)
+            gens = [samples[b].rules.gen for b in rows]
+            shared = all(g is gens[0] for g in gens)
+            toks, conf = pick(part, r.sampling, gens[0] if shared else gens, seen,
+                              counts=None if shared else [len(cands[b]) for b in rows])
             for j, b in enumerate(rows):
                 out[b] = (toks[j], conf[j])
         return out

@@ -106,11 +106,11 @@ class Rules:
     gen: Optional[torch.Generator] = None
 
     def pick_key(self):
-        """Rows with the same key choose their tokens in one :func:`pick` (greedy rows draw
-        nothing, so their random stream does not matter)."""
+        """Rows with the same key choose their tokens in one :func:`pick`, each from its own
+        random stream (greedy rows draw nothing)."""
         s = self.sampling
         greedy = s.greedy or s.temperature == 0
-        return (None if greedy else id(self.gen), greedy, s.temperature, s.top_p,
+        return (greedy, None if greedy else s.temperature, None if greedy else s.top_p,
                 s.repetition_penalty)
 
 
@@ -224,11 +224,12 @@ class Decoder:
         """Raise if this decoder cannot condition on a right context (before any decoding)."""
 
     def _cached_pass(self, cache, tokens, positions, valid, own, commits: int,
-                     logits_from: int = 0):
+                     logits_from=0):
         """One forward of a step's padded rows (``tokens``, ``positions``, ``valid [B, n]``,
         on the device) over ``cache``: each token attends the cache's valid entries and, among
         the step's tokens, what ``own [B, n, n]`` allows; the cache then keeps each row's first
-        ``commits`` slots. Returns the logits ``[B, n - logits_from, V]`` (the real vocabulary,
+        ``commits`` slots. Returns the logits ``[B, n - logits_from, V]`` (``[B, 1, V]`` for a
+        tensor ``logits_from [B]``: one position per row) (the real vocabulary,
         gathered over tensor-parallel ranks), on the device."""
         B, n = tokens.shape
         cache.reserve(n)  # (may squeeze out cropped slots: before the mask is built)

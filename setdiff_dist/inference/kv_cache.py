@@ -54,8 +54,13 @@ class KVCache:
         self._squeeze()
         if self.length + n <= self.capacity:
             return
-        capacity = max(2 * self.capacity, self.length + n)
+        self._grow(max(2 * self.capacity, self.length + n))
+
+    def _grow(self, capacity: int) -> None:
+        """Enlarge the buffers to ``capacity`` slots per sample (no smaller)."""
         grow = capacity - self.capacity
+        if grow <= 0:
+            return
         self._each_layer(lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])],
                                              2))
         self._valid = torch.cat([self._valid, self._valid.new_zeros(self.batch, grow)], 1)
@@ -142,6 +147,24 @@ class KVCache:
         self._valid, self._positions = grow(self._valid), grow(self._positions)
         self.batch += n
 
+    def append(self, other: "KVCache") -> None:
+        """Append ``other``'s rows after this cache's (samples prefilled in a cache of their
+        own join the batch); each keeps its slots, and the shorter side's extra slots are dead."""
+        length, capacity = max(self.length, other.length), max(self.capacity, other.capacity)
+        for cache in (self, other):
+            cache._grow(capacity)  # (the same on both sides)
+            cache._valid[:, cache.length:length] = False  # (stale flags past a squeeze)
+        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+            for i, (a, b) in enumerate(zip(mine, theirs)):
+                if a is None and b is None:
+                    continue
+                a = a if a is not None else b.new_zeros(self.batch, *b.shape[1:])
+                b = b if b is not None else a.new_zeros(other.batch, *a.shape[1:])
+                mine[i] = torch.cat([a, b], 0)
+        self._valid = torch.cat([self._valid, other._valid], 0)
+        self._positions = torch.cat([self._positions, other._positions], 0)
+        self.batch, self.length = self.batch + other.batch, length
+
     def keep_rows(self, rows: list) -> None:
         """Keep only these rows, in this order (samples that finished leave the batch)."""
         index = torch.tensor(rows, dtype=torch.long, device=self._valid.device)
@@ -173,6 +196,7 @@ class DecodeStep:
 
     def __init__(self, cache: KVCache, allowed: torch.Tensor):
         self.cache, self.allowed = cache, allowed
+        self._bias = None  # the mask as an additive bias, made once for all the layers
         new = allowed.shape[2] - cache.length
         if new != allowed.shape[1] or cache.length + new > cache.capacity:
             raise ValueError(f"a decoding step's mask covers {allowed.shape[2]} keys for "
@@ -189,5 +213,8 @@ class DecodeStep:
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed[:, None],
-                                              scale=scale)
+        if self._bias is None or self._bias.dtype != q.dtype:
+            self._bias = torch.zeros(self.allowed.shape, dtype=q.dtype, device=q.device)
+            self._bias.masked_fill_(~self.allowed, float("-inf"))
+            self._bias = self._bias[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._bias, scale=scale)

@@ -258,7 +258,8 @@ class LeanTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None, logits_from: int = 0,
                 step=None):
-        """Logits ``[s - logits_from, b, V]`` of ``tokens`` at ``positions`` (``[b, s]``), under
+        """Logits ``[s - logits_from, b, V]`` of ``tokens`` at ``positions`` (``[b, s]``) (or
+        ``[1, b, V]`` when ``logits_from`` is a tensor ``[b]``: one position per row), under
         ``attention_mask`` (``[b, 1, s, s]``, True = may attend; None = causal), or, with
         ``step`` (a :class:`~setdiff_dist.inference.kv_cache.DecodeStep`), over its KV cache
         under its own mask."""
@@ -298,7 +299,11 @@ class LeanTransformer(nn.Module):
             else:
                 h = F.gelu(h)
             x = x + self._all_reduce(self._linear(h, f"{i}.fc2"))
-        x = self._norm(x[:, logits_from:], "final").transpose(0, 1)
+        if isinstance(logits_from, torch.Tensor):  # one position per row: [b] -> [b, 1, h]
+            x = x[torch.arange(b, device=x.device), logits_from.to(x.device)][:, None]
+        else:
+            x = x[:, logits_from:]
+        x = self._norm(x, "final").transpose(0, 1)
         # one 2-d GEMM ([s' b, h] rows, contiguous): a strided 3-d input runs as a slow bmm
         rows = x.reshape(-1, x.shape[-1])
         if "head" in self._packed:

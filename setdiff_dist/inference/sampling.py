@@ -7,11 +7,18 @@ from __future__ import annotations
 import torch
 
 
-def pick(logits, sampling, gen, seen=None):
+def pick(logits, sampling, gen, seen=None, counts=None):
     """Every sample's choices for its candidate rows of ``logits [B, M, V]`` in a few
     batched ops where the logits are (a repetition penalty over ``seen[b]``, the token ids
-    sample ``b`` holds; temperature, top-p, greedy or one multinomial draw for all rows, from
-    ``gen``); only ``[B, M]`` token ids and confidences go to the host."""
+    sample ``b`` holds; temperature, top-p, then greedy or a draw); only ``[B, M]`` token ids
+    and confidences go to the host.
+
+    A draw inverts each row's cumulative distribution at a uniform number (the token whose
+    interval holds it), for every row in the same few ops. ``gen`` is one random stream for
+    the whole ``[B, M]`` (``generate``'s batch), or one per sample, of which sample ``b`` draws
+    ``counts[b]`` numbers (its real candidates, default ``M``): then a sample draws the same
+    tokens alone or beside any others (a server's rows), and a batch of them costs one pass
+    over the vocabulary, not one ``multinomial`` per row."""
     logits = logits.float()
     B, _, V = logits.shape
     if sampling.repetition_penalty != 1.0:
@@ -34,9 +41,29 @@ def pick(logits, sampling, gen, seen=None):
         drop = sorted_p.cumsum(-1) - sorted_p > sampling.top_p
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
         probs = probs / probs.sum(-1, keepdim=True)
-    toks = torch.multinomial(probs.view(-1, V), 1, generator=gen).view(B, -1)
+    u = uniforms(B, probs.shape[1], gen, counts).to(probs.device)
+    cdf = probs.cumsum(-1)  # (in float32, as torch.multinomial sums on the CPU)
+    # the first token whose cumulative mass exceeds u * total (kept below the total, which a
+    # rounding could reach): a token of zero mass never is
+    total = cdf[..., -1]
+    at = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    toks = torch.searchsorted(cdf, at[..., None], right=True)[..., 0]
     conf = probs.gather(-1, toks[..., None])[..., 0]
     return toks.tolist(), conf.tolist()
+
+
+def uniforms(B: int, M: int, gen, counts=None) -> torch.Tensor:
+    """``[B, M]`` uniform numbers in [0, 1): from one stream ``gen`` for all, or from
+    ``gen[b]`` for row ``b`` (its first ``counts[b]``; the rest are padding, never used)."""
+    if not isinstance(gen, (list, tuple)):
+        device = gen.device if gen is not None else "cpu"
+        return torch.rand(B, M, generator=gen, device=device, dtype=torch.float32)
+    rows = []
+    for b, g in enumerate(gen):
+        n = M if counts is None else max(min(counts[b], M), 1)
+        r = torch.rand(n, generator=g, device=g.device, dtype=torch.float32)
+        rows.append(torch.nn.functional.pad(r, (0, M - n)))
+    return torch.stack(rows)
 
 
 def accept(toks, conf, cands, threshold):

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI) in front of the :class:`Scheduler`:
+"""The OpenAI-compatible HTTP API (FastAPI) in front of the
+:class:`~setdiff_dist.serve.scheduler.Scheduler` (in the decoding process):
 
 - ``POST /v1/completions``: OpenAI's fields (``model``, ``prompt``: a string, a list of them,
   token ids or a list of those; ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
@@ -35,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from setdiff_dist.inference.decoding import DecodeError
 
 from .batch import Spec, check_spec
-from .scheduler import QueueFull, Scheduler, deliver_now
+from .scheduler import QueueFull
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting (non-streamed) request checks for its client
 
@@ -74,16 +75,18 @@ def error_body(message: str, type_: str = "invalid_request_error", param=None, c
 
 
 class Service:
-    """What the routes need: the model, its name, the scheduler and the metrics."""
+    """What the routes need: the model (a :class:`~setdiff_dist.serve.engine.ModelView`), its
+    name, the scheduler (the decoding process's :class:`~setdiff_dist.serve.engine.EngineClient`,
+    which answers as the :class:`~setdiff_dist.serve.scheduler.Scheduler` would) and the
+    metrics."""
 
-    def __init__(self, model, name: str, scheduler: Scheduler, metrics):
+    def __init__(self, model, name: str, scheduler, metrics):
         self.model, self.name, self.scheduler, self.metrics = model, name, scheduler, metrics
         self.created = int(time.time())
 
-    def bind(self, loop) -> None:
-        """Hand each decoding step's events to ``loop`` in one call (not one per request: at
-        16 streaming rows, 16 wake-ups of the loop per step cost more than the step)."""
-        self.scheduler.deliver = lambda outbox: loop.call_soon_threadsafe(deliver_now, outbox)
+    def count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count(outcome)
 
     # -- a request's specs ------------------------------------------------------------------------
     def specs(self, req: CompletionRequest) -> list[Spec]:
@@ -179,15 +182,13 @@ class Service:
 
 
 def create_app(service: Service, lifespan=None):
-    """The FastAPI application of ``setdiff-serve`` (``lifespan``: FastAPI's, which starts and
-    stops the scheduler's thread; start it from the event loop, which this binds the
-    scheduler's events to)."""
+    """The FastAPI application of ``setdiff-serve`` (``lifespan``: FastAPI's, which connects
+    the scheduler's events to the event loop)."""
     app = FastAPI(title="setdiff-serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = service.metrics
 
     def bad_request(message: str, param=None, code=None, status=400):
-        if metrics is not None:
-            metrics.requests.labels(outcome="bad_request").inc()
+        service.count("bad_request")
         return JSONResponse(error_body(message, param=param, code=code), status_code=status)
 
     @app.exception_handler(RequestValidationError)
@@ -209,11 +210,11 @@ def create_app(service: Service, lifespan=None):
 
     @app.get("/health")
     async def health():
-        if not service.scheduler.alive:
-            return JSONResponse({"status": "error", "error": service.scheduler.fatal or
+        s = service.scheduler.status()
+        if not s["alive"]:
+            return JSONResponse({"status": "error", "error": s["fatal"] or
                                  "the decoding thread stopped"}, status_code=503)
-        return {"status": "ok", "running": len(service.scheduler.batch),
-                "waiting": service.scheduler.waiting}
+        return {"status": "ok", "running": s["running"], "waiting": s["waiting"]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -245,8 +246,7 @@ def create_app(service: Service, lifespan=None):
         try:
             events = service.submit(specs, req.stream)
         except QueueFull as exc:
-            if metrics is not None:
-                metrics.requests.labels(outcome="rejected_queue_full").inc()
+            service.count("rejected_queue_full")
             return JSONResponse(error_body(f"too many requests: {exc}; retry later",
                                            type_="rate_limit_error",
                                            code="rate_limit_exceeded"),
@@ -277,8 +277,7 @@ def create_app(service: Service, lifespan=None):
             service.cancel(specs, finished)
         failed = [o["error"] for o in outs.values() if "error" in o]
         if failed:
-            if metrics is not None:
-                metrics.requests.labels(outcome="failed").inc()
+            service.count("failed")
             return JSONResponse(error_body(failed[0], type_="server_error"), status_code=500)
         ordered = [outs[i] for i in range(len(specs))]
         return service.completion(rid, [

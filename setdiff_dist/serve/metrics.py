@@ -47,6 +47,10 @@ class Metrics:
                         "failed"):
             self.requests.labels(outcome=outcome)  # (every series exists from the start)
 
+    def count(self, outcome: str) -> None:
+        """A request that ended with this outcome before decoding (rejected, bad, failed)."""
+        self.requests.labels(outcome=outcome).inc()
+
     def finished(self, out: dict) -> None:
         """A completed request's numbers (the scheduler's outcome dict)."""
         self.requests.labels(outcome="completed").inc()

@@ -139,6 +139,11 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._queue)
 
+    def status(self) -> dict:
+        """What ``GET /health`` reports."""
+        return {"alive": self.alive, "fatal": self.fatal, "running": len(self.batch),
+                "waiting": self.waiting}
+
     # -- the decoding thread ----------------------------------------------------------------------
     @property
     def alive(self) -> bool:
