@@ -163,17 +163,33 @@ def _generate(dec, m: pm.Model, prompts, n, tau, stop):
     return dec.generate(prompts, n, window=m.window, threshold=tau, sampling=greedy, stop=stop)
 
 
+def sweep_command(out: str, m: pm.Model, task: dict, budget: TaskBudget) -> list[str]:
+    """The ``setdiff-eval`` command whose tau sweep is this study's batch-1 numbers (the same
+    function, :func:`setdiff_dist.eval.tasks.gsm`, on the same problems and settings)."""
+    taus = [math.inf] if m.decoder == "causal" else TAUS
+    return ["setdiff-eval", "--checkpoint", os.path.join(out, "runs", f"ft-{m.name}"),
+            "--task", "gsm", "--data", task["test"], "--limit", str(task["test_problems"]),
+            "--max-new-tokens", str(task["solution_tokens_max"] + 8), "--window", str(m.window),
+            "--context", str(2 * budget.seq_len),
+            "--thresholds", ",".join("inf" if t == math.inf else f"{t:g}" for t in taus)]
+
+
 def evaluate(out: str, m: pm.Model, task: dict, budget: TaskBudget) -> dict:
-    from setdiff_dist.eval.tasks import GSM_STOP, _answer
-    from setdiff_dist.inference.decoder import StopCriteria
-    from setdiff_dist.inference.weights import build_inference_model
+    """Batch 1: ``setdiff-eval --task gsm --thresholds`` (:func:`sweep_command`), in this
+    process: greedy, stopped only once the answer is complete, a warm-up problem per tau, the
+    mean of per-problem tokens/s. Batch 8: whole batches of problems of different lengths.
+    Decoding runs at 2L, the pretrained length (the fine-tunes train at L)."""
+    from setdiff_dist.api import load
+    from setdiff_dist.eval.tasks import GSM_STOP, _answer, gsm
+    from setdiff_dist.inference.decoder import Sampling, StopCriteria
 
     path = os.path.join(out, "runs", f"ft-{m.name}.eval.json")
     if os.path.exists(path):
         return json.load(open(path))
     t0 = time.perf_counter()
-    model, cfg, tok = build_inference_model(os.path.join(out, "runs", f"ft-{m.name}"))
-    dec = pm._decoders(model, tok, m, context=2 * budget.seq_len)
+    loaded = load(os.path.join(out, "runs", f"ft-{m.name}"))
+    tok, dec = loaded.tokenizer, loaded.decoder
+    dec.context = 2 * budget.seq_len  # (setdiff-eval --context)
     stop = StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
     problems = [json.loads(x) for x in open(task["test"])]
     prompts = [tok.encode(p["prompt"]) for p in problems]
@@ -185,18 +201,12 @@ def evaluate(out: str, m: pm.Model, task: dict, budget: TaskBudget) -> dict:
 
     rows = []
     for tau in ([math.inf] if m.decoder == "causal" else TAUS):
-        _generate(dec, m, prompts[:1], n_new, tau, stop)  # warm-up, not counted
-        b1 = []
-        for p in prompts:
-            t = time.perf_counter()
-            b1.append(_generate(dec, m, [p], n_new, tau, stop)[0])
-            b1[-1].seconds = time.perf_counter() - t
-        row = {"tau": tau, "accuracy": sum(score(b1)) / len(b1),
-               "tokens_per_s": sum(len(r.tokens) / r.seconds for r in b1) / len(b1),
-               "tokens_per_step": sum(r.tokens_per_step for r in b1) / len(b1),
-               "tokens": sum(len(r.tokens) for r in b1) / len(b1),
-               "examples": [{"prompt": problems[i]["prompt"], "output": b1[i].text,
-                             "answer": answers[i]} for i in range(2)]}
+        b1 = gsm(dec, tok, task["test"], len(problems), n_new, m.window, tau,
+                 Sampling(greedy=True), warmup=1)
+        row = {"tau": tau, **{k: b1[k] for k in ("accuracy", "tokens_per_s",
+                                                  "tokens_per_step", "tokens")},
+               "examples": [{k: e[k] for k in ("prompt", "output", "answer")}
+                            for e in b1["examples"][:2]]}
         B = budget.batch
         _generate(dec, m, prompts[:B], n_new, tau, stop)  # warm-up
         b8, secs = [], 0.0
@@ -211,6 +221,7 @@ def evaluate(out: str, m: pm.Model, task: dict, budget: TaskBudget) -> dict:
             f"{row['tokens_per_step']:.2f} tok/step, {row['tokens_per_s']:.0f} tok/s (b1), "
             f"{row['batch_tokens_per_s']:.0f} tok/s (b{budget.batch})")
     res = {"sweep": rows, "problems": len(problems), "max_new_tokens": n_new,
+           "command": " ".join(sweep_command(out, m, task, budget)),
            "seconds": time.perf_counter() - t0}
     pm._save(path, res)
     return res
@@ -362,6 +373,9 @@ def report(out: str, results: dict) -> str:
                 f"| {labels[n]} | {r['tau']:g} | {100 * r['accuracy']:.1f} | "
                 f"{r['tokens_per_step']:.2f} | {r['tokens_per_s']:.0f} | "
                 f"{r['batch_tokens_per_s']:.0f} | {100 * r['batch_accuracy']:.1f} |")
+    lines += ["", "The batch-1 columns are these commands' tau sweeps (accuracy and tokens/step "
+              "exactly; tokens/s as timed then):", ""]
+    lines += [f"- {labels[n]}: `{e['command']}`" for n, e in ev.items() if "command" in e]
     lines += ["", "## Training", "", "| run | steps | final train loss | tokens/s | minutes |",
               "| --- | --- | --- | --- | --- |"]
     for n, t in tr.items():

@@ -7,7 +7,8 @@ Inputs: ``.txt`` (one document per file, or per blank-line paragraph with
 (a header row), ``.parquet``, ``.arrow`` and ``datasets.save_to_disk`` folders (the form
 Hugging Face datasets come in on disk). A record's text is ``--text-field``: a field, or a
 template of fields such as ``"Question: {question}\nAnswer: {answer}"``; ``--prompt-field``
-likewise. Directories are read recursively in name order.
+likewise. Directories are read recursively in name order. ``--detokenize lm1b`` first undoes
+LM1B's tokenized spacing, as the reference does (:mod:`data_prep.detokenize`).
 
 Modes: ``packed`` (documents joined with end-of-text tokens and cut into sequences of L tokens;
 the incomplete tail is dropped and counted) and ``padded`` (one document per sequence, padded, for
@@ -39,6 +40,8 @@ from setdiff_dist.cli import HelpFormatter, command, count
 from setdiff_dist.data.shards import FORMAT, MANIFEST, ShardWriter, sha256_file
 from setdiff_dist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, train_bpe
 from setdiff_dist.errors import SetdiffError
+
+from .detokenize import DETOKENIZERS
 
 
 class PrepError(SetdiffError, ValueError):
@@ -243,13 +246,15 @@ class _Split:
     """Packs or pads one split's token stream into a shard writer."""
 
     def __init__(self, directory, name, seq_len, mode, eos, samples_per_shard, truncate,
-                 bos=None):
+                 bos=None, max_prompt=None):
         self.writer = ShardWriter(directory, name, seq_len, samples_per_shard)
         self.L, self.mode, self.eos, self.truncate = seq_len, mode, eos, truncate
         self.bos = bos  # packed with a BOS per chunk (the reference's LM1B): see add
+        self.max_prompt = max_prompt  # padded: a prompt keeps its first max_prompt tokens
         self.buffer: list[int] = []
         self.documents = 0
         self.truncated = 0
+        self.prompts_cut = 0
 
     def add(self, prompt: list[int], text: list[int], where: str) -> None:
         self.documents += 1
@@ -265,6 +270,8 @@ class _Split:
                                 self.L)
                 del self.buffer[:step]
             return
+        if self.max_prompt is not None and len(prompt) > self.max_prompt:
+            prompt, self.prompts_cut = prompt[:self.max_prompt], self.prompts_cut + 1
         ids = prompt + text + [self.eos]
         if len(ids) > self.L:
             if not self.truncate:
@@ -281,7 +288,7 @@ class _Split:
     def close(self) -> dict:
         info = self.writer.close()
         info.update(documents=self.documents, dropped_tail_tokens=len(self.buffer),
-                    truncated_documents=self.truncated)
+                    truncated_documents=self.truncated, prompts_cut=self.prompts_cut)
         return info
 
 
@@ -289,13 +296,20 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
             text_field: str = "text", prompt_field: Optional[str] = None,
             split_paragraphs: bool = False, valid_every: int = 100, samples_per_shard: int = 4096,
             workers: int = 0, truncate: bool = False, overwrite: bool = False,
-            progress: bool = True, chunk_bos: bool = False) -> dict:
+            progress: bool = True, chunk_bos: bool = False,
+            detokenize: Optional[str] = None, max_prompt_tokens: Optional[int] = None) -> dict:
     """Run setdiff-prep; returns the manifest. See the module docstring."""
+    if detokenize is not None and detokenize not in DETOKENIZERS:
+        raise PrepError(f"--detokenize {detokenize}: expected one of {', '.join(DETOKENIZERS)}")
     if seq_len < 2:
         raise PrepError(f"--seq-len must be at least 2, got {seq_len}")
     if chunk_bos and (mode != "packed" or seq_len < 3):
         raise PrepError("--chunk-bos packs sequences of [BOS], L - 2 tokens and [EOS]: it needs "
                         "--mode packed and --seq-len 3 or more")
+    if max_prompt_tokens is not None and (mode != "padded" or not prompt_field
+                                          or not 1 <= max_prompt_tokens < seq_len):
+        raise PrepError("--max-prompt-tokens cuts a record's --prompt-field to its first N "
+                        "tokens in --mode padded, N at least 1 and below --seq-len")
     if valid_every < 0 or valid_every == 1:
         raise PrepError("--valid-every must be 0 (no validation split) or at least 2")
     out = os.path.abspath(out)
@@ -309,7 +323,8 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
     try:
         manifest = _prepare_into(tmp, files, tokenizer, seq_len, mode, text_field, prompt_field,
                                  split_paragraphs, valid_every, samples_per_shard, workers,
-                                 truncate, progress, chunk_bos)
+                                 truncate, progress, chunk_bos, detokenize,
+                                 max_prompt_tokens)
         if os.path.exists(out):
             old = out + f".old-{os.getpid()}"
             os.replace(out, old)
@@ -324,10 +339,13 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
 
 def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, split_paragraphs,
                   valid_every, samples_per_shard, workers, truncate, progress,
-                  chunk_bos=False) -> dict:
+                  chunk_bos=False, detokenize=None, max_prompt=None) -> dict:
+    undo = DETOKENIZERS[detokenize] if detokenize else None
+
     def documents():
         for f in files:
-            yield from read_documents(f, text_field, prompt_field, split_paragraphs)
+            for d in read_documents(f, text_field, prompt_field, split_paragraphs):
+                yield Document(undo(d.text), undo(d.prompt), d.where) if undo else d
 
     # validate every input (and read it once) before any work is done
     n_docs = sum(1 for _ in documents())
@@ -353,10 +371,10 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
             raise PrepError(f"--chunk-bos: the tokenizer {spec} has no beginning-of-sequence "
                             "token (wordpiece:VOCAB has [CLS])")
     splits = {"train": _Split(tmp, "train", seq_len, mode, tok.eos_id, samples_per_shard, truncate,
-                              bos)}
+                              bos, max_prompt)}
     if valid_every:
         splits["valid"] = _Split(tmp, "valid", seq_len, mode, tok.eos_id, samples_per_shard,
-                                 truncate, bos)
+                                 truncate, bos, max_prompt)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -401,6 +419,7 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
         "splits": info, "documents": ordinal, "input_tokens": n_tokens,
         "inputs": [{"path": os.path.abspath(f), "sha256": sha256_file(f)} for f in files],
         "options": {"text_field": text_field, "prompt_field": prompt_field,
+                    "detokenize": detokenize, "max_prompt_tokens": max_prompt,
                     "split_paragraphs": split_paragraphs, "valid_every": valid_every,
                     "samples_per_shard": samples_per_shard, "truncate": truncate},
     }
@@ -454,6 +473,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--chunk-bos", action="store_true",
                     help="packed: every sequence is [BOS], the next L - 2 tokens, [EOS], each "
                          "document [BOS] text [EOS] (the reference's LM1B; wordpiece:VOCAB)")
+    ap.add_argument("--detokenize", choices=sorted(DETOKENIZERS), default=None,
+                    help="undo a corpus's tokenized spacing first (lm1b: the reference's "
+                         "LM1B detokenizer, \"it 's\" -> \"it's\")")
+    ap.add_argument("--max-prompt-tokens", type=count(), default=None,
+                    help="padded: a prompt keeps its first N tokens (the reference cuts a "
+                         "CNN/DailyMail article to 512), leaving room for the text")
     ap.add_argument("--truncate", action="store_true",
                     help="padded mode: cut documents longer than --seq-len instead of failing")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -470,7 +495,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 split_paragraphs=args.split_paragraphs, valid_every=args.valid_every,
                 samples_per_shard=args.samples_per_shard, workers=args.workers,
                 truncate=args.truncate, overwrite=args.overwrite, progress=not args.quiet,
-                chunk_bos=args.chunk_bos)
+                chunk_bos=args.chunk_bos, detokenize=args.detokenize,
+                max_prompt_tokens=args.max_prompt_tokens)
     counts = ", ".join(f"{k}: {v['samples']} sequences / {v['tokens']} tokens / "
                        f"{len(v['shards'])} shards" for k, v in m["splits"].items())
     print(f"setdiff-prep: {m['documents']} documents -> {args.out} ({counts}); tokenizer "

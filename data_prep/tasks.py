@@ -3,6 +3,7 @@
     setdiff-tasks gsm    --out gsm.jsonl    --size 2000 --seed 0
     setdiff-tasks chain  --out chain.jsonl  --size 2000 --seed 0 [--terms 2-5] [--digits 1]
     setdiff-tasks infill --out infill.jsonl [--size 2000] [--seed 0]
+    setdiff-tasks rocstories --input cloze_test_val__spring2016.csv --middle 1 --out roc.jsonl
 
 - ``gsm``: GSM8K-style grade-school problems with numeric answers, from reasoning-gym's
   ``gsm_symbolic`` generator (templated GSM8K problems). Records: ``prompt``
@@ -14,6 +15,12 @@
   a running total, one line per operation (``4 - 1 = 3`` / ``3 - 7 = -4`` / ``#### -4``).
   The same record fields as ``gsm``, so ``setdiff-eval --task gsm`` scores them. A model of a
   few million parameters learns it on a CPU; its solution text is formulaic, as GSM8K's is.
+- ``rocstories``: the paper's infilling set from ROCStories' own CSV (``--input``): the Story
+  Cloze files (``InputSentence1``-``4`` and the right ending of ``RandomFifthSentenceQuiz1`` /
+  ``2`` by ``AnswerRightEnding``; the paper uses ``cloze_test_val__spring2016.csv``) or the
+  story files (``sentence1``-``5``). ``--middle 1`` masks the third sentence, ``--middle 3``
+  the second to fourth, as the reference does; the span's length is the reference middle's (an
+  oracle length). Every story, in file order.
 - ``infill``: ROCStories-style infilling on real prose: windows of five consecutive KJV verses
   (within a chapter), or with ``--unit clause`` five clauses (sentence-sized, so that a window
   fits L = 128), the middle one or three to fill. Records: ``left``, ``middle``, ``right``,
@@ -132,30 +139,94 @@ def infill(size: int, seed: int, chapters: Optional[set] = None,
     return out
 
 
+CLOZE = ("InputSentence1", "InputSentence2", "InputSentence3", "InputSentence4",
+         "RandomFifthSentenceQuiz1", "RandomFifthSentenceQuiz2", "AnswerRightEnding")
+STORY = ("sentence1", "sentence2", "sentence3", "sentence4", "sentence5")
+
+
+def rocstories(path: str, middle: int = 1, size: Optional[int] = None) -> list[dict]:
+    """ROCStories' five-sentence stories from its CSV, as infill records: ``middle`` = 1 masks
+    the third sentence, 3 the second to fourth (the reference's two spans)."""
+    import csv
+
+    if middle not in (1, 3):
+        raise CorpusError(f"--middle {middle}: the paper's spans are 1 (the third sentence) or "
+                          "3 (the second to fourth)")
+    try:
+        fh = open(path, newline="", encoding="utf-8-sig")
+    except OSError as exc:
+        raise CorpusError(f"--input {path}: {exc.strerror}; give ROCStories' CSV file") from None
+    out = []
+    with fh:
+        reader = csv.DictReader(fh)
+        columns = set(reader.fieldnames or ())
+        cloze = set(CLOZE) <= columns
+        if not cloze and not set(STORY) <= columns:
+            raise CorpusError(
+                f"{path}: not a ROCStories CSV: its header has {sorted(columns)[:8]}; expected "
+                f"the Story Cloze columns {', '.join(CLOZE)} or the story columns "
+                f"{', '.join(STORY)}")
+        for number, row in enumerate(reader, 2):
+            if size is not None and len(out) == size:
+                break
+            if cloze:
+                ending = str(row["AnswerRightEnding"]).strip()
+                if ending not in ("1", "2"):
+                    raise CorpusError(f"{path}, line {number}: AnswerRightEnding is "
+                                      f"{ending!r}, not 1 or 2")
+                s = [row[f"InputSentence{i}"] for i in range(1, 5)]
+                s.append(row[f"RandomFifthSentenceQuiz{ending}"])
+                ident = row.get("InputStoryid") or str(number)
+            else:
+                s = [row[c] for c in STORY]
+                ident = row.get("storyid") or str(number)
+            s = [(x or "").strip() for x in s]
+            if not all(s):
+                raise CorpusError(f"{path}, line {number}: a story needs five sentences; "
+                                  f"sentence {s.index('') + 1} is empty")
+            lo = 2 if middle == 1 else 1
+            out.append({"left": " ".join(s[:lo]), "middle": " ".join(s[lo:lo + middle]),
+                        "right": " ".join(s[lo + middle:]), "n_middle": middle,
+                        "unit": "sentence", "source": f"rocstories:{ident}"})
+    if not out:
+        raise CorpusError(f"{path}: no stories")
+    return out
+
+
 @command("setdiff-tasks")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-tasks", description=__doc__,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("task", choices=("gsm", "chain", "infill"))
+    ap.add_argument("task", choices=("gsm", "chain", "infill", "rocstories"))
     ap.add_argument("--out", required=True, help="output .jsonl")
-    ap.add_argument("--size", type=count(), default=2000)
+    ap.add_argument("--size", type=count(), default=None,
+                    help="records (default: 2000; rocstories: every story)")
+    ap.add_argument("--input", default=None, help="rocstories: ROCStories' CSV file")
+    ap.add_argument("--middle", type=int, choices=(1, 3), default=1,
+                    help="rocstories: sentences to fill, the third (1) or second to fourth (3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--unit", choices=("verse", "clause"), default="verse",
                     help="infill: five verses, or five clauses (sentence-sized; fit L = 128)")
     ap.add_argument("--terms", default="2-5", help="chain: operands per problem, LO-HI")
     ap.add_argument("--digits", type=count(), default=1, help="chain: digits per operand")
     args = ap.parse_args(argv)
-    if args.task == "gsm":
-        records = gsm(args.size, args.seed)
+    if (args.task == "rocstories") != bool(args.input):
+        ap.error("rocstories needs --input: ROCStories' CSV file" if args.task == "rocstories"
+                 else f"--input is for rocstories; {args.task} makes its records itself")
+    size = 2000 if args.size is None else args.size
+    if args.task == "rocstories":
+        records = rocstories(args.input, args.middle, args.size)
+    elif args.task == "gsm":
+        records = gsm(size, args.seed)
     elif args.task == "chain":
         try:
             lo, _, hi = args.terms.partition("-")
             terms = (int(lo), int(hi or lo))
         except ValueError:
             ap.error(f"--terms {args.terms!r}: give LO-HI, e.g. 2-5")
-        records = chain(args.size, args.seed, terms, args.digits)
+        records = chain(size, args.seed, terms, args.digits)
     else:
-        records = infill(args.size, args.seed, unit=args.unit)
+        records = infill(size, args.seed, unit=args.unit)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".tmp", "w", encoding="utf-8") as fh:
         for r in records:

@@ -62,3 +62,42 @@ def test_chain_sums_have_a_checked_running_total(tmp_path, capsys):
         code = exc.code
     assert code == 2 and "2 <= LO <= HI" in capsys.readouterr().err
     assert [json.loads(x) for x in out.read_text().splitlines()] == rows  # left as it was
+
+
+def test_rocstories_csv_becomes_the_papers_infill_spans(tmp_path, capsys):
+    """Both ROCStories CSV schemas (Story Cloze with its right ending; the story files) become
+    infill records with the reference's spans; a CSV of another schema is exit 2 and says what
+    it expected."""
+    import csv
+
+    cloze = tmp_path / "cloze_test_val__spring2016.csv"
+    with open(cloze, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["InputStoryid", *tasks.CLOZE[:6], "AnswerRightEnding"])
+        w.writerow(["a1", "Ann woke up.", "She was late.", "She ran out.", "The bus left.",
+                    "She cried.", "She danced.", "2"])
+        w.writerow(["b2", "Bo baked.", "It burned.", "He laughed.", "He tried again.",
+                    "It was good.", "It flew away.", "1"])
+    one = tasks.rocstories(str(cloze), middle=1)
+    assert one[0] == {"left": "Ann woke up. She was late.", "middle": "She ran out.",
+                      "right": "The bus left. She danced.", "n_middle": 1, "unit": "sentence",
+                      "source": "rocstories:a1"}
+    assert one[1]["right"] == "He tried again. It was good."
+    three = tasks.rocstories(str(cloze), middle=3)
+    assert (three[0]["left"], three[0]["middle"], three[0]["right"]) == (
+        "Ann woke up.", "She was late. She ran out. The bus left.", "She danced.")
+    stories = tmp_path / "ROCStories_winter2017.csv"
+    with open(stories, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["storyid", "storytitle", *tasks.STORY])
+        w.writerow(["s9", "Rain", "It rained.", "We stayed in.", "We read.", "It stopped.",
+                    "We went out."])
+    out = tmp_path / "roc.jsonl"
+    assert tasks.main(["rocstories", "--input", str(stories), "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert (rec["middle"], rec["source"]) == ("We read.", "rocstories:s9")
+    bad = tmp_path / "other.csv"
+    bad.write_text("text,label\nhello,1\n")
+    capsys.readouterr()
+    assert tasks.main(["rocstories", "--input", str(bad), "--out", str(out)]) == 2
+    assert "InputSentence1" in capsys.readouterr().err

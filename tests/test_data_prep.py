@@ -352,3 +352,28 @@ def test_lm1b_wordpiece_with_a_bos_per_chunk_as_the_reference_packs_it(tmp_path)
     assert shipped.eos_id == sep and shipped.encode(sentences[0]) == ours.encode(sentences[0])
     with pytest.raises(PrepError, match="no beginning-of-sequence token"):
         prepare([str(src)], "bytes", L, str(tmp_path / "x"), chunk_bos=True, progress=False)
+
+
+def test_lm1b_detokenizer_undoes_the_corpus_spacing_before_tokenizing(tmp_path):
+    """--detokenize lm1b: LM1B's word-tokenized sentences get ordinary spacing (the reference's
+    rules) before the tokenizer sees them; the manifest records it."""
+    from data_prep.detokenize import lm1b
+
+    cases = {"it 's here , he said .": "it's here, he said.",
+             "see http : / / example": "see http://example",
+             'a " quoted " word and ( this ) and [ that ] !': 'a "quoted" word and (this) and '
+                                                               '[that]!',
+             "why ? costs $ 5 or £ 4 : a ; b / c": "why? costs $5 or £4: a; b/c"}
+    for raw, want in cases.items():
+        assert lm1b(raw) == want
+    src = tmp_path / "lm1b.jsonl"
+    src.write_text("".join(json.dumps({"text": raw}) + "\n" for raw in cases))
+    m = prepare([str(src)], "bytes", 8, str(tmp_path / "out"), valid_every=0, progress=False,
+                detokenize="lm1b")
+    assert m["options"]["detokenize"] == "lm1b"
+    shards = ShardSet(str(tmp_path / "out"))
+    stream = b"".join(bytes(t for t in shards[i][0].tolist() if t < 256)
+                      for i in range(len(shards)))
+    assert b"it's here, he said." in stream and b"it 's" not in stream
+    with pytest.raises(PrepError, match="--detokenize"):
+        prepare([str(src)], "bytes", 8, str(tmp_path / "x"), detokenize="owt", progress=False)

@@ -376,3 +376,23 @@ def test_an_infill_record_longer_than_the_context_keeps_the_context_nearest_the_
     assert got_left == left[-22:] and got_right == right[:22]  # (the tokens next to the middle)
     assert fit_context(left, 20, right[:5], 64) == (left[-39:], right[:5])  # (right needs less)
     assert fit_context(left, 65, right, 64) is None
+
+
+def test_a_causal_checkpoint_infills_from_the_left_context_as_the_reference_scores_it(
+        trained, tmp_path):
+    """AR (and BD3LM) rows of the infilling table: the model cannot see the right context,
+    so the left context is its prompt and it writes as many tokens as the middle has; the
+    result says so, with tokens/s and tokens/step."""
+    run = trained("order.kind=causal", tokenizer="bpe:300")
+    data = tmp_path / "roc.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"left": "Shall I compare", "middle": "thee to a", "right": "summer's day"},
+        {"left": "Thou art", "middle": "more lovely", "right": "and more temperate"})))
+    res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task", "infill", "--data",
+                  data)
+    assert res.returncode == 0, res.stderr[-4000:] + res.stdout[-2000:]
+    assert "infills from the left context only" in res.stderr
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    assert out["conditioning"] == "left" and out["count"] == 2
+    assert out["tokens_per_step"] == 1.0 and out["tokens_per_s"] > 0
+    assert all(0 <= out[k] <= 1 for k in ("rouge1", "rouge2", "rougeL"))

@@ -81,6 +81,16 @@ def test_quick_task_study_runs_end_to_end(tmp_path):
     for png in ("pareto.png", "steps.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     assert "## Claims" in (tmp_path / "report.md").read_text()
+    # one setdiff-eval command gives each model's tau sweep: the study's numbers
+    from helpers import run_cli
+
+    for name in ("ar", "setdlm-d4", "bd3lm-4"):
+        argv = ev[name]["command"].split()[1:] + ["--out", str(tmp_path / f"{name}.json")]
+        res = run_cli("setdiff_dist.cli.eval", *argv)
+        assert res.returncode == 0, res.stderr[-3000:]
+        rows = json.loads((tmp_path / f"{name}.json").read_text())["sweep"]
+        assert [(float(r["threshold"]), r["accuracy"], r["tokens_per_step"]) for r in rows] == [
+            (r["tau"], r["accuracy"], r["tokens_per_step"]) for r in ev[name]["sweep"]]
     # the breakdown counts the same greedy outputs: its totals are the sweep's accuracies
     parts = json.loads((tmp_path / "breakdown.json").read_text())
     for key, name, i in (("ar tau=inf", "ar", 0), ("setdlm-d4 tau=0.9", "setdlm-d4", 3),

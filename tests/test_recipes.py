@@ -1,5 +1,6 @@
-"""docs/recipes.md, end to end and shrunk: a small file in each dataset's own schema goes through
-setdiff-prep, two training steps of its paper config (configs/paper/, made tiny by overrides)
+"""docs/recipes.md, end to end and shrunk: a small file in each dataset's own schema (LM1B, OWT,
+GSM8K, CNN/DailyMail, ROCStories) goes through setdiff-prep (setdiff-tasks for ROCStories), two
+training steps of its paper config (configs/paper/, configs/finetune/, made tiny by overrides)
 and its evaluation. Slow tier: each recipe is a training launch."""
 
 import json
@@ -34,6 +35,26 @@ def evaluate(*args):
     return json.loads(res.stdout[res.stdout.index("{"):])
 
 
+def rocstories(tmp_path):
+    """Two stories in the Story Cloze CSV's own schema, through setdiff-tasks rocstories."""
+    import csv
+
+    src = tmp_path / "cloze_test_val__spring2016.csv"
+    with open(src, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["InputStoryid", "InputSentence1", "InputSentence2", "InputSentence3",
+                    "InputSentence4", "RandomFifthSentenceQuiz1", "RandomFifthSentenceQuiz2",
+                    "AnswerRightEnding"])
+        w.writerow(["a", "Ann woke up late.", "She ran.", "The bus was gone.", "She walked.",
+                    "She got there at noon.", "She flew.", "1"])
+        w.writerow(["b", "Bo baked bread.", "It burned.", "He laughed.", "He tried again.",
+                    "It flew.", "It was good.", "2"])
+    out = tmp_path / "roc.jsonl"
+    res = run_cli("data_prep.tasks", "rocstories", "--input", src, "--out", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
 def test_lm1b_row_from_records_to_the_bound(tmp_path):
     """LM1B: sentences as records, BERT WordPiece from a vocab.txt with a BOS per chunk, the
     SetDLM row's config, the perplexity bound."""
@@ -53,6 +74,11 @@ def test_lm1b_row_from_records_to_the_bound(tmp_path):
           m["tokenizer"]["vocab_size"])
     out = evaluate("--checkpoint", run, "--task", "ppl", "--batches", "2", "--batch-size", "2")
     assert out["ppl_bound"] > 1 and out["exact"] is False
+    # ROCStories infilling by a set-diffusion checkpoint: the middle between both contexts
+    roc = evaluate("--checkpoint", run, "--task", "infill", "--data", rocstories(tmp_path),
+                   "--preset", "infill")
+    assert roc["conditioning"] == "left and right" and roc["count"] == 2
+    assert roc["tokens_per_s"] > 0 and 0 <= roc["rougeL"] <= 1
 
 
 def test_owt_and_cnn_dm_rows_from_records_to_their_numbers(tmp_path):
@@ -92,3 +118,70 @@ def test_owt_and_cnn_dm_rows_from_records_to_their_numbers(tmp_path):
     summ = evaluate("--checkpoint", run, "--task", "summarize", "--data", cnn,
                     "--max-new-tokens", "8")
     assert summ["count"] == 3 and 0 <= summ["rougeL"] <= 1
+    # ROCStories' AR and BD3LM rows: infilled from the left context, as the reference scores them
+    roc = rocstories(tmp_path)
+    for checkpoint in (run, causal):
+        out = evaluate("--checkpoint", checkpoint, "--task", "infill", "--data", roc,
+                       "--preset", "infill")
+        assert out["conditioning"] == "left" and out["count"] == 2, out
+
+
+SHRINK_QWEN = ["model.num_query_groups=2", "model.head_dim=16", "parallel.tensor=1"]
+
+
+def test_gsm8k_rows_from_records_to_the_tau_sweep(tmp_path):
+    """GSM8K: records in its schema (question / answer ending "#### N") as Parquet, prepared in
+    the paper's chat prompt, a few steps of the SetDLM fine-tune config (from scratch here: no
+    Qwen3 checkpoint offline), then the tau sweep of accuracy, tokens/step and tokens/s."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_prep.prep import prepare
+
+    rows = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+            for a, b in ((2, 3), (4, 1), (5, 2), (1, 1), (3, 3), (6, 2), (2, 2), (7, 1))]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    prompt = ("<|im_start|>user\nPlease reason step by step, and put your final answer within "
+              "$\\boxed{{}}$. {question}<|im_end|>\n<|im_start|>assistant\n")
+    m = prepare([str(tmp_path / "train.parquet")], "gpt2", 64, str(tmp_path / "data"),
+                mode="padded", prompt_field=prompt, text_field="{answer}", valid_every=4,
+                progress=False)
+    run = tmp_path / "run"
+    train("configs/finetune/qwen3-1.7b-gsm.yaml", tmp_path / "data", run,
+          m["tokenizer"]["vocab_size"], *SHRINK_QWEN, "data.seq_len=64",
+          "checkpoint.init_from_hf=")
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps({"prompt": prompt.format(question=r["question"]),
+                                        "answer": r["answer"][-1]}) + "\n" for r in rows[:2]))
+    out = evaluate("--checkpoint", run, "--task", "gsm", "--data", test, "--thresholds",
+                   "inf,0.9", "--max-new-tokens", "8")
+    assert [r["threshold"] for r in out["sweep"]] == ["inf", 0.9]
+    for r in out["sweep"]:
+        assert r["count"] == 2 and 0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0
+
+
+def test_cnn_dailymail_row_from_records_to_rouge(tmp_path):
+    """CNN/DailyMail: records in its schema (article / highlights / id) as Parquet, the article
+    as context and "Summary: ..." the target, a few steps of the SetDLM row's config, then ROUGE
+    of summaries cued with "Summary:"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_prep.prep import prepare
+
+    paras = [p.strip() for p in sample_text().split("\n\n") if p.strip()][:12]
+    records = [{"article": p, "highlights": p.splitlines()[0], "id": str(i)}
+               for i, p in enumerate(paras)]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "train.parquet")
+    m = prepare([str(tmp_path / "train.parquet")], "gpt2", 32, str(tmp_path / "data"),
+                mode="padded", prompt_field="{article}", text_field="\nSummary: {highlights}",
+                max_prompt_tokens=20, truncate=True, valid_every=4, progress=False)
+    assert m["splits"]["train"]["prompts_cut"] > 0
+    run = tmp_path / "run"
+    train("configs/paper/cnndm-qwen3s-setdlm-s32.yaml", tmp_path / "data", run,
+          m["tokenizer"]["vocab_size"], *SHRINK_QWEN)
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    out = evaluate("--checkpoint", run, "--task", "summarize", "--data", test, "--template",
+                   "{article}\nSummary:", "--max-new-tokens", "8", "--window", "4")
+    assert out["count"] == 2 and 0 <= out["rougeL"] <= 1 and out["tokens_per_s"] > 0

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -57,33 +58,15 @@ def perplexity(model, cfg, shards_dir: str, batches: int = 16, batch_size: int =
             "exact": objective.order.exact_likelihood}
 
 
-def _ngrams(words, n):
-    return Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
-
-
-def _f1(overlap, a, b):
-    if not a or not b or not overlap:
-        return 0.0
-    p, r = overlap / a, overlap / b
-    return 2 * p * r / (p + r)
-
-
 def rouge(candidate: str, reference: str) -> dict:
-    """ROUGE-1, ROUGE-2 and ROUGE-L F1 on lower-cased words (no stemming)."""
-    c, r = re.findall(r"\w+", candidate.lower()), re.findall(r"\w+", reference.lower())
-    out = {}
-    for n in (1, 2):
-        cn, rn = _ngrams(c, n), _ngrams(r, n)
-        out[f"rouge{n}"] = _f1(sum((cn & rn).values()), sum(cn.values()), sum(rn.values()))
-    # longest common subsequence
-    prev = [0] * (len(r) + 1)
-    for w in c:
-        cur = [0]
-        for j, v in enumerate(r):
-            cur.append(prev[j] + 1 if w == v else max(prev[j + 1], cur[j]))
-        prev = cur
-    out["rougeL"] = _f1(prev[-1], len(c), len(r))
-    return out
+    """ROUGE-1, ROUGE-2 and ROUGE-L F1 of an infill, by Google's ``rouge-score`` without
+    stemming (what the reference's ``evaluate.load("rouge")`` computes by default)."""
+    return rouge_f1(_plain_rouge(), candidate, reference)
+
+
+@functools.lru_cache(maxsize=1)
+def _plain_rouge():
+    return rouge_scorer(("rouge1", "rouge2", "rougeL"), stem=False)
 
 
 TASK_FIELDS = {"infill": ("left", "middle", "right"), "gsm": ("prompt", "answer"),
@@ -198,33 +181,54 @@ def fit_context(left: list, n: int, right: list, context: int):
 
 
 def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, threshold: float,
-              sampling: Sampling) -> dict:
-    """ROUGE of each record's infill against its middle; a record longer than the model's
-    context keeps the context nearest the middle (counted: ``contexts_cut``), and one whose
-    middle alone does not fit is skipped (``skipped_too_long``)."""
-    scores, examples, skipped, cut = [], [], 0, 0
+              sampling: Sampling, left_only: bool = False) -> dict:
+    """ROUGE of each record's infill against its middle, with tokens/step and tokens/s (the
+    mean of per-record rates). A record longer than the model's context keeps the context
+    nearest the middle (counted: ``contexts_cut``), and one whose middle alone does not fit
+    is skipped (``skipped_too_long``).
+
+    ``left_only`` is how the reference scores the rows of models that cannot see a right
+    context (AR, BD3LM): the left context is the prompt and the model writes as many tokens as
+    the middle has, with no stop; its text up to an end-of-text is the infill."""
+    scores, examples, skipped, cut, rates, per_step = [], [], 0, 0, [], []
+    if left_only and decoder.decoding == "causal":
+        window = 1  # (one token per step: an infill preset's window means nothing to AR)
     for rec in _records(path, limit, "infill"):
         left, middle, right = infill_window(tok, rec)
         n = len(middle)
-        fitted = fit_context(left, n, right, decoder.context)
+        fitted = fit_context(left, n + (window if left_only else 0), [] if left_only else right,
+                             decoder.context)
         if fitted is None:
             skipped += 1
             continue
-        cut += fitted != (left, right)
+        cut += fitted != (left, [] if left_only else right)
         left, right = fitted
         try:
-            r = decoder.infill([left], [right], [n], window=min(window or n, n),
-                               threshold=threshold, sampling=sampling)[0]
+            if left_only:
+                r = decoder.generate([left], n, window=window, threshold=threshold,
+                                     sampling=sampling, stop=StopCriteria())[0]
+                ids = r.tokens[:r.tokens.index(tok.eos_id)] if tok.eos_id in r.tokens \
+                    else r.tokens
+                text = tok.decode(ids)
+            else:
+                r = decoder.infill([left], [right], [n], window=min(window or n, n),
+                                   threshold=threshold, sampling=sampling)[0]
+                text = r.text
         except DecodeError:  # longer than the model's context
             skipped += 1
             continue
-        scores.append(rouge(r.text, rec["middle"]))
+        scores.append(rouge(text, rec["middle"]))
+        rates.append(len(r.tokens) / max(r.seconds, 1e-9))
+        per_step.append(r.tokens_per_step)
         if len(examples) < 3:
-            examples.append({"left": rec["left"], "infill": r.text, "reference": rec["middle"]})
+            examples.append({"left": rec["left"], "infill": text, "reference": rec["middle"]})
     if not scores:
         raise _nothing_evaluated(path, skipped, decoder)
-    mean = {k: sum(s[k] for s in scores) / len(scores) for k in ("rouge1", "rouge2", "rougeL")}
-    return {**mean, "count": len(scores), "skipped_too_long": skipped, "contexts_cut": cut,
+    n = len(scores)
+    mean = {k: sum(s[k] for s in scores) / n for k in ("rouge1", "rouge2", "rougeL")}
+    return {**mean, "count": n, "skipped_too_long": skipped, "contexts_cut": cut,
+            "conditioning": "left" if left_only else "left and right",
+            "tokens_per_step": sum(per_step) / n, "tokens_per_s": sum(rates) / n,
             "examples": examples}
 
 
@@ -254,7 +258,7 @@ def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, wi
     """Accuracy by the ``####`` answer rule, one problem at a time (batch 1, the paper's
     setting), with tokens/step and tokens/s (the mean of per-problem rates, as
     :func:`throughput`); ``warmup`` first problems are decoded once before, not counted."""
-    correct, total, skipped, examples = 0, 0, 0, []
+    correct, total, skipped, examples, generated = 0, 0, 0, [], 0
     rates, per_step = [], []
     stop = StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
     records = _records(path, limit, "gsm")
@@ -276,6 +280,7 @@ def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, wi
         total += 1
         rates.append(len(r.tokens) / max(r.seconds, 1e-9))  # (the decoder's own timing)
         per_step.append(r.tokens_per_step)
+        generated += len(r.tokens)
         if len(examples) < 3:
             examples.append({"prompt": rec["prompt"], "output": r.text, "answer": rec["answer"],
                              "extracted": got})
@@ -283,7 +288,7 @@ def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, wi
         raise _nothing_evaluated(path, skipped, decoder)
     return {"accuracy": correct / total, "count": total, "skipped_too_long": skipped,
             "tokens_per_step": sum(per_step) / total, "tokens_per_s": sum(rates) / total,
-            "examples": examples}
+            "tokens": generated / total, "examples": examples}
 
 
 def gsm_sweep(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int,
@@ -294,7 +299,8 @@ def gsm_sweep(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: i
     for tau in thresholds:
         r = gsm(decoder, tok, path, limit, max_new_tokens, window, tau, sampling, warmup=1)
         rows.append({"threshold": tau, **{k: r[k] for k in (
-            "accuracy", "tokens_per_step", "tokens_per_s", "count", "skipped_too_long")},
+            "accuracy", "tokens_per_step", "tokens_per_s", "tokens", "count",
+            "skipped_too_long")},
             "examples": r["examples"][:1]})
     return {"sweep": rows, "method": THROUGHPUT_METHOD}
 
@@ -303,21 +309,20 @@ SUMMARY_TEMPLATE = "{article}\n\nTL;DR:\n"
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
 
-def rouge_scorer():
+def rouge_scorer(keys=ROUGE_KEYS, stem: bool = True):
     """Google's ``rouge-score`` (the package CNN/DailyMail results are computed with), with the
-    Porter stemmer; ``rougeLsum`` splits summaries at newlines."""
+    Porter stemmer unless ``stem`` is False; ``rougeLsum`` splits summaries at newlines."""
     try:
         from rouge_score import rouge_scorer as rs
     except ImportError:
-        raise EvalError("--task summarize scores with rouge-score, which is not installed: "
-                        "pip install 'setdiff-dist[eval]'") from None
-    return rs.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
+        raise EvalError("ROUGE (--task summarize, --task infill) is scored with rouge-score, "
+                        "which is not installed: pip install 'setdiff-dist[eval]'") from None
+    return rs.RougeScorer(list(keys), use_stemmer=stem)
 
 
 def rouge_f1(scorer, prediction: str, reference: str) -> dict:
-    """ROUGE F1 of one summary, per key of :data:`ROUGE_KEYS`."""
-    scores = scorer.score(reference, prediction)
-    return {k: scores[k].fmeasure for k in ROUGE_KEYS}
+    """ROUGE F1 of one text, per key the scorer computes."""
+    return {k: s.fmeasure for k, s in scorer.score(reference, prediction).items()}
 
 
 def summarize(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int,
