@@ -9,7 +9,8 @@ It prints a table and the set-diffusion / causal ratios measured in the same run
 
 Runs write no checkpoint (``checkpoint.save_at_end=false``) and each run directory is deleted
 once read (a 1.3B checkpoint is ~21 GB). ``--budget-s`` skips the runs that would start after
-that many seconds. The exit code is 1 if any run failed (or was skipped), else 0.
+that many seconds. The exit code is 1 if any run failed, else 3 if a run was skipped for the
+budget (tests/gpu/run.sh reports "skipped (budget)", not a failure), else 0.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["110m", "1.3b"])
     ap.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp8"))
-    ap.add_argument("--backend", default="sdpa")
+    ap.add_argument("--backend", default="auto",
+                    help="model.attention_backend (auto: what training picks for the order, "
+                         "permuted_causal for the staggered one)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30)
@@ -118,7 +121,9 @@ def main() -> int:
             for kind in ("causal", "staggered"):
                 if args.budget_s is not None and time.monotonic() - start > args.budget_s:
                     r = results[f"{model}/{kind}"] = {
-                        "error": f"skipped: past the {args.budget_s:.0f} s budget"}
+                        "skipped": f"past the {args.budget_s:.0f} s budget"}
+                    print(f"{model:>6} {kind:<10} skipped (budget): {r['skipped']}")
+                    continue
                 else:
                     r = results[f"{model}/{kind}"] = run(model, kind, args, shards, tmp)
                 if "error" in r:
@@ -128,16 +133,19 @@ def main() -> int:
                 print(f"{model:>6} {kind:<10} {r['tokens_per_s']:12,.0f} tokens/s{mfu}  "
                       f"peak memory {r['memory_gb']:.1f} GB", flush=True)
             c, s = results[f"{model}/causal"], results[f"{model}/staggered"]
-            if "error" not in c and "error" not in s:
+            if "tokens_per_s" in c and "tokens_per_s" in s:
                 print(f"{model:>6} set diffusion / causal: step-time ratio "
                       f"{c['tokens_per_s'] / s['tokens_per_s']:.2f}x")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": device, "args": vars(args), "results": results}, fh, indent=2)
     failed = [k for k, r in results.items() if "error" in r]
+    skipped = [k for k, r in results.items() if "skipped" in r]
     if failed:
-        print(f"failed or skipped: {', '.join(failed)}")
-    return 1 if failed else 0
+        print(f"failed: {', '.join(failed)}")
+    if skipped:
+        print(f"skipped (budget): {', '.join(skipped)}")
+    return 1 if failed else 3 if skipped else 0
 
 
 if __name__ == "__main__":

@@ -113,3 +113,46 @@ def test_the_carried_pins_are_the_versions_ci_tests_with():
 
     for name, version in wheelset.carry_pins().items():
         assert md.version(name) == version, f"{name}: carried {version}, here {md.version(name)}"
+
+
+def test_a_stage_that_runs_out_of_budget_is_skipped_and_never_a_failure(tmp_path):
+    """run.sh's stages end ok, FAILED or skipped (budget), distinctly: past its time limit, or
+    a benchmark's own budget skip (exit 3), a stage is skipped and the run still passes; any
+    other exit, a kill before the limit included (the OOM killer's SIGKILL), is a failure."""
+    script = f"""
+        OUT={tmp_path}; failed=0; skipped=""; : > "$OUT/summary.txt"
+        source tests/gpu/stages.sh
+        stage fine 10 true
+        stage over 1 sleep 30
+        stage own 10 bash -c 'echo "RESULT: 110m done, 1.3b skipped"; exit 3'
+        echo "after skips: failed=$failed skipped=$skipped"
+        stage broken 10 bash -c 'exit 1'
+        stage killed 10 bash -c 'kill -9 $$'
+        echo "after failures: failed=$failed"
+    """
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
+    lines = (tmp_path / "summary.txt").read_text().splitlines()
+    assert lines[0].startswith("[gpu] fine: ok in")
+    assert lines[1].startswith("[gpu] over: skipped (budget: past its 1 s limit) after")
+    assert lines[2].startswith("[gpu] own: skipped (budget: its own budget) after")
+    assert lines[2].endswith(": 110m done, 1.3b skipped")
+    assert "after skips: failed=0 skipped= over own" in res.stdout
+    assert lines[3].startswith("[gpu] broken: FAILED (exit 1)")
+    assert lines[4].startswith("[gpu] killed: FAILED (exit 137)")
+    assert "after failures: failed=1" in res.stdout
+
+
+def test_the_bench_stage_exits_3_when_its_budget_skips_a_run(tmp_path):
+    """benchmarks/train_throughput.py: a run its --budget-s leaves out is "skipped (budget)"
+    and exit 3 (run.sh: skipped, not FAILED); it times what training picks for each order."""
+    out = tmp_path / "t.json"
+    res = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--models", "110m",
+                          "--budget-s", "0", "--json", str(out)], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 3, res.stdout + res.stderr[-2000:]
+    assert "skipped (budget): 110m/causal, 110m/staggered" in res.stdout
+    import json
+
+    got = json.loads(out.read_text())
+    assert got["args"]["backend"] == "auto" and all("skipped" in r for r in
+                                                    got["results"].values())

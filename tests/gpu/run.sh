@@ -18,8 +18,10 @@
 #   tests    pytest -m gpu tests/test_gpu.py                                      (180 s limit)
 #   bench    benchmarks/train_throughput.py, shortened, no checkpoints kept      (110 s limit)
 #   decode   benchmarks/decode_vs_hf.py: bf16 decoding vs transformers' generate (110 s limit)
-# Under 8 minutes in all. Exit code: 0 if every stage that ran passed, else 1.
-# Logs go to $OUT (default gpu-results/): one file per stage and summary.txt.
+# Under 8 minutes in all. Each stage ends "ok", "FAILED" (a check failed, or the stage crashed)
+# or "skipped (budget)" (it ran past its time limit, or a benchmark skipped what would not fit
+# its own budget: exit 3); a budget skip is never a failure. Exit code: 0 if no stage failed,
+# else 1. Logs go to $OUT (default gpu-results/): one file per stage and summary.txt.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 2
@@ -29,7 +31,7 @@ for arg in "$@"; do
     case "$arg" in
         --cpu-rehearsal) MODE=cpu ;;
         --no-install) INSTALL=0 ;;
-        -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "run.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -40,38 +42,10 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 start=$(date +%s)
 failed=0
+skipped=""
 
-say() { echo "[gpu] $*" | tee -a "$OUT/summary.txt"; }
-
-# stage NAME LIMIT_S COMMAND...: run it with a time limit, log to $OUT/NAME.log, print one line
-stage() {
-    local name=$1 limit=$2 t0 rc dt result
-    shift 2
-    t0=$(date +%s)
-    if declare -F "$1" > /dev/null; then  # a function of this script: no time limit
-        ( "$@" ) > "$OUT/$name.log" 2>&1
-    else
-        timeout --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-    fi
-    rc=$?
-    dt=$(( $(date +%s) - t0 ))
-    result=$(grep -E '^RESULT: |^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)|^no tests ran|^wheelset: ' \
-             "$OUT/$name.log" | tail -n 1 | sed 's/^RESULT: //')
-    if [ "$rc" -eq 0 ]; then
-        say "$name: ok in ${dt} s${result:+: $result}"
-    else
-        failed=1
-        if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-            say "$name: TIMED OUT after ${dt} s (limit ${limit} s)${result:+: $result}"
-        else
-            say "$name: FAILED (exit $rc) in ${dt} s${result:+: $result}"
-        fi
-        echo "----- last lines of $OUT/$name.log" >&2
-        tail -n 25 "$OUT/$name.log" >&2
-        echo "-----" >&2
-    fi
-    return "$rc"
-}
+# say, stage: one result line per stage (tests/gpu/stages.sh)
+source "$ROOT/tests/gpu/stages.sh"
 
 if [ "$MODE" = cpu ]; then
     # A stand-in for the GPU machine's python: a virtual environment that holds its own torch and
@@ -150,10 +124,16 @@ else
     stage tests 180 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
         --timeout 150
     stage bench 110 "$PY" benchmarks/train_throughput.py --models 110m 1.3b --precision bf16 \
+        --backend auto \
         --steps 8 --warmup 3 --micro-batch 8 --budget-s 60 --json "$OUT/throughput.json"
     stage decode 110 "$PY" benchmarks/decode_vs_hf.py --device cuda --dtype bfloat16 \
         --shapes 110m 1.3b --batches 1 8 --repeats 1 --new-tokens 64 \
         --json "$OUT/decode.json"
 fi
-say "total $(( $(date +%s) - start )) s: $([ $failed = 0 ] && echo ok || echo FAILED)"
+if [ "$failed" != 0 ]; then
+    verdict=FAILED
+else
+    verdict="ok${skipped:+ (skipped for budget:$skipped)}"
+fi
+say "total $(( $(date +%s) - start )) s: $verdict"
 exit $failed
