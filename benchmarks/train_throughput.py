@@ -62,19 +62,28 @@ def step_rows(cmd: list[str], run_dir: str) -> list[dict]:
     return [r for r in rows if "step_time" in r]
 
 
+def run_overrides(run_dir: str, shards: str, *, seq_len: int, micro_batch: int, nproc: int,
+                  steps: int, precision: str, kind: str, backend: str) -> list[str]:
+    """The ``setdiff-train`` overrides of one benchmark run (tests/gpu/checks.py plans and runs
+    the same): no checkpoint, a step logged each step, ZeRO-1, no accumulation."""
+    return [f"run_dir={run_dir}", f"data.train_shards={shards}", f"data.seq_len={seq_len}",
+            f"data.micro_batch_size={micro_batch}",
+            f"data.global_batch_size={micro_batch * nproc}", f"train.steps={steps}",
+            "train.log_interval=1", f"train.precision={precision}", "train.eval_batches=1",
+            "zero.stage=1", "optimizer.warmup_steps=0", "checkpoint.save_on_signal=false",
+            "checkpoint.save_at_end=false", "train.tensorboard=false", f"order.kind={kind}",
+            "order.mean_set_size=4", f"model.attention_backend={backend}", "resume=never",
+            "data.num_workers=2"]
+
+
 def run(model: str, kind: str, args, shards: str, tmp: str) -> dict:
     nproc = max(1, torch.cuda.device_count())
     run_dir = os.path.join(tmp, f"{model}-{kind}")
     cmd = [sys.executable, "-m", "setdiff_dist.cli.train", "--nproc-per-node", str(nproc),
            "--config", os.path.join(ROOT, "configs", "models", f"{model}.yaml"),
-           f"run_dir={run_dir}", f"data.train_shards={shards}", f"data.seq_len={args.seq_len}",
-           f"data.micro_batch_size={args.micro_batch}",
-           f"data.global_batch_size={args.micro_batch * nproc}", f"train.steps={args.steps}",
-           "train.log_interval=1", f"train.precision={args.precision}", "train.eval_batches=1",
-           "zero.stage=1", "optimizer.warmup_steps=0", "checkpoint.save_on_signal=false",
-           "checkpoint.save_at_end=false",
-           "train.tensorboard=false", f"order.kind={kind}", "order.mean_set_size=4",
-           f"model.attention_backend={args.backend}", "resume=never", "data.num_workers=2"]
+           *run_overrides(run_dir, shards, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                          nproc=nproc, steps=args.steps, precision=args.precision, kind=kind,
+                          backend=args.backend)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:

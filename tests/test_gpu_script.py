@@ -156,3 +156,24 @@ def test_the_bench_stage_exits_3_when_its_budget_skips_a_run(tmp_path):
     got = json.loads(out.read_text())
     assert got["args"]["backend"] == "auto" and all("skipped" in r for r in
                                                     got["results"].values())
+
+
+def test_the_whole_script_keeps_to_its_budget(tmp_path):
+    """budgeted: a stage's limit is cut to what is left of the script's budget (less the 15 s
+    a kill may take), and a stage with no time left is skipped without running; both are
+    budget skips, never failures."""
+    script = f"""
+        OUT={tmp_path}; failed=0; skipped=""; : > "$OUT/summary.txt"
+        source tests/gpu/stages.sh
+        start=$(date +%s); TOTAL_S=19; MIN_STAGE_S=1
+        budgeted first 100 sleep 30
+        budgeted second 10 touch {tmp_path}/ran
+        echo "failed=$failed skipped=$skipped"
+    """
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    lines = (tmp_path / "summary.txt").read_text().splitlines()
+    assert lines[0].startswith("[gpu] first: skipped (budget: past its 4 s limit) after 4 s")
+    assert lines[1].startswith("[gpu] second: skipped (budget: ") and "of the script's 19 s" \
+        in lines[1]
+    assert not (tmp_path / "ran").exists()
+    assert "failed=0 skipped= first second" in res.stdout

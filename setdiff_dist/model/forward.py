@@ -66,13 +66,11 @@ def set_diffusion_inputs(tokens: torch.Tensor, sample: OrderSample, mask_id: int
         perm = torch.cat([sample.order, sample.order + L], dim=1)
         return ModelInputs(both.gather(1, perm), positions.gather(1, perm), None, L, sample.order)
     if backend == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-
         B = tokens.shape[0]
         # once per micro-batch, shared by the layers; compiled on a GPU (no [2L, 2L] mask is
         # materialised to find the blocks)
-        mask = create_block_mask(set_causal_mask_mod(sample.set_ids), B, None, 2 * L, 2 * L,
-                                 device=tokens.device, _compile=tokens.is_cuda)
+        mask = _block_mask_builder(tokens.is_cuda)(set_causal_mask_mod(sample.set_ids), B, None,
+                                                   2 * L, 2 * L, device=tokens.device)
         return ModelInputs(both, positions, mask, L, None)
     allowed = set_causal_mask(sample.set_ids)[:, None]  # [b, 1, 2L, 2L], True = may attend
     if backend == "te":  # megatron's convention for Transformer Engine: True = masked out
@@ -80,6 +78,23 @@ def set_diffusion_inputs(tokens: torch.Tensor, sample: OrderSample, mask_id: int
     # sdpa: the form SDPA takes, built once per micro-batch; every layer reads (and autograd
     # keeps) this one tensor, no per-layer inverted copy
     return ModelInputs(both, positions, allowed, L, None)
+
+
+_COMPILED_BLOCK_MASK = None
+
+
+def _block_mask_builder(compiled: bool):
+    """``create_block_mask``, compiled once per process when ``compiled`` (torch's advice since
+    its ``_compile=True`` flag was deprecated): compiled, the mask function is fused into the
+    reduction to blocks, so the ``[2L, 2L]`` mask is never materialised."""
+    global _COMPILED_BLOCK_MASK
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if not compiled:
+        return create_block_mask
+    if _COMPILED_BLOCK_MASK is None:
+        _COMPILED_BLOCK_MASK = torch.compile(create_block_mask)
+    return _COMPILED_BLOCK_MASK
 
 
 def _context_parallel_inputs(both, positions, sample, backend: str) -> ModelInputs:

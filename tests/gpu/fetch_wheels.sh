@@ -28,7 +28,7 @@ for pin in "${pins[@]}"; do
 done
 # DeepSpeed publishes only an sdist: build its pure-Python wheel (its ops are JIT-built on use)
 for pin in "${sdist_only[@]}"; do
-    DS_BUILD_OPS=0 "$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation \
+    DS_BUILD_OPS=0 "$PYTHON" -m pip wheel --quiet --no-deps \
         --disable-pip-version-check "$pin" -w "$DEST" 2> >(grep -v "^WARNING: Location" >&2)
 done
 "$PYTHON" tests/gpu/wheelset.py check --wheels "$DEST" --python "$PY"

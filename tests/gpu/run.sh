@@ -9,19 +9,25 @@
 #   bash tests/gpu/run.sh --no-install      # where everything is installed (the docker image)
 #
 # Stages, each timed, each ending in one result line, each run even if an earlier one failed
-# (except that nothing runs after a failed install):
-#   install  check wheels/ (tests/gpu/wheelset.py), pip install --no-index --no-deps --target
-#            into a fresh folder put first on PYTHONPATH, next to the machine's own packages.
-#            No venv: a venv made from the machine's python (itself a venv) would not see its
-#            torch, --system-site-packages or not.
-#   smoke    imports, NCCL init on one rank, one CUDA NELBO forward/backward      (60 s limit)
-#   tests    pytest -m gpu tests/test_gpu.py                                      (180 s limit)
-#   bench    benchmarks/train_throughput.py, shortened, no checkpoints kept      (110 s limit)
-#   decode   benchmarks/decode_vs_hf.py: bf16 decoding vs transformers' generate (110 s limit)
-# Under 8 minutes in all. Each stage ends "ok", "FAILED" (a check failed, or the stage crashed)
-# or "skipped (budget)" (it ran past its time limit, or a benchmark skipped what would not fit
-# its own budget: exit 3); a budget skip is never a failure. Exit code: 0 if no stage failed,
-# else 1. Logs go to $OUT (default gpu-results/): one file per stage and summary.txt.
+# (except that nothing runs after a failed install), the most valuable first, since the whole
+# script has 540 s (GPU_SCRIPT_BUDGET_S): a stage's limit is cut to what is left, and a stage
+# that no longer fits is skipped. Limits (expected times in the note of issue 39):
+#   install    check wheels/ (tests/gpu/wheelset.py), pip install --no-index --no-deps --target
+#              into a fresh folder put first on PYTHONPATH, next to the machine's own packages.
+#              No venv: a venv made from the machine's python (itself a venv) would not see its
+#              torch, --system-site-packages or not.                                 (no limit)
+#   smoke      imports, NCCL init on one rank, one CUDA NELBO forward/backward         (60 s)
+#   step-1.3b  a 1.3B training step: peak memory against the dry run's plan, MFU      (120 s)
+#   permuted-bf16, flex-bf16, recompute-dropout, zero23: tests/gpu/checks.py   (45, 90, 30, 60 s)
+#   decode     benchmarks/decode_vs_hf.py: bf16 decoding vs transformers' generate     (90 s)
+#   bench      benchmarks/train_throughput.py, 110m and 1.3b, causal vs staggered   (what is left)
+#   tests      pytest -m gpu tests/test_gpu.py                                     (what is left)
+# Each stage ends "ok", "FAILED" (a check failed, or the stage crashed) or "skipped (budget)"
+# (past its time limit, no time left for it, or a benchmark skipped what would not fit its own
+# budget: exit 3); a budget skip is never a failure. Exit code: 0 if no stage failed, else 1.
+# Logs go to $OUT (default gpu-results/): one file per stage and summary.txt, whose lines are
+# the stages' results. The CPU rehearsal runs the machine's torch (2.11, its CUDA 13 build on
+# the CPU), the smoke stage and every check of tests/gpu/checks.py on tiny shapes.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 2
@@ -31,7 +37,7 @@ for arg in "$@"; do
     case "$arg" in
         --cpu-rehearsal) MODE=cpu ;;
         --no-install) INSTALL=0 ;;
-        -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "run.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -41,6 +47,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 start=$(date +%s)
+TOTAL_S=${GPU_SCRIPT_BUDGET_S:-540}
 failed=0
 skipped=""
 
@@ -48,11 +55,13 @@ skipped=""
 source "$ROOT/tests/gpu/stages.sh"
 
 if [ "$MODE" = cpu ]; then
-    # A stand-in for the GPU machine's python: a virtual environment that holds its own torch and
-    # only the packages that machine's image has (machine-packages.txt). No cp312 CPU torch can
-    # be had here (PyPI's Linux wheels are CUDA builds; the local one is cp311), so the stand-in
-    # is CPython ${REHEARSAL_PYTHON_VERSION:-3.11} and the wheels are fetched for it; the cp312
-    # set itself is checked by wheelset.py, which fetch_wheels.sh runs.
+    # A stand-in for the GPU machine's python: a virtual environment that holds the machine's
+    # torch (2.11: PyPI's Linux wheel is the CUDA 13 build, which runs on a CPU; ~4.6 GB with
+    # its CUDA libraries) and only the packages that machine's image has (machine-packages.txt),
+    # so that an API the GPU paths use that this torch lacks fails here first. The stand-in is
+    # CPython ${REHEARSAL_PYTHON_VERSION:-3.11} (no python3.12 here) and the wheels are fetched
+    # for it; the cp312 set itself is checked by wheelset.py, which fetch_wheels.sh runs.
+    RTORCH=${REHEARSAL_TORCH_VERSION:-2.11.0}
     REH=${SETDIFF_REHEARSAL_DIR:-$ROOT/.rehearsal}
     RPV=${REHEARSAL_PYTHON_VERSION:-3.11}
     HOSTPY=$(command -v "python$RPV" || true)
@@ -65,7 +74,7 @@ if [ "$MODE" = cpu ]; then
             || { say "fetch: FAILED (see $OUT/fetch.log)"; tail -n 20 "$OUT/fetch.log" >&2; exit 1; }
     fi
     want=$(cat tests/gpu/carry.txt tests/gpu/machine-packages.txt docker/requirements.txt \
-           <(echo "$RPV ${TORCH_VERSION:-2.13.0}") | sha256sum | cut -c1-16)
+           <(echo "$RPV $RTORCH") | sha256sum | cut -c1-16)
     if [ "$(cat "$REH/base/.stamp" 2>/dev/null)" != "$want" ]; then
         t0=$(date +%s)
         rm -rf "$REH/base"
@@ -73,9 +82,9 @@ if [ "$MODE" = cpu ]; then
         mapfile -t provided < <("$HOSTPY" tests/gpu/wheelset.py machine-requirements \
                                 --wheels "$WHEELS" --python "$RPV")
         "$REH/base/bin/python" -m pip install -q --disable-pip-version-check \
-            "torch==${TORCH_VERSION:-2.13.0}" 2> >(grep -v "^WARNING: Location" >&2) &&
+            "torch==$RTORCH" 2> >(grep -v "^WARNING: Location" >&2) &&
         "$REH/base/bin/python" -m pip install -q --disable-pip-version-check \
-            "torch==${TORCH_VERSION:-2.13.0}" -c docker/requirements.txt "${provided[@]}" \
+            "torch==$RTORCH" -c docker/requirements.txt "${provided[@]}" \
             2> >(grep -v "^WARNING: Location" >&2) || { echo "run.sh: could not build the" \
             "stand-in python in $REH/base" >&2; exit 1; }
         echo "$want" > "$REH/base/.stamp"
@@ -116,19 +125,28 @@ else
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
+CHECKS=(step-1.3b permuted-bf16 flex-bf16 recompute-dropout zero23)
 if [ "$MODE" = cpu ]; then
     stage smoke 120 "$PY" tests/gpu/smoke.py --device cpu
-    say "tests, bench, decode: not run in the CPU rehearsal (they need the GPU)"
+    for check in "${CHECKS[@]}"; do
+        stage "$check" 120 "$PY" tests/gpu/checks.py "$check" --device cpu
+    done
+    say "decode, bench, tests: not run in the CPU rehearsal (they need the GPU)"
 else
-    stage smoke 60 "$PY" tests/gpu/smoke.py --device cuda
-    stage tests 180 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-        --timeout 150
-    stage bench 110 "$PY" benchmarks/train_throughput.py --models 110m 1.3b --precision bf16 \
-        --backend auto \
-        --steps 8 --warmup 3 --micro-batch 8 --budget-s 60 --json "$OUT/throughput.json"
-    stage decode 110 "$PY" benchmarks/decode_vs_hf.py --device cuda --dtype bfloat16 \
+    budgeted smoke 60 "$PY" tests/gpu/smoke.py --device cuda
+    limits=(120 45 90 30 60)
+    for i in "${!CHECKS[@]}"; do
+        budgeted "${CHECKS[$i]}" "${limits[$i]}" "$PY" tests/gpu/checks.py "${CHECKS[$i]}" \
+            --device cuda
+    done
+    budgeted decode 90 "$PY" benchmarks/decode_vs_hf.py --device cuda --dtype bfloat16 \
         --shapes 110m 1.3b --batches 1 8 --repeats 1 --new-tokens 64 \
         --json "$OUT/decode.json"
+    budgeted bench 300 "$PY" benchmarks/train_throughput.py --models 110m 1.3b \
+        --precision bf16 --backend auto --steps 8 --warmup 3 --micro-batch 8 \
+        --budget-s $(( TOTAL_S - ($(date +%s) - start) - 60 )) --json "$OUT/throughput.json"
+    budgeted tests 300 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+        --timeout 150
 fi
 if [ "$failed" != 0 ]; then
     verdict=FAILED

@@ -4,7 +4,8 @@
 # of the caller or a limit of 0), logs it to $OUT/NAME.log and ends in one line of
 # $OUT/summary.txt: "ok", "skipped (budget: ...)" (past its limit, or exit 3: the command's own
 # budget) or "FAILED" (any other exit, a kill before the limit included). It sets failed=1 on a
-# failure and adds NAME to $skipped on a skip. Needs OUT, failed and skipped set.
+# failure and adds NAME to $skipped on a skip. Needs OUT, failed and skipped set. budgeted
+# (below) is stage within the whole script's time.
 
 say() { echo "[gpu] $*" | tee -a "$OUT/summary.txt"; }
 
@@ -39,4 +40,21 @@ stage() {
         echo "-----" >&2
     fi
     return "$rc"
+}
+
+# budgeted NAME LIMIT_S COMMAND...: stage NAME with its limit cut to what is left of the whole
+# script's budget ($TOTAL_S from $start, less the 15 s a kill may take), or "skipped (budget:
+# ...)" without running when less than $MIN_STAGE_S (default 15) is left. Needs start and
+# TOTAL_S too.
+budgeted() {
+    local name=$1 limit=$2 left
+    shift 2
+    left=$(( ${TOTAL_S:?} - ($(date +%s) - ${start:?}) - 15 ))
+    if [ "$left" -lt "${MIN_STAGE_S:-15}" ]; then
+        skipped="$skipped $name"
+        say "$name: skipped (budget: $(( left + 15 )) s left of the script's ${TOTAL_S} s)"
+        return 3
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    stage "$name" "$limit" "$@"
 }
