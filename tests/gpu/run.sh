@@ -27,7 +27,8 @@
 # budget: exit 3); a budget skip is never a failure. Exit code: 0 if no stage failed, else 1.
 # Logs go to $OUT (default gpu-results/): one file per stage and summary.txt, whose lines are
 # the stages' results. The CPU rehearsal runs the machine's torch (2.11, its CUDA 13 build on
-# the CPU), the smoke stage and every check of tests/gpu/checks.py on tiny shapes.
+# the CPU), the smoke stage, every check of tests/gpu/checks.py and the decode stage on tiny
+# shapes.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 2
@@ -37,7 +38,7 @@ for arg in "$@"; do
     case "$arg" in
         --cpu-rehearsal) MODE=cpu ;;
         --no-install) INSTALL=0 ;;
-        -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "run.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -74,13 +75,14 @@ if [ "$MODE" = cpu ]; then
             || { say "fetch: FAILED (see $OUT/fetch.log)"; tail -n 20 "$OUT/fetch.log" >&2; exit 1; }
     fi
     want=$(cat tests/gpu/carry.txt tests/gpu/machine-packages.txt docker/requirements.txt \
-           <(echo "$RPV $RTORCH") | sha256sum | cut -c1-16)
+           <(echo "$RPV $RTORCH transformers") | sha256sum | cut -c1-16)
     if [ "$(cat "$REH/base/.stamp" 2>/dev/null)" != "$want" ]; then
         t0=$(date +%s)
         rm -rf "$REH/base"
         "$HOSTPY" -m venv "$REH/base"
         mapfile -t provided < <("$HOSTPY" tests/gpu/wheelset.py machine-requirements \
                                 --wheels "$WHEELS" --python "$RPV")
+        provided+=(transformers)  # (the machine has it; the decode stage compares with it)
         "$REH/base/bin/python" -m pip install -q --disable-pip-version-check \
             "torch==$RTORCH" 2> >(grep -v "^WARNING: Location" >&2) &&
         "$REH/base/bin/python" -m pip install -q --disable-pip-version-check \
@@ -131,7 +133,9 @@ if [ "$MODE" = cpu ]; then
     for check in "${CHECKS[@]}"; do
         stage "$check" 120 "$PY" tests/gpu/checks.py "$check" --device cpu
     done
-    say "decode, bench, tests: not run in the CPU rehearsal (they need the GPU)"
+    stage decode 120 "$PY" benchmarks/decode_vs_hf.py --device cpu --dtype float32 \
+        --shapes small-2k --batches 1 --repeats 1 --new-tokens 16 --short 8
+    say "bench, tests: not run in the CPU rehearsal (they need the GPU)"
 else
     budgeted smoke 60 "$PY" tests/gpu/smoke.py --device cuda
     limits=(120 45 90 30 60)
