@@ -18,6 +18,8 @@ contract; the layer spec picks one (``model.attention_backend``):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
@@ -82,7 +84,11 @@ class SDPAAttention(_CoreAttention):
         return _seq_first(o)
 
 
-_COMPILED_FLEX = None
+@functools.cache
+def compiled_once(func, **options):
+    """``torch.compile(func, **options)``, made once per process for each function and options
+    (FlexAttention's kernel here, its block-mask builder in :mod:`.forward`)."""
+    return torch.compile(func, **options)
 
 
 def _flex():
@@ -90,12 +96,9 @@ def _flex():
     blocks. Uncompiled, torch runs a reference that materialises every score; that path is
     kept for the CPU, where the compiled kernel has no backward (torch 2.13) and only tests run
     flex, forward only."""
-    global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
+    return compiled_once(flex_attention, dynamic=False)
 
 
 class FlexAttention(_CoreAttention):

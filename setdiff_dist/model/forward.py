@@ -80,21 +80,15 @@ def set_diffusion_inputs(tokens: torch.Tensor, sample: OrderSample, mask_id: int
     return ModelInputs(both, positions, allowed, L, None)
 
 
-_COMPILED_BLOCK_MASK = None
-
-
 def _block_mask_builder(compiled: bool):
     """``create_block_mask``, compiled once per process when ``compiled`` (torch's advice since
     its ``_compile=True`` flag was deprecated): compiled, the mask function is fused into the
     reduction to blocks, so the ``[2L, 2L]`` mask is never materialised."""
-    global _COMPILED_BLOCK_MASK
     from torch.nn.attention.flex_attention import create_block_mask
 
-    if not compiled:
-        return create_block_mask
-    if _COMPILED_BLOCK_MASK is None:
-        _COMPILED_BLOCK_MASK = torch.compile(create_block_mask)
-    return _COMPILED_BLOCK_MASK
+    from .attention import compiled_once
+
+    return compiled_once(create_block_mask) if compiled else create_block_mask
 
 
 def _context_parallel_inputs(both, positions, sample, backend: str) -> ModelInputs:

@@ -100,7 +100,7 @@ class EngineHost(_PipeEnd):
                 self.scheduler.cancel(message[1])
             elif kind == "count":
                 if self.metrics is not None:
-                    self.metrics.requests.labels(outcome=message[1]).inc()
+                    self.metrics.count(message[1])
             elif kind == "status":
                 self.send(("reply", message[1], self.scheduler.status()))
             elif kind == "metrics":
