@@ -53,9 +53,7 @@ def step_13b(device: str) -> str:
     dry run's plan of the same config, and its MFU. The check fails if the plan underestimates
     the peak by more than 10%: a layout the dry run calls fitting could then run out of
     memory."""
-    import json
-
-    from train_throughput import run_overrides, synthetic_shards
+    from train_throughput import run_overrides, step_rows, synthetic_shards
 
     from setdiff_dist.config import load_config
     from setdiff_dist.train.plan import plan
@@ -73,15 +71,12 @@ def step_13b(device: str) -> str:
             overrides.append("parallel.backend=gloo")
         config = os.path.join(ROOT, "configs", "models", f"{model}.yaml")
         planned = plan(load_config(config, overrides), 1).stages[0]
-        import subprocess
-
-        res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.train",
-                              "--nproc-per-node", "1", "--config", config, *overrides],
-                             capture_output=True, text=True)
-        print(res.stdout[-3000:], res.stderr[-3000:], sep="\n")
-        expect(res.returncode == 0, f"setdiff-train exit {res.returncode}")
-        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-            rows = [r for r in map(json.loads, fh) if "tokens_per_s" in r][warmup:]
+        try:
+            rows = step_rows([sys.executable, "-m", "setdiff_dist.cli.train",
+                              "--nproc-per-node", "1", "--config", config, *overrides], run_dir)
+        except SystemExit as exc:  # (a failed run: its exit code and error)
+            raise CheckFailed(str(exc)) from None
+    rows = [r for r in rows if "tokens_per_s" in r][warmup:]
     expect(bool(rows), "no logged step")
     peak = max(r["memory_gb"] for r in rows) * 2**30
     tps = statistics.median(r["tokens_per_s"] for r in rows)
@@ -103,7 +98,6 @@ def step_13b(device: str) -> str:
 
 
 def _model(device, dtype, backend, dims, seed=3, overrides=()):
-
     from setdiff_dist.config import load_config
     from setdiff_dist.model.transformer import build_model, transformer_config
 
@@ -116,18 +110,23 @@ def _model(device, dtype, backend, dims, seed=3, overrides=()):
     return model.to(device=device, dtype=dtype), cfg
 
 
+def _nll(model, backend, x, orders):
+    """The per-token NLL ``[b, L]`` of the training forward of ``x`` under ``orders``."""
+    from setdiff_dist.model.forward import set_diffusion_inputs, set_diffusion_nll
+
+    inp = set_diffusion_inputs(x, orders, model.mask_id, backend)
+    return set_diffusion_nll(model(inp.tokens, inp.positions, inp.attention_mask,
+                                   inp.logits_from), x, inp)
+
+
 def _nelbo_pass(model, backend, x, orders, timed=0):
     """NLL [b, L] and {name: grad} of one forward and backward of the NELBO; with ``timed``,
     also the median time of that many more passes (after one more warm-up)."""
-
     from setdiff_dist.diffusion import nelbo
-    from setdiff_dist.model.forward import set_diffusion_inputs, set_diffusion_nll
 
     def once():
         model.zero_grad(set_to_none=True)
-        inp = set_diffusion_inputs(x, orders, model.mask_id, backend)
-        nll = set_diffusion_nll(model(inp.tokens, inp.positions, inp.attention_mask,
-                                      inp.logits_from), x, inp)
+        nll = _nll(model, backend, x, orders)
         nelbo(nll, orders.to(x.device)).per_token.backward()
         return nll.detach().float()
 
@@ -177,16 +176,14 @@ def compare_backends(device, backends, kind, dims, L, B, repeats, batches=1, sta
     out = {}
     dev = torch.device(device)
     vocab = dims[-1]
+    ref_model = _model(dev, torch.float32, "sdpa", dims)[0]
+    models = {backend: _model(dev, torch.bfloat16, backend, dims)[0] for backend in backends}
     for batch in range(start, start + batches):
         x = torch.randint(0, vocab, (B, L), generator=torch.Generator().manual_seed(batch)).to(dev)
         orders = sample_orders(make_schedule(kind, L, mean_set_size=4), L, range(B), batch)
-        ref_model, _ = _model(dev, torch.float32, "sdpa", dims)
         ref = _nelbo_pass(ref_model, "sdpa", x, orders)
-        del ref_model
-        for backend in backends:
-            model, _ = _model(dev, torch.bfloat16, backend, dims)
+        for backend, model in models.items():
             got = _nelbo_pass(model, backend, x, orders, timed=repeats)
-            del model
             dn, dg = _errors(ref, got)
             prev = out.get(backend, (0.0, 0.0, 0.0))
             out[backend] = (max(prev[0], dn), max(prev[1], dg), got[2])
@@ -276,7 +273,6 @@ def _flex_forward_cpu() -> str:
     from helpers import process_group
 
     from setdiff_dist.diffusion import make_schedule, sample_orders
-    from setdiff_dist.model.forward import set_diffusion_inputs, set_diffusion_nll
     from setdiff_dist.parallel import cpu_compat
 
     dims, L, B = (1, 128, 1, 1, 256), 32, 2
@@ -286,13 +282,8 @@ def _flex_forward_cpu() -> str:
         for kind in ("block", "masked"):
             x = torch.randint(0, 256, (B, L), generator=torch.Generator().manual_seed(0))
             o = sample_orders(make_schedule(kind, L, mean_set_size=4), L, range(B), 0)
-            nll = {}
-            for backend in ("sdpa", "flex"):
-                model, _ = _model("cpu", torch.float32, backend, dims)
-                inp = set_diffusion_inputs(x, o, model.mask_id, backend)
-                nll[backend] = set_diffusion_nll(model(inp.tokens, inp.positions,
-                                                       inp.attention_mask, inp.logits_from),
-                                                 x, inp)
+            nll = {backend: _nll(_model("cpu", torch.float32, backend, dims)[0], backend, x, o)
+                   for backend in ("sdpa", "flex")}
             d = (nll["flex"] - nll["sdpa"]).abs().max().item()
             expect(d < 1e-4, f"{kind}: flex's forward is off sdpa's by {d}")
             out.append(f"{kind} |dNLL| {d:.1e}")
