@@ -65,7 +65,10 @@ def test_non_finite_numbers_are_refused_by_the_config(override):
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--temperature", "nan"], "temperature=nan: it must be a finite number 0 or more"),
+    (["--temperature", "nan"], "temperature=nan: it must be a finite number 0 (greedy)"),
+    # (inside the range a float can hold, outside what the float32 sampler can divide by)
+    (["--temperature", "1e-38"], "temperature=1e-38: it must be 0 (greedy) or from 1.18e-38"),
+    (["--repetition-penalty", "1e-300"], "repetition_penalty=1e-300: it must be in"),
     (["--threshold", "-0.5"], "threshold=-0.5: a confidence in [0, 1]"),
     (["--repetition-penalty", "0"], "repetition_penalty=0.0"),
 ])

@@ -101,7 +101,8 @@ def set_run(trained):
 
 @pytest.fixture(scope="module")
 def server(set_run, tmp_path_factory):
-    s = Server(set_run, tmp_path_factory.mktemp("serve"), "--max-batch-size", "16")
+    s = Server(set_run, tmp_path_factory.mktemp("serve"), "--max-batch-size", "16",
+               "--max-completion-tokens", "4096")
     yield s
     s.close()
 
@@ -110,7 +111,8 @@ def server(set_run, tmp_path_factory):
 def small(trained, tmp_path_factory):
     """A causal checkpoint (BPE) behind one row and a queue of one: the limits."""
     s = Server(trained("order.kind=causal", tokenizer="bpe:300"),
-               tmp_path_factory.mktemp("small"), "--max-batch-size", "1", "--max-queue", "1")
+               tmp_path_factory.mktemp("small"), "--max-batch-size", "1", "--max-queue", "1",
+               "--max-completion-tokens", "4096")
     yield s
     s.close()
 
@@ -326,7 +328,9 @@ def test_rows_that_join_and_leave_the_batch_decode_as_they_would_alone(set_run):
             ContinuousBatch._prefill_apart(old, new)) or apart[-1]
         got, streamed, streams, out_of_order, step = {}, {}, {}, False, 0
         while joins or len(batch):
-            for row in batch.admit(joins.pop(step, [])):
+            rows, refused = batch.admit(joins.pop(step, []))
+            assert not refused
+            for row in rows:
                 streams[row.spec.id] = TextStream(tok)
                 streamed[row.spec.id] = ""
             rows = list(batch.rows)
@@ -352,7 +356,8 @@ def test_rows_that_join_and_leave_the_batch_decode_as_they_would_alone(set_run):
 def test_tensor_parallel_serving_under_torchrun_answers_as_tp1(server, set_run, tmp_path):
     """TP=2 under torchrun (rank 0 serves HTTP and sends each step's plan; both ranks decode
     their shard): the same completions as the TP=1 server, alone and batched."""
-    two = Server(set_run, tmp_path, "--max-batch-size", "8", tp=2)
+    two = Server(set_run, tmp_path, "--max-batch-size", "8", "--max-completion-tokens", "4096",
+                 tp=2)
     try:
         asks = [("Shall I compare thee", GREEDY), ("When in disgrace", dict(GREEDY, window=8)),
                 ("Rough winds", SAMPLED), ("O", dict(SAMPLED, window=2, max_tokens=40))]
@@ -429,3 +434,302 @@ def test_the_http_process_and_rank_0_end_together(set_run, tmp_path):
             httpx.get(f"{s.url}/health", timeout=5)
     finally:
         s.close()
+
+
+# -- the red team's cases (issue 49): one request never takes the server down --------------------
+
+def test_bad_requests_beside_three_running_get_a_400_and_the_three_finish(server):
+    """With three requests decoding, a max_tokens that cannot be held, a temperature or a
+    repetition penalty the float32 sampler cannot divide by, NaN, a window wider than the
+    context, a lone surrogate, more prompts than the queue and a body no JSON parser can
+    read each get OpenAI's 400 at once; the three finish with their full text."""
+    three = dict(max_tokens=2000, window=1, threshold=2.0, temperature=0,
+                 ignore_eos=True)
+    prompts = ["From fairest creatures", "When forty winters", "Look in thy glass"]
+    got, errors = {}, []
+
+    def ask(i):
+        try:
+            got[i] = server.complete(prompts[i], **three)
+        except Exception as exc:  # (reported below)
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    server.wait_for(lambda m: m["setdiff_batch_size"] >= 3)
+    url = f"{server.url}/v1/completions"
+    cases = [(dict(max_tokens=10 ** 12), "max_tokens=1000000000000 is more than this server "
+              "allows (4096"), (dict(max_tokens=2 ** 63), "allows (4096"),
+             (dict(max_tokens=4097), "--max-completion-tokens"),
+             (dict(temperature=1e-38), "float32's smallest normal number"),
+             (dict(repetition_penalty=1e-300), "repetition_penalty=1e-300"),
+             (dict(window=100000), "give a window of at most 31"),
+             (dict(prompt="\ud800abc"), "not valid UTF-8"),
+             (dict(prompt=["x"] * 65), "queues at most 64 (--max-queue)")]
+    for fields, said in cases:  # (json.dumps: escapes the lone surrogate as JSON may)
+        res = httpx.post(url, content=json.dumps({"model": "tiny", "prompt": "Shall I",
+                                                  **fields}), timeout=30,
+                         headers={"Content-Type": "application/json"})
+        assert res.status_code == 400, (fields, res.text)
+        assert said in res.json()["error"]["message"], (fields, res.text)
+    for body, said in ((b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "finite"),
+                       (b'{"model": "tiny", "prompt": "x", "threshold": NaN}', "NaN"),
+                       (b"[" * 100000 + b"]" * 100000, "cannot be parsed")):
+        res = httpx.post(url, content=body, timeout=30,
+                         headers={"Content-Type": "application/json"})
+        assert res.status_code == 400 and said in res.json()["error"]["message"], res.text
+    res = httpx.get(f"{server.url}/v1/nothing", timeout=30)
+    assert res.status_code == 404 and res.json()["error"]["message"] == "Not Found"
+    assert server.metrics()["setdiff_batch_size"] >= 3  # (all of it beside the three)
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    alone = server.complete(prompts[0], **three).choices[0].text
+    assert [got[i].usage.completion_tokens for i in range(3)] == [2000] * 3
+    assert got[0].choices[0].text == alone and all(
+        got[i].choices[0].finish_reason == "length" for i in range(3))
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_a_request_that_fails_alone_leaves_the_others_decoding(set_run):
+    """In this process, the scheduler's own loop: a request that cannot join the batch (a
+    length no list can hold, a temperature below float32's range: what the HTTP side
+    refuses, sent past it) and a request whose logits are NaN in a step (a broken input) each
+    get their own error; the requests beside them finish with the tokens they decode alone,
+    and the scheduler goes on."""
+    import math
+
+    import torch
+
+    from setdiff_dist.inference.decoder import Sampling, SetDecoder, StopCriteria
+    from setdiff_dist.inference.weights import build_inference_model
+    from setdiff_dist.parallel import destroy_model_parallel
+    from setdiff_dist.serve.batch import Spec
+    from setdiff_dist.serve.scheduler import Scheduler
+
+    saved = dict(os.environ)
+    try:
+        model, cfg, tok = build_inference_model(str(set_run))
+        dec = SetDecoder(model, tok, context=cfg.data.seq_len)
+        poison = 7  # (a byte no sonnet has: a prompt with it gets NaN logits)
+        forward = model.forward
+
+        def broken(tokens, *args, **kwargs):
+            out = forward(tokens, *args, **kwargs)
+            hit = (tokens == poison).any(1)
+            return torch.where(hit[None, :, None], torch.full_like(out, math.nan), out)
+
+        model.forward = broken
+
+        def spec(i, prompt, **kw):
+            base = dict(id=str(i), prompt=tuple(prompt), max_tokens=24, window=4,
+                        threshold=0.3, greedy=True, temperature=1.0, top_p=1.0,
+                        repetition_penalty=1.0, seed=i)
+            return Spec(**{**base, **kw})
+
+        good = [spec(i, tok.encode(p)) for i, p in enumerate(
+            ["Shall I compare thee", "When in disgrace", "Rough winds do shake"])]
+        bad = [spec(10, tok.encode("Thy"), max_tokens=10 ** 12),
+               spec(11, tok.encode("Thy"), max_tokens=2 ** 63),
+               spec(12, tok.encode("Thy"), greedy=False, temperature=1e-38),
+               spec(13, [poison] + tok.encode("Thy glass"))]
+        alone = {s.id: dec.generate([list(s.prompt)], s.max_tokens, window=s.window,
+                                    threshold=s.threshold, sampling=Sampling(greedy=True),
+                                    stop=StopCriteria(eos_id=tok.eos_id))[0].tokens
+                 for s in good}
+        sched = Scheduler(dec, max_batch=8, max_queue=16)
+        events, done = {}, threading.Event()
+
+        def listen(key):
+            def got(ev):
+                events.setdefault(key, []).append(ev)
+                if sum(e.get("done", False) for evs in events.values() for e in evs) == 7:
+                    done.set()
+            return got
+
+        for s in good[:2]:
+            sched.submit(s, listen(s.id), streamed=True)
+        sched.start()
+        for s in bad + good[2:]:
+            sched.submit(s, listen(s.id), streamed=True)
+        assert done.wait(120), events
+        for s in bad:
+            assert [e.get("error") for e in events[s.id]][-1], events[s.id]
+        assert "could not join the batch" in events["10"][-1]["error"]
+        assert "not a finite number" in events["13"][-1]["error"]
+        for s in good:
+            last = events[s.id][-1]
+            assert "error" not in last and last["tokens"] == alone[s.id], last
+        assert sched.status()["alive"] and sched.status()["running"] == 0
+        sched.stop(timeout=30)
+        assert not sched.thread.is_alive()
+    finally:
+        destroy_model_parallel()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_a_step_walks_its_window_not_the_rest_of_the_region():
+    """A row's step looks at its window, however far its region goes: the work of a step
+    beside a request of any length does not grow with that length (here, positions read)."""
+    from setdiff_dist.inference.decoding import Sample
+
+    class Counted:
+        """A region that counts the positions read from it."""
+
+        def __init__(self, r):
+            self.r, self.reads = r, 0
+
+        def __len__(self):
+            return len(self.r)
+
+        def __getitem__(self, i):
+            out = self.r[i]
+            self.reads += len(out) if isinstance(i, slice) else 1
+            return out
+
+        def __iter__(self):
+            for p in self.r:
+                self.reads += 1
+                yield p
+
+    s = Sample.continuation([1, 2, 3], 10 ** 6)
+    s.region = Counted(s.region)
+    s.commit([(3, 5), (4, 6), (6, 7)])
+    assert s.window(8) == [5, 7, 8, 9, 10, 11, 12] and s.masked(2) == [5, 7]
+    assert s.region.reads < 50, s.region.reads
+    assert s.seen() == {1, 2, 3, 5, 6, 7}
+    s.commit([(p, 9) for p in range(5, 40) if p != 6])
+    assert s.seen() == {1, 2, 3, 5, 6, 7, 9} and s.window(4) == [40, 41, 42, 43]
+    assert s.region.reads < 150, s.region.reads
+
+
+KEY = "sk-setdiff-test"
+
+
+@pytest.fixture(scope="module")
+def guarded(set_run, tmp_path_factory):
+    """A server with an API key, a small body limit, short header and body timeouts, few
+    connections and a short drain (its last test stops it)."""
+    s = Server(set_run, tmp_path_factory.mktemp("guarded"), "--api-key", KEY,
+               "--max-body-bytes", "65536", "--timeout-header", "1", "--timeout-idle", "2",
+               "--max-connections", "40", "--max-completion-tokens", "100000",
+               "--shutdown-timeout", "3")
+    s.client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    s.headers = {"Authorization": f"Bearer {KEY}"}
+    yield s
+    s.close()
+
+
+def test_the_api_key_is_required_on_v1_and_nowhere_else(guarded):
+    url = f"{guarded.url}/v1/completions"
+    body = {"model": "tiny", "prompt": "Shall I", "max_tokens": 4}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        res = httpx.post(url, json=body, headers=headers, timeout=30)
+        assert res.status_code == 401, res.text
+        assert res.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong",
+                      max_retries=0).models.list()
+    assert [m.id for m in guarded.client.models.list().data] == ["tiny"]
+    assert guarded.complete("Shall I", max_tokens=4).usage.completion_tokens <= 4
+    assert httpx.get(f"{guarded.url}/health").status_code == 200
+    assert guarded.metrics()["requests_unauthorized"] == 4
+
+
+def test_a_public_bind_without_a_key_is_warned_about():
+    res = run_cli("setdiff_dist.cli.serve", "--checkpoint", "/nonexistent", "--host", "0.0.0.0")
+    assert "listening on 0.0.0.0 without an API key" in res.stderr and res.returncode == 2
+    res = run_cli("setdiff_dist.cli.serve", "--checkpoint", "/nonexistent", "--host",
+                  "0.0.0.0", "--api-key", "k")
+    assert "without an API key" not in res.stderr and res.returncode == 2
+
+
+def test_bodies_are_bounded_in_size_and_pace(guarded):
+    url = f"{guarded.url}/v1/completions"
+    big = json.dumps({"model": "tiny", "prompt": "x" * 70000})
+    res = httpx.post(url, content=big, headers=guarded.headers, timeout=30)
+    assert res.status_code == 413 and "--max-body-bytes" in res.json()["error"]["message"]
+    import socket
+
+    host, port = guarded.url[len("http://"):].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # a body that stalls
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+                     "\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo"
+                     .encode())
+        answer = b""
+        while chunk := sock.recv(4096):  # (until the server closes: connection: close)
+            answer += chunk
+        answer = answer.decode()
+    assert answer.startswith("HTTP/1.1 408") and "stalled for 2 s" in answer
+    assert guarded.complete("Shall I", max_tokens=4).choices[0].finish_reason
+
+
+def test_slow_headers_cannot_hold_the_connections(guarded):
+    """A slowloris client: connections that never finish their headers are closed after
+    --timeout-header; past --max-connections a new one is closed at once; a real request is
+    served beside a few of them, and after the timeout beside none."""
+    import socket
+
+    host, port = guarded.url[len("http://"):].split(":")
+    slow = []
+    for _ in range(50):
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        slow.append(sock)
+    start = time.monotonic()
+    closed = 0
+    for sock in slow:  # (each is closed: at once past the cap, else timed out)
+        try:
+            closed += sock.recv(1) == b""
+        except ConnectionResetError:
+            closed += 1
+    assert time.monotonic() - start < 8 and closed == 50
+    for sock in slow:
+        sock.close()
+    few = [socket.create_connection((host, int(port)), timeout=10) for _ in range(10)]
+    for sock in few:
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+    assert guarded.complete("Shall I", max_tokens=4).choices[0].finish_reason
+    for sock in few:
+        sock.close()
+
+
+def test_the_http_side_awaits_the_engine(guarded):
+    """With the decoding process stopped (SIGSTOP), a request that waits on it does not hold
+    the others: /v1/models answers at once and /health says 503 within its 5 s; the request
+    then finishes when decoding goes on."""
+    got = []
+    asker = threading.Thread(target=lambda: got.append(
+        guarded.complete("Shall I", max_tokens=8, temperature=0)))
+    os.kill(guarded.proc.pid, signal.SIGSTOP)
+    try:
+        asker.start()
+        time.sleep(0.5)  # (its submit now waits on the stopped engine)
+        start = time.monotonic()
+        assert [m.id for m in guarded.client.models.list().data] == ["tiny"]
+        assert time.monotonic() - start < 3
+        res = httpx.get(f"{guarded.url}/health", timeout=30)
+        assert res.status_code == 503 and "did not answer" in res.json()["error"]
+    finally:
+        os.kill(guarded.proc.pid, signal.SIGCONT)
+    asker.join(timeout=60)
+    assert got and got[0].choices[0].finish_reason
+
+
+def test_sigterm_drains_within_its_deadline(guarded):
+    """(Last on this server: it stops it.) A request longer than --shutdown-timeout is
+    cancelled at the deadline; the server exits 0 and says so."""
+    failed = []
+    asker = threading.Thread(target=lambda: failed.append(pytest.raises(
+        (openai.APIError, httpx.HTTPError), guarded.complete, "Shall I", max_tokens=100000,
+        window=1, ignore_eos=True, temperature=0)))
+    asker.start()
+    guarded.wait_for(lambda m: m["setdiff_batch_size"] == 1)
+    start = time.monotonic()
+    guarded.proc.send_signal(signal.SIGTERM)
+    assert guarded.proc.wait(timeout=60) == 0, guarded.output()
+    assert time.monotonic() - start < 3 + 15
+    asker.join(timeout=60)
+    assert failed and "timeout graceful shutdown exceeded" in guarded.output()

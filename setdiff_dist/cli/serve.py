@@ -12,8 +12,13 @@ or any OpenAI client (``base_url="http://127.0.0.1:8000/v1"``). ``POST /v1/compl
 it when they finish (continuous batching): a long request never holds a short one back. At most
 ``--max-batch-size`` decode at once and ``--max-queue`` wait; past that a request gets 429 with
 ``Retry-After``. SIGTERM stops taking connections, finishes every request already taken
-(queued ones too) and exits 0; Ctrl-C does the same and exits 130; a second Ctrl-C stops at
-once.
+(queued ones too, within ``--shutdown-timeout``) and exits 0; Ctrl-C does the same and exits
+130; a second Ctrl-C stops at once.
+
+Exposed beyond this machine, give ``--api-key`` (or ``SETDIFF_API_KEY``): a public bind without
+one is warned about. Requests are bounded at the door (``--max-completion-tokens``,
+``--max-body-bytes``, headers within ``--timeout-header``, ``--max-connections``), and one
+request that fails, while joining the batch or in a step, fails alone.
 
 Rank 0 decodes, and a process it starts serves HTTP (:mod:`setdiff_dist.serve.engine`: the two
 do not share a GIL); if either ends, so does the other. Under torchrun with
@@ -57,6 +62,29 @@ def main(argv=None) -> int:
                          "the rank's share of the CPUs less one for the HTTP server on rank 0)")
     add_dtype_argument(ap)
     add_weights_argument(ap)
+    ap.add_argument("--api-key", default=os.environ.get("SETDIFF_API_KEY"),
+                    help="require this key on every /v1 route, as OpenAI's 'Authorization: "
+                         "Bearer KEY' header (default: $SETDIFF_API_KEY; /health and /metrics "
+                         "stay open)")
+    ap.add_argument("--max-completion-tokens", type=count(), default=None,
+                    help="the largest max_tokens a request may ask for, 400 above it (default: "
+                         "the model's context; decoding past the context slides its cache)")
+    ap.add_argument("--max-body-bytes", type=count(), default=4 << 20,
+                    help="the largest request body taken (413 above it)")
+    ap.add_argument("--max-connections", type=count(), default=1000,
+                    help="open connections at most; a new one past it is closed at once (the "
+                         "soft limit of open files is raised to the hard one)")
+    ap.add_argument("--timeout-header", type=float, default=10.0,
+                    help="seconds a connection may take to send a request's headers before it "
+                         "is closed (slow clients cannot hold connections)")
+    ap.add_argument("--timeout-idle", type=float, default=30.0,
+                    help="seconds a request's body may pause before the request is dropped "
+                         "(408)")
+    ap.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                    help="seconds an idle kept-alive connection stays open")
+    ap.add_argument("--shutdown-timeout", type=float, default=120.0,
+                    help="on SIGTERM, seconds to finish the requests in flight; what is left "
+                         "then is cancelled and the server exits")
     ap.add_argument("--log-level", default="info",
                     choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (each request is logged at info)")
@@ -64,6 +92,20 @@ def main(argv=None) -> int:
                     help="write 'host:port' here once the server listens (with --port 0)")
     args = ap.parse_args(argv)
 
+    for flag in ("timeout_header", "timeout_idle", "timeout_keep_alive", "shutdown_timeout"):
+        value = getattr(args, flag)
+        if not (value > 0 and value != float("inf")):
+            raise ServeError(f"--{flag.replace('_', '-')} {value}: give a positive number of "
+                             "seconds")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ServeError("--api-key is empty: give a key, or leave the flag (and "
+                         "SETDIFF_API_KEY) out to serve without one")
+    from setdiff_dist.errors import rank_and_world
+
+    if args.api_key is None and not _loopback(args.host) and rank_and_world()[0] == 0:
+        print(f"setdiff-serve: warning: listening on {args.host} without an API key: anyone "
+              "who reaches this port can use the server; give --api-key (or SETDIFF_API_KEY)",
+              file=sys.stderr, flush=True)
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if not _importable(m)]
     if missing:
         raise ServeError(f"setdiff-serve needs {', '.join(missing)}: pip install "
@@ -115,8 +157,14 @@ def serve(model, args, channel) -> int:
     ctx = mp.get_context("spawn")  # (not fork: this process has torch's and gloo's threads)
     here, there = ctx.Pipe()
     host = EngineHost(scheduler, here, metrics)
+    cap = args.max_completion_tokens or model.context
     options = {"host": args.host, "port": args.port, "log_level": args.log_level,
-               "ready_file": args.ready_file}
+               "ready_file": args.ready_file, "api_key": args.api_key,
+               "max_tokens": cap, "max_prompts": max(args.max_queue, 1),
+               "max_body_bytes": args.max_body_bytes, "max_connections": args.max_connections,
+               "timeout_header": args.timeout_header, "timeout_idle": args.timeout_idle,
+               "timeout_keep_alive": args.timeout_keep_alive,
+               "shutdown_timeout": args.shutdown_timeout}
     http = ctx.Process(target=http_main, args=(there, ModelView(model), name, options),
                        name="setdiff-http")
     got = []
@@ -146,7 +194,13 @@ def serve(model, args, channel) -> int:
     http.join()
     if got.count(signal.SIGINT) >= 2:
         return 130
-    scheduler.stop()  # (what the HTTP process took is done: it waited for it)
+    # what the HTTP process took is done, unless its drain ran out of time: nobody waits for
+    # what is left then
+    left = scheduler.abandon()
+    if left:
+        print(f"setdiff-serve: {left} request(s) were still decoding at the end of the drain "
+              f"(--shutdown-timeout {args.shutdown_timeout:g}): cancelled", file=sys.stderr)
+    scheduler.stop()
     here.close()
     if http.exitcode == 2:
         raise ServeError(f"could not listen on {args.host}:{args.port} (see the error above): "
@@ -184,6 +238,17 @@ def _model_name(path: str) -> str:
 
     p = Path(path).resolve()
     return p.parent.parent.name if p.parent.name == "checkpoints" else p.name
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _importable(module: str) -> bool:

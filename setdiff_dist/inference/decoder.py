@@ -156,12 +156,15 @@ class SetDecoder(Decoder):
             return [order[b][s.committed]]
         return s.window(window)
 
-    def step(self, samples, cache, order=None, infill=False):
+    def step(self, samples, cache, order=None, infill=False, isolate=False):
         """One forward for every row of ``samples`` (each with its :class:`Rules`) over
         ``cache`` (one cache row per sample): their pending commits go into the cache, their
         candidates are chosen and accepted, stops are checked. A row's result does not depend
         on the other rows: rows may join (with their prompt as pending commits) and leave
-        between steps (:mod:`setdiff_dist.serve.batch`)."""
+        between steps (:mod:`setdiff_dist.serve.batch`). ``isolate`` (a server's batch): a
+        row whose own work fails (its logits not finite, its choice or stop check raising) is
+        failed alone (:meth:`Sample.fail`) and the others go on; the forward itself is every
+        row's, and its failure raises."""
         B = len(samples)
         commits = [s.pending for s in samples]
         if self.mode == "causal":
@@ -198,7 +201,8 @@ class SetDecoder(Decoder):
         at = (torch.tensor([max(len(c) - 1, 0) for c in commits], device=dev)
               if self.mode == "causal" else C)
         logits = self._cached_pass(cache, tokens, positions, valid, own, C, logits_from=at)
-        fast = None if self.keep_logits else self._pick(logits, samples, cands)
+        failed = [] if isolate else None
+        fast = None if self.keep_logits else self._pick(logits, samples, cands, failed)
         if self.keep_logits:  # chosen per sample, which records them
             logits = logits.float().cpu()
         for b, s in enumerate(samples):
@@ -209,21 +213,19 @@ class SetDecoder(Decoder):
             if not cands[b]:
                 s.done = True
                 continue
-            r = s.rules
-            if fast is not None:
-                picks = accept(fast[b][0], fast[b][1], cands[b], r.threshold)
-            else:
-                picks = self._choose(logits[b, :len(cands[b])], cands[b], s, r.sampling,
-                                     r.gen, r.threshold)
-            s.trace.append(sorted((p, c) for p, _, c in picks))
-            picks = [(p, t) for p, t, _ in picks]
-            s.commit(picks)
-            s.pending = sorted(picks)
-            if not infill:
-                self._check_stop(s, r.stop)
-            if s.finished():
-                s.done = True
+            if failed and b in failed:
+                s.fail("the model's output for this request is not a finite number (NaN or "
+                       "inf): its weights or its input are broken")
+                continue
+            try:
+                self._take(s, b, cands[b], fast, logits, infill)
+            except Exception as exc:
+                if not isolate:
+                    raise
+                s.pending = []
+                s.fail(f"{type(exc).__name__}: {exc}")
         if not infill:  # (an infill fits the context by construction: never crop its left side)
+            # (a failed row has nothing pending: it leaves the batch before the next step)
             # past the model's context, forget a row's oldest cache entries: its next step's
             # tokens (pending commits and up to its window of queries) must fit beside them
             need = [len(s.pending) + s.rules.window for s in samples]
@@ -232,12 +234,30 @@ class SetDecoder(Decoder):
                 cache.crop(torch.tensor([[self.context - k] for k in need],
                                         device=cache.valid.device))
 
-    def _pick(self, logits, samples, cands):
+    def _take(self, s, b, cands, fast, logits, infill):
+        """Row ``b``'s choice among its candidates ``cands``, committed, and its stops."""
+        r = s.rules
+        if fast is not None:
+            picks = accept(fast[b][0], fast[b][1], cands, r.threshold)
+        else:
+            picks = self._choose(logits[b, :len(cands)], cands, s, r.sampling, r.gen,
+                                 r.threshold)
+        s.trace.append(sorted((p, c) for p, _, c in picks))
+        picks = [(p, t) for p, t, _ in picks]
+        s.commit(picks)
+        s.pending = sorted(picks)
+        if not infill:
+            self._check_stop(s, r.stop)
+        if s.finished():
+            s.done = True
+
+    def _pick(self, logits, samples, cands, failed=None):
         """Each row's ``(tokens, confidences)`` for its candidate rows of ``logits [B, M, V]``:
         rows that decode alike (sampling settings) choose in one :func:`pick`. Rows that share
         a random stream (one ``generate`` call) draw from it together; rows with streams of
         their own (a server's requests) each draw for their own candidates only, as they would
-        alone, in the same batched pick."""
+        alone, in the same batched pick. ``failed``: a list the rows whose logits are not
+        finite are appended to (else they raise)."""
         groups: dict = {}
         for b, s in enumerate(samples):
             groups.setdefault(s.rules.pick_key(), []).append(b)
@@ -254,8 +274,12 @@ class SetDecoder(Decoder):
                     if r.sampling.repetition_penalty != 1.0 else None)
             gens = [samples[b].rules.gen for b in rows]
             shared = all(g is gens[0] for g in gens)
+            bad = None if failed is None else []
             toks, conf = pick(part, r.sampling, gens[0] if shared else gens, seen,
-                              counts=None if shared else [len(cands[b]) for b in rows])
+                              counts=None if shared else [len(cands[b]) for b in rows],
+                              failed=bad)
+            if bad:
+                failed += [rows[j] for j in bad]
             for j, b in enumerate(rows):
                 out[b] = (toks[j], conf[j])
         return out

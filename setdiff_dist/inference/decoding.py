@@ -30,6 +30,13 @@ def check_threshold(threshold: float) -> None:
                           "per step)")
 
 
+# The sampler computes in float32: a temperature below the smallest normal float32 number, or a
+# repetition penalty whose inverse is not one, cannot be divided by (the probabilities would be
+# NaN), so they are refused up front (0 is greedy; a penalty of 1 is none).
+FLOAT32_TINY = 1.1754943508222875e-38   # torch.finfo(torch.float32).tiny
+FLOAT32_MAX = 3.4028234663852886e+38    # torch.finfo(torch.float32).max
+
+
 @dataclass(frozen=True)
 class Sampling:
     greedy: bool = False
@@ -39,13 +46,22 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        checks = (("temperature", self.temperature, lambda v: v >= 0, "0 or more"),
+        checks = (("temperature", self.temperature,
+                   lambda v: v == 0 or FLOAT32_TINY <= v <= FLOAT32_MAX,
+                   f"0 (greedy) or from {FLOAT32_TINY:.3g} (float32's smallest normal number: "
+                   "the sampler divides by it) up"),
                   ("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
-                  ("repetition_penalty", self.repetition_penalty, lambda v: v > 0,
-                   "above 0 (1 = none)"))
+                  ("repetition_penalty", self.repetition_penalty,
+                   lambda v: FLOAT32_TINY <= v <= 1 / FLOAT32_TINY,
+                   f"in [{FLOAT32_TINY:.3g}, {1 / FLOAT32_TINY:.3g}] (1 = none; the sampler "
+                   "divides and multiplies float32 logits by it)"))
         for name, value, ok, want in checks:
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise DecodeError(f"{name}={value!r}: it must be a number {want}")
+            if not math.isfinite(value):
                 raise DecodeError(f"{name}={value!r}: it must be a finite number {want}")
+            if not ok(value):
+                raise DecodeError(f"{name}={value!r}: it must be {want}")
 
 
 def check_text(what: str, text: str) -> None:
@@ -60,10 +76,23 @@ def check_text(what: str, text: str) -> None:
 
 def check_prompt(i: int, prompt: list, window: int, context: int) -> None:
     """Prompt ``i`` and a window of candidates must fit the model's context together."""
+    if window >= context:
+        raise DecodeError(f"window {window} does not fit the model's context of {context} "
+                          f"tokens beside a prompt: give a window of at most {context - 1}")
     if len(prompt) + window > context:
         raise DecodeError(f"prompt {i} has {len(prompt)} tokens; with window {window} it does "
                           f"not fit the model's context of {context} tokens: shorten it to at "
                           f"most {context - window} tokens")
+
+
+def check_max_new_tokens(n, limit: Optional[int] = None, what: str = "max_new_tokens") -> None:
+    """``n`` new tokens: at least 1, and at most ``limit`` (a server's cap) when given."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise DecodeError(f"{what} must be an integer of at least 1, got {n!r}")
+    if limit is not None and n > limit:
+        raise DecodeError(f"{what}={n} is more than this server allows ({limit}, the model's "
+                          f"context unless --max-completion-tokens says otherwise): ask for at "
+                          f"most {limit}")
 
 
 def model_device(model) -> torch.device:
@@ -117,7 +146,7 @@ class Rules:
 @dataclass
 class Sample:
     tokens: list                 # token id per position, None while masked
-    region: list                 # positions to generate, in position order
+    region: Sequence[int]        # positions to generate, in position order (a range)
     prompt_len: int
     pending: list = field(default_factory=list)  # accepted last step, not yet in the cache
     done: bool = False
@@ -129,17 +158,24 @@ class Sample:
     checked: int = 0     # region[:checked] was searched for stops
     committed: int = 0   # positions of the region committed so far
     rules: Optional[Rules] = None  # how it decodes (set decoding's per-row settings)
+    error: Optional[str] = None    # why this sample failed alone (a server's row; then done)
+    _seen: Optional[set] = field(default=None, repr=False)
 
+    # A step's work on a sample is proportional to its window, never to what remains of its
+    # region: the positions are walked from the committed prefix on, never copied.
     @classmethod
     def continuation(cls, prompt: list, max_new_tokens: int) -> "Sample":
         """A sample that continues ``prompt`` (token ids) by up to ``max_new_tokens``."""
         n = len(prompt)
         return cls(tokens=list(prompt) + [None] * max_new_tokens,
-                   region=list(range(n, n + max_new_tokens)), prompt_len=n)
+                   region=range(n, n + max_new_tokens), prompt_len=n)
 
     def seen(self) -> set:
-        """The token ids this sample holds (for a repetition penalty)."""
-        return {t for t in self.tokens if t is not None}
+        """The token ids this sample holds (for a repetition penalty; kept up to date by
+        :meth:`commit` after the first call)."""
+        if self._seen is None:
+            self._seen = {t for t in self.tokens if t is not None}
+        return self._seen
 
     def advance(self) -> None:
         while self.left < len(self.region) and self.tokens[self.region[self.left]] is not None:
@@ -148,10 +184,10 @@ class Sample:
     def masked(self, limit: Optional[int] = None) -> list:
         """The still-masked positions of the region, in order (the first ``limit``)."""
         self.advance()
-        out = []
-        for p in self.region[self.left:]:
-            if self.tokens[p] is None:
-                out.append(p)
+        out, region, tokens = [], self.region, self.tokens
+        for j in range(self.left, len(region)):
+            if tokens[region[j]] is None:
+                out.append(region[j])
                 if len(out) == limit:
                     break
         return out
@@ -161,11 +197,13 @@ class Sample:
         self.advance()
         if self.left == len(self.region):
             return []
-        f, out = self.region[self.left], []
-        for p in self.region[self.left:]:
+        region, tokens = self.region, self.tokens
+        f, out = region[self.left], []
+        for j in range(self.left, len(region)):
+            p = region[j]
             if p >= f + width:
                 break
-            if self.tokens[p] is None:
+            if tokens[p] is None:
                 out.append(p)
         return out
 
@@ -176,7 +214,13 @@ class Sample:
     def commit(self, picks) -> None:
         for pos, tok in picks:
             self.tokens[pos] = tok
+            if self._seen is not None:
+                self._seen.add(tok)
         self.committed += len(picks)
+
+    def fail(self, why: str) -> None:
+        """This sample alone cannot go on (a server's row: the others in its batch do)."""
+        self.error, self.done = why, True
 
     def output(self) -> list:
         """The generated token ids, up to a stop (the stop marker excluded)."""

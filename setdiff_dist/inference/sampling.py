@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 
-def pick(logits, sampling, gen, seen=None, counts=None):
+def pick(logits, sampling, gen, seen=None, counts=None, failed=None):
     """Every sample's choices for its candidate rows of ``logits [B, M, V]`` in a few
     batched ops where the logits are (a repetition penalty over ``seen[b]``, the token ids
     sample ``b`` holds; temperature, top-p, then greedy or a draw); only ``[B, M]`` token ids
@@ -18,9 +18,27 @@ def pick(logits, sampling, gen, seen=None, counts=None):
     the whole ``[B, M]`` (``generate``'s batch), or one per sample, of which sample ``b`` draws
     ``counts[b]`` numbers (its real candidates, default ``M``): then a sample draws the same
     tokens alone or beside any others (a server's rows), and a batch of them costs one pass
-    over the vocabulary, not one ``multinomial`` per row."""
+    over the vocabulary, not one ``multinomial`` per row.
+
+    Every accepted setting (:class:`~.decoding.Sampling`) gives finite probabilities: the
+    logits are kept finite after the penalty and the largest is subtracted before the
+    temperature divides them, so the largest is 0 and its probability is never lost. Logits
+    that are NaN or +inf to begin with, or -inf for every token (a broken model; -inf alone
+    rules a token out) are a sample's failure: with a list
+    ``failed`` the samples that have them are appended to it and the others are chosen as
+    usual (theirs are placeholders); without one they raise."""
     logits = logits.float()
     B, _, V = logits.shape
+    # (-inf is a token ruled out; NaN, +inf or nothing left to draw is a broken row)
+    broken = (torch.isnan(logits) | torch.isposinf(logits)).flatten(1).any(-1) \
+        | torch.isneginf(logits).all(-1).any(-1)
+    if bool(broken.any()):
+        rows = broken.nonzero()[:, 0].tolist()
+        if failed is None:
+            raise FloatingPointError(f"the model's logits are not finite (NaN, +inf, or -inf "
+                                     f"for every token) for sample(s) {rows}")
+        failed += rows
+        logits = torch.where(broken[:, None, None], torch.zeros_like(logits), logits)
     if sampling.repetition_penalty != 1.0:
         rows, cols = [], []
         for b, ids in enumerate(seen or [()] * B):
@@ -30,12 +48,18 @@ def pick(logits, sampling, gen, seen=None, counts=None):
         index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
         seen[index[0], index[1]] = True
         p = sampling.repetition_penalty
+        big = torch.finfo(torch.float32).max
         logits = torch.where(seen[:, None], torch.where(logits > 0, logits / p, logits * p),
-                             logits)
+                             logits).clamp(-big, big)
     if sampling.greedy or sampling.temperature == 0:
         conf, toks = torch.softmax(logits, -1).max(-1)
         return toks.tolist(), conf.tolist()
-    probs = torch.softmax(logits / sampling.temperature, -1)
+    scaled = logits / sampling.temperature
+    if sampling.temperature < 1 and not bool(torch.isfinite(scaled).all()):
+        # a small temperature overflowed: the largest logit made 0 and the others at most 0
+        # first, the division cannot reach inf - inf (softmax's own shift)
+        scaled = (logits - logits.max(-1, keepdim=True).values) / sampling.temperature
+    probs = torch.softmax(scaled, -1)
     if sampling.top_p < 1.0:
         sorted_p, idx = probs.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p > sampling.top_p
@@ -47,7 +71,7 @@ def pick(logits, sampling, gen, seen=None, counts=None):
     # rounding could reach): a token of zero mass never is
     total = cdf[..., -1]
     at = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    toks = torch.searchsorted(cdf, at[..., None], right=True)[..., 0]
+    toks = torch.searchsorted(cdf, at[..., None], right=True)[..., 0].clamp_(max=V - 1)
     conf = probs.gather(-1, toks[..., None])[..., 0]
     return toks.tolist(), conf.tolist()
 

@@ -14,9 +14,14 @@
   add up to exactly the final text although set decoding commits positions out of order.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
-Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON,
-an unknown field, a value out of range or a prompt longer than the context; 404 for another
-model's name; 429 (with ``Retry-After``) when the queue is full.
+Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, on every route:
+400 for bad JSON, an unknown field, a value out of range (``max_tokens`` above the server's cap,
+the model's context by default; a temperature or penalty the float32 sampler cannot divide by),
+a prompt longer than the context or more prompts than the queue holds; 401 without the API key
+(``--api-key``); 404 for another model's name or an unknown route; 413 for a body over
+``--max-body-bytes``; 429 (with ``Retry-After``) when the queue is full; 500 for a request that
+failed alone (the others in its batch go on). The engine's answers are awaited, never waited
+for in the event loop, and prompts are tokenized in a worker thread.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import math
 import time
 import uuid
 from typing import Optional, Union
@@ -31,11 +37,13 @@ from typing import Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException
 
-from setdiff_dist.inference.decoding import DecodeError
+from setdiff_dist.inference.decoding import DecodeError, check_text
 
 from .batch import Spec, check_spec
+from .guard import error_body
 from .scheduler import QueueFull
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting (non-streamed) request checks for its client
@@ -53,8 +61,8 @@ class CompletionRequest(BaseModel):
     model: str
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
     stop: Optional[Union[str, list[str]]] = Field(None)
     seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
     stream: bool = False
@@ -63,15 +71,28 @@ class CompletionRequest(BaseModel):
     user: Optional[str] = None
     # set decoding's own
     window: Optional[int] = Field(None, ge=1)
-    threshold: Optional[float] = Field(None, ge=0)
-    repetition_penalty: Optional[float] = Field(None, gt=0)
+    threshold: Optional[float] = Field(None, ge=0)  # (inf: one token per step)
+    repetition_penalty: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     max_repeat_run: Optional[int] = Field(None, ge=1)
     ignore_eos: bool = False
     return_token_ids: bool = False
 
+    @field_validator("threshold", mode="before")
+    @classmethod
+    def _threshold_is_a_number(cls, v):
+        if isinstance(v, float) and math.isnan(v):
+            raise ValueError("threshold is NaN: give a confidence in [0, 1], or inf for one "
+                             "token per step")
+        return v
 
-def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None):
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+class Limits:
+    """What the server allows a request: at most ``max_tokens`` new tokens (default: the
+    model's context) and ``max_prompts`` prompts (the queue's size: more could never be
+    queued)."""
+
+    def __init__(self, max_tokens: int, max_prompts: int):
+        self.max_tokens, self.max_prompts = max_tokens, max_prompts
 
 
 class Service:
@@ -80,8 +101,9 @@ class Service:
     which answers as the :class:`~setdiff_dist.serve.scheduler.Scheduler` would) and the
     metrics."""
 
-    def __init__(self, model, name: str, scheduler, metrics):
+    def __init__(self, model, name: str, scheduler, metrics, limits: Optional[Limits] = None):
         self.model, self.name, self.scheduler, self.metrics = model, name, scheduler, metrics
+        self.limits = limits or Limits(model.context, 1 << 30)
         self.created = int(time.time())
 
     def count(self, outcome: str) -> None:
@@ -101,18 +123,28 @@ class Service:
             prompts = list(p)
         if not prompts:
             raise DecodeError("prompt is an empty list: give a string or token ids")
+        limits = self.limits
+        if len(prompts) > limits.max_prompts:
+            raise DecodeError(f"the request has {len(prompts)} prompts; this server queues at "
+                              f"most {limits.max_prompts} (--max-queue): send at most "
+                              f"{limits.max_prompts} per request")
         greedy = None if req.temperature is None else req.temperature == 0
         d = self.model.settings(None, window=req.window, threshold=req.threshold,
                                 greedy=greedy, temperature=req.temperature or None,
                                 top_p=req.top_p, repetition_penalty=req.repetition_penalty,
                                 max_new_tokens=req.max_tokens,
                                 max_repeat_run=req.max_repeat_run)
+        if req.max_tokens is None:  # (the checkpoint's length, within what the server allows)
+            d["max_new_tokens"] = min(d["max_new_tokens"], limits.max_tokens)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise DecodeError("an empty stop string would stop at once; give some text")
+        for j, s in enumerate(stop):
+            check_text(f"stop string {j}", s)
         out = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
+                check_text(f"prompt {i}", prompt)
                 ids = tok.encode(prompt) if prompt else [tok.eos_id]  # "": unconditional
             else:
                 ids = list(prompt) or [tok.eos_id]
@@ -128,23 +160,23 @@ class Service:
                         seed=req.seed if req.seed is not None else 0, stop=tuple(stop),
                         patterns=tuple(d["stop"]), eos_stop=not req.ignore_eos,
                         max_repeat_run=d["max_repeat_run"])
-            check_spec(spec, self.model.context, i)
+            check_spec(spec, self.model.context, i, max_tokens=limits.max_tokens)
             out.append(spec)
         return out
 
     # -- submitting and waiting -------------------------------------------------------------------
-    def submit(self, specs: list[Spec], streamed: bool) -> asyncio.Queue:
+    async def submit(self, specs: list[Spec], streamed: bool) -> asyncio.Queue:
         """Queue every prompt of one request, or none (429); their events come to one queue
         as ``(index, event)`` (new text after each step only when ``streamed``)."""
         events = asyncio.Queue()
         done = []
         try:
-            for i, spec in enumerate(specs):  # (called in the event loop: see deliver)
-                self.scheduler.submit(spec, lambda ev, i=i: events.put_nowait((i, ev)),
-                                      streamed)
+            for i, spec in enumerate(specs):  # (listeners are called in the event loop)
+                await self.scheduler.submit(spec, lambda ev, i=i: events.put_nowait((i, ev)),
+                                            streamed)
                 done.append(spec)
-        except QueueFull:
-            for spec in done:
+        except BaseException:  # (QueueFull, or the client gone while it waited)
+            for spec in specs[:len(done) + 1]:
                 self.scheduler.cancel(spec.id)
             raise
         return events
@@ -208,9 +240,29 @@ def create_app(service: Service, lifespan=None):
                                 f"{e.get('msg')}" for e in errors) or "invalid request"
         return bad_request(message, param=where, code=kind or None)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc):  # (an unknown route, a body that cannot be parsed...)
+        if exc.status_code == 400:
+            service.count("bad_request")
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in detail:
+            detail = "the body cannot be parsed as JSON (too deeply nested, or not JSON)"
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(detail, type_=kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def crashed(request, exc):  # (a bug of ours: the traceback goes to the log)
+        service.count("failed")
+        return JSONResponse(error_body(f"the server failed: {type(exc).__name__}: {exc}",
+                                       type_="server_error"), status_code=500)
+
     @app.get("/health")
     async def health():
-        s = service.scheduler.status()
+        try:
+            s = await service.scheduler.status()
+        except RuntimeError as exc:  # (the decoding process does not answer)
+            return JSONResponse({"status": "error", "error": str(exc)}, status_code=503)
         if not s["alive"]:
             return JSONResponse({"status": "error", "error": s["fatal"] or
                                  "the decoding thread stopped"}, status_code=503)
@@ -218,7 +270,7 @@ def create_app(service: Service, lifespan=None):
 
     @app.get("/metrics")
     async def prometheus():
-        body, content_type = metrics.exposition()
+        body, content_type = await metrics.exposition()
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
@@ -238,13 +290,13 @@ def create_app(service: Service, lifespan=None):
             return bad_request(f"the model {req.model!r} does not exist: this server serves "
                                f"{service.name!r} (GET /v1/models)", param="model",
                                code="model_not_found", status=404)
-        try:
-            specs = service.specs(req)
+        try:  # (tokenizing a long prompt must not hold the event loop)
+            specs = await asyncio.to_thread(service.specs, req)
         except DecodeError as exc:
             code = "context_length_exceeded" if "context" in str(exc) else None
             return bad_request(str(exc), code=code)
         try:
-            events = service.submit(specs, req.stream)
+            events = await service.submit(specs, req.stream)
         except QueueFull as exc:
             service.count("rejected_queue_full")
             return JSONResponse(error_body(f"too many requests: {exc}; retry later",

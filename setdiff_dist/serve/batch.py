@@ -29,6 +29,7 @@ from setdiff_dist.inference.decoding import (
     Sample,
     Sampling,
     StopCriteria,
+    check_max_new_tokens,
     check_prompt,
 )
 from setdiff_dist.inference.kv_cache import KVCache
@@ -55,9 +56,12 @@ class Spec:
     max_repeat_run: Optional[int] = None
 
 
-def check_spec(spec: Spec, context: int, index: int = 0) -> None:
+def check_spec(spec: Spec, context: int, index: int = 0,
+               max_tokens: Optional[int] = None) -> None:
     """What a request (its prompt number ``index``) can get wrong that decoding would only find
-    later (raises :class:`DecodeError`, whose message the server returns as a 400)."""
+    later (raises :class:`DecodeError`, whose message the server returns as a 400);
+    ``max_tokens``: the server's cap on a request's new tokens."""
+    check_max_new_tokens(spec.max_tokens, max_tokens, what="max_tokens")
     check_prompt(index, spec.prompt, spec.window, context)
     Sampling(greedy=spec.greedy, temperature=spec.temperature, top_p=spec.top_p,
              repetition_penalty=spec.repetition_penalty, seed=spec.seed)
@@ -85,13 +89,6 @@ class Row:
         """OpenAI's: "stop" at end-of-text or a stop string, "length" at max_tokens."""
         return "stop" if self.sample.end is not None else "length"
 
-    def prefix(self) -> list:
-        """The generated token ids committed and contiguous from the prompt (up to a stop)."""
-        s = self.sample
-        s.advance()
-        end = s.end if s.end is not None else math.inf
-        return [s.tokens[p] for p in s.region[:s.left] if p < end]
-
 
 class ContinuousBatch:
     """The running batch on a :class:`~setdiff_dist.inference.decoder.SetDecoder` (set or
@@ -110,24 +107,33 @@ class ContinuousBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def admit(self, specs: list) -> list[Row]:
-        """Add these requests; their prompts are the next step's commits."""
-        now, new = time.monotonic(), []
+    def admit(self, specs: list) -> tuple[list[Row], list[tuple[Spec, str]]]:
+        """Add these requests; their prompts are the next step's commits. Returns the rows
+        added and ``(spec, why)`` for each request that could not be (it alone fails: the
+        others, and the rows already running, are not touched)."""
+        now, new, refused = time.monotonic(), [], []
         for spec in specs:
-            sample = Sample.continuation(spec.prompt, spec.max_tokens)
-            sample.pending = list(enumerate(spec.prompt))
-            sampling = Sampling(greedy=spec.greedy, temperature=spec.temperature,
-                                top_p=spec.top_p, repetition_penalty=spec.repetition_penalty,
-                                seed=spec.seed)
-            stop = StopCriteria(eos_id=self.decoder.tok.eos_id if spec.eos_stop else None,
-                                stop=list(spec.patterns)
-                                + [literal(s) for s in spec.stop],
-                                max_repeat_run=spec.max_repeat_run)
-            sample.rules = Rules(spec.window, spec.threshold, sampling, stop,
-                                 self.decoder.generator(spec.seed))
-            new.append(Row(spec, sample, now))
+            try:
+                new.append(Row(spec, self._sample(spec), now))
+            except Exception as exc:  # noqa: BLE001 (the request's own failure, reported)
+                refused.append((spec, f"the request could not join the batch: "
+                                      f"{type(exc).__name__}: {exc}"))
         self.rows += new  # (their cache rows come with their first step)
-        return new
+        return new, refused
+
+    def _sample(self, spec: Spec) -> Sample:
+        check_max_new_tokens(spec.max_tokens, what="max_tokens")
+        sample = Sample.continuation(spec.prompt, spec.max_tokens)
+        sample.pending = list(enumerate(spec.prompt))
+        sampling = Sampling(greedy=spec.greedy, temperature=spec.temperature,
+                            top_p=spec.top_p, repetition_penalty=spec.repetition_penalty,
+                            seed=spec.seed)
+        stop = StopCriteria(eos_id=self.decoder.tok.eos_id if spec.eos_stop else None,
+                            stop=list(spec.patterns) + [literal(s) for s in spec.stop],
+                            max_repeat_run=spec.max_repeat_run)
+        sample.rules = Rules(spec.window, spec.threshold, sampling, stop,
+                             self.decoder.generator(spec.seed))
+        return sample
 
     def cancel(self, ids) -> list[Row]:
         """Take these requests out of the batch now (a client that went away)."""
@@ -146,14 +152,14 @@ class ContinuousBatch:
         new = [r for r in self.rows if r.fresh]  # (admitted last: the batch's last rows)
         old = self.rows[:len(self.rows) - len(new)]
         if old and new and self._prefill_apart(old, new):
-            self.decoder.step([r.sample for r in old], self.cache)
+            self.decoder.step([r.sample for r in old], self.cache, isolate=True)
             cache = KVCache(self.decoder.model.config.num_layers, len(new), self.decoder.device)
-            self.decoder.step([r.sample for r in new], cache)
+            self.decoder.step([r.sample for r in new], cache, isolate=True)
             self.cache.append(cache)
         else:
             if new:
                 self.cache.add_rows(len(new))
-            self.decoder.step([r.sample for r in self.rows], self.cache)
+            self.decoder.step([r.sample for r in self.rows], self.cache, isolate=True)
         for r in new:
             r.fresh = False
         now, size = time.monotonic(), len(self.rows)
@@ -195,11 +201,21 @@ class TextStream:
     """The text a request can send so far, so that the pieces sent add up to exactly the final
     text although set decoding commits positions out of order: only the prefix committed and
     contiguous from the prompt is text; a trailing incomplete character (U+FFFD) and anything
-    that could still turn out to start a stop string are held back."""
+    that could still turn out to start a stop string are held back.
+
+    The prefix's text is built incrementally (as vLLM detokenizes): each step decodes only the
+    tokens committed since the last stable point and a few before it (for tokenizers whose
+    text of a token depends on its neighbours), so a step's work does not grow with the length
+    of the text; the final text is decoded whole once."""
 
     tokenizer: object
     stop: tuple = ()
     hold: int = field(init=False, default=0)
+    ids: list = field(init=False, default_factory=list)  # the committed prefix's tokens
+    stable: int = field(init=False, default=0)  # ids[:stable] are in text
+    text: str = field(init=False, default="")
+
+    CONTEXT = 6  # tokens decoded again before the stable point
 
     def __post_init__(self):
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -210,14 +226,32 @@ class TextStream:
         cuts = [text.find(s) for s in self.stop if s in text]
         return text[:min(cuts)] if cuts else text
 
+    def _prefix_text(self, row: Row) -> str:
+        """The committed prefix's text up to its last complete character (new tokens only)."""
+        s = row.sample
+        s.advance()
+        end = s.end if s.end is not None else math.inf
+        for j in range(len(self.ids), s.left):
+            if s.region[j] >= end:
+                break
+            self.ids.append(s.tokens[s.region[j]])
+        if len(self.ids) > self.stable:
+            anchor = max(self.stable - self.CONTEXT, 0)
+            head = self.tokenizer.decode(self.ids[anchor:self.stable]) if anchor < self.stable \
+                else ""
+            tail = self.tokenizer.decode(self.ids[anchor:])
+            if tail.startswith(head) and not tail.endswith("\ufffd"):
+                self.text += tail[len(head):]
+                self.stable = len(self.ids)
+        return self.text
+
     def delta(self, row: Row) -> str:
         """What to send now (and mark as sent): the rest of the final text once the row is
         done; before, the new stable part of its committed prefix."""
         if row.sample.done:
             text = self.final(row)
         else:
-            text = self.tokenizer.decode(row.prefix())
-            text = text.rstrip("\ufffd")
+            text = self._prefix_text(row)
             if self.hold:
                 text = text[:max(len(text) - self.hold, 0)]
         if not text.startswith(row.sent) or len(text) <= len(row.sent):

@@ -27,7 +27,8 @@ from typing import Callable, Optional
 
 from .scheduler import QueueFull
 
-REPLY_TIMEOUT_S = 60.0  # a status or metrics query the decoding process never answers
+REPLY_TIMEOUT_S = 60.0  # a submit or metrics query the decoding process never answers
+STATUS_TIMEOUT_S = 5.0  # GET /health: an engine that does not answer this fast is unhealthy
 
 
 class ModelView:
@@ -110,12 +111,14 @@ class EngineHost(_PipeEnd):
 class EngineClient(_PipeEnd):
     """The scheduler as the HTTP process sees it (what :class:`~setdiff_dist.serve.app.Service`
     calls): :meth:`submit` raises :class:`QueueFull` as the scheduler does; each step's events
-    reach the listeners in the event loop, one call per step."""
+    reach the listeners in the event loop, one call per step. Every round trip to the decoding
+    process (:meth:`submit`, :meth:`status`, :meth:`exposition`) is awaited: the event loop
+    goes on serving while the engine is slow or stopped."""
 
     def __init__(self, conn):
         super().__init__(conn)
         self._numbers = itertools.count()
-        self._replies: dict = {}
+        self._replies: dict = {}  # number -> the asyncio future of its answer
         self._listeners: dict = {}
         self.loop = None
         self.fatal: Optional[str] = None
@@ -130,12 +133,18 @@ class EngineClient(_PipeEnd):
         self.loop = loop
         threading.Thread(target=self._read, name="setdiff-engine-link", daemon=True).start()
 
-    # -- the Service's calls ----------------------------------------------------------------------
-    def submit(self, spec, listener, streamed: bool = True) -> None:
+    # -- the Service's calls (in the event loop) --------------------------------------------------
+    async def submit(self, spec, listener, streamed: bool = True) -> None:
         if self.fatal:
             raise QueueFull(f"the server cannot decode: {self.fatal}")
         self._listeners[spec.id] = listener
-        refused = self._call("submit", spec, streamed)
+        try:
+            refused = await self._call("submit", spec, streamed)
+        except RuntimeError as exc:
+            refused = str(exc)
+        except BaseException:
+            self._listeners.pop(spec.id, None)
+            raise
         if refused is not None:
             self._listeners.pop(spec.id, None)
             raise QueueFull(refused)
@@ -147,26 +156,34 @@ class EngineClient(_PipeEnd):
     def count(self, outcome: str) -> None:
         self.send(("count", outcome))
 
-    def status(self) -> dict:
+    async def status(self) -> dict:
         if self.fatal:
             return {"alive": False, "fatal": self.fatal, "running": 0, "waiting": 0}
-        return self._call("status")
+        return await self._call("status", timeout=STATUS_TIMEOUT_S)
 
-    def exposition(self) -> tuple:
-        return self._call("metrics")
+    async def exposition(self) -> tuple:
+        return await self._call("metrics")
 
     # -- the pipe ---------------------------------------------------------------------------------
-    def _call(self, kind: str, *args):
+    async def _call(self, kind: str, *args, timeout: float = REPLY_TIMEOUT_S):
+        import asyncio
+
         n = next(self._numbers)
-        box = [threading.Event(), None]
-        self._replies[n] = box
+        answer = self.loop.create_future()
+        self._replies[n] = answer
         self.send((kind, n, *args))
-        if not box[0].wait(REPLY_TIMEOUT_S) or self.fatal:
+        try:
+            return await asyncio.wait_for(answer, timeout)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"the decoding process did not answer in {timeout:g} s") \
+                from None
+        finally:
             self._replies.pop(n, None)
-            if kind == "submit":
-                return f"the server cannot decode: {self.fatal or 'the engine does not answer'}"
-            raise RuntimeError(f"the decoding process did not answer: {self.fatal}")
-        return box[1]
+
+    def _answer(self, n, value) -> None:
+        answer = self._replies.pop(n, None)
+        if answer is not None and not answer.done():
+            answer.set_result(value)
 
     def _read(self) -> None:
         while True:
@@ -179,10 +196,7 @@ class EngineClient(_PipeEnd):
             if kind == "events":
                 self.loop.call_soon_threadsafe(self._dispatch, message[1])
             elif kind == "reply":
-                box = self._replies.pop(message[1], None)
-                if box is not None:
-                    box[1] = message[2]
-                    box[0].set()
+                self.loop.call_soon_threadsafe(self._answer, message[1], message[2])
             elif kind == "fatal":
                 self.fatal = message[1]
 
@@ -195,32 +209,40 @@ class EngineClient(_PipeEnd):
 
     def _lost(self, why: str) -> None:
         self.fatal = why
-        for box in list(self._replies.values()):
-            box[0].set()
-        failed = [(key, {"done": True, "error": why}) for key in list(self._listeners)]
+
+        def fail_all():
+            for answer in list(self._replies.values()):
+                if not answer.done():
+                    answer.set_exception(RuntimeError(f"the decoding process ended: {why}"))
+            self._dispatch([(key, {"done": True, "error": why}) for key in list(self._listeners)])
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._dispatch, failed)
+            self.loop.call_soon_threadsafe(fail_all)
         if self.on_fatal is not None:
             self.on_fatal(why)
 
 
 def http_main(conn, view: ModelView, name: str, options: dict) -> None:
     """The HTTP process: uvicorn serving :func:`~setdiff_dist.serve.app.create_app` against
-    the decoding process at the other end of ``conn``. Exits 0 after a drain (SIGTERM or
-    SIGINT: stop taking connections, finish every request taken), 1 when the decoding process
-    is gone, 2 when it cannot listen."""
+    the decoding process at the other end of ``conn``, behind :mod:`.guard`. Exits 0 after a
+    drain (SIGTERM or SIGINT: stop taking connections, finish every request taken, for at most
+    ``options["shutdown_timeout"]`` seconds: then what is left is cancelled), 1 when the
+    decoding process is gone, 2 when it cannot listen."""
     import contextlib
 
     import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     from setdiff_dist.processes import die_with_parent
 
-    from .app import Service, create_app
+    from .app import Limits, Service, create_app
+    from .guard import Guard, guarded_protocol, raise_open_files_limit
 
     os.setsid()  # (a terminal's Ctrl-C goes to rank 0 alone, which passes it on once)
     die_with_parent()
+    raise_open_files_limit()
     client = EngineClient(conn)
-    service = Service(view, name, client, client)
+    service = Service(view, name, client, client,
+                      Limits(options["max_tokens"], options["max_prompts"]))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -229,10 +251,15 @@ def http_main(conn, view: ModelView, name: str, options: dict) -> None:
         client.attach(asyncio.get_running_loop())
         yield
 
-    app = create_app(service, lifespan=lifespan)
+    app = Guard(create_app(service, lifespan=lifespan), api_key=options["api_key"],
+                max_body_bytes=options["max_body_bytes"], idle_s=options["timeout_idle"],
+                on_refused=client.count)
     config = uvicorn.Config(app, host=options["host"], port=options["port"],
                             log_level=options["log_level"], lifespan="on",
-                            timeout_graceful_shutdown=None)
+                            http=guarded_protocol(AutoHTTPProtocol, options["timeout_header"],
+                                                  options["max_connections"]),
+                            timeout_keep_alive=options["timeout_keep_alive"],
+                            timeout_graceful_shutdown=options["shutdown_timeout"])
     server = uvicorn.Server(config)
 
     def stop(why: str) -> None:

@@ -17,7 +17,7 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("setdiff_requests", "Completion requests by outcome "
                                 "(completed, cancelled, rejected_queue_full, bad_request, "
-                                "failed)", ["outcome"], registry=r)
+                                "unauthorized, failed)", ["outcome"], registry=r)
         self.prompt_tokens = Counter("setdiff_prompt_tokens", "Prompt tokens of completed "
                                      "requests", registry=r)
         self.generation_tokens = Counter("setdiff_generation_tokens", "Tokens generated for "
@@ -44,7 +44,7 @@ class Metrics:
         info = Gauge("setdiff_model_info", "The served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
         for outcome in ("completed", "cancelled", "rejected_queue_full", "bad_request",
-                        "failed"):
+                        "unauthorized", "failed"):
             self.requests.labels(outcome=outcome)  # (every series exists from the start)
 
     def count(self, outcome: str) -> None:

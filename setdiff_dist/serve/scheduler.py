@@ -135,6 +135,19 @@ class Scheduler:
         if self.thread is not None:
             self.thread.join(timeout)
 
+    def abandon(self) -> int:
+        """Nobody can be told any more (the HTTP process is gone): cancel every request queued
+        or running, before :meth:`stop`; returns how many there were."""
+        with self._cond:
+            waiting, self._queue = list(self._queue), collections.deque()
+            for ticket in waiting:
+                self._tickets.pop(ticket.spec.id, None)
+            running = [row.spec.id for row in self.batch.rows]
+            self._cancels.update(running)
+            self._gauges()
+            self._cond.notify()
+        return len(waiting) + len(running)
+
     @property
     def waiting(self) -> int:
         return len(self._queue)
@@ -206,19 +219,21 @@ class Scheduler:
 
     def _apply(self, plan: Plan) -> None:
         for row in self.batch.cancel(plan.cancel):
-            self._tickets.pop(row.spec.id, None)
-            self._count_cancel()
-        rows = self.batch.admit(plan.admit)
+            if self._tickets.pop(row.spec.id, None) is not None:  # (not one failed alone)
+                self._count_cancel()
+        rows, refused = self.batch.admit(plan.admit)
         if self.metrics is not None:
             for row in rows:
-                ticket = self._tickets[row.spec.id]
-                self.metrics.queue_seconds.observe(row.joined - ticket.arrived)
+                ticket = self._tickets.get(row.spec.id)
+                if ticket is not None:
+                    self.metrics.queue_seconds.observe(row.joined - ticket.arrived)
+        self._fail(refused)
         self._gauges()
         if not len(self.batch):
             return
         start = time.perf_counter()
         running = list(self.batch.rows)
-        finished = self.batch.step()
+        finished = self.batch.step()  # (raising: its forward is every row's, run fails all)
         if self.metrics is not None:
             self.metrics.step_seconds.observe(time.perf_counter() - start)
             self.metrics.batch_rows.observe(len(running))
@@ -227,15 +242,47 @@ class Scheduler:
             ticket = self._tickets.get(row.spec.id)
             if ticket is None or not (ticket.streamed or row in finished):
                 continue  # (no text is decoded for a request that is not streamed, until done)
-            piece = ticket.stream.delta(row)
-            if row in finished:
+            try:
+                if row.sample.error is not None:
+                    raise _RowFailed(row.sample.error)
+                piece = ticket.stream.delta(row)
+                if row in finished:
+                    event = self._outcome(row, ticket, piece)
+                elif piece:
+                    event = {"text": piece}
+                else:
+                    continue
+            except Exception as exc:  # noqa: BLE001 (this row's failure: the others go on)
+                why = str(exc) if isinstance(exc, _RowFailed) else \
+                    f"{type(exc).__name__}: {exc}"
+                if not isinstance(exc, _RowFailed):
+                    traceback.print_exc(file=sys.stderr)
+                print(f"setdiff-serve: request {row.spec.id} failed alone: {why}",
+                      file=sys.stderr, flush=True)
+                if row not in finished:  # (it leaves the batch before the next step)
+                    with self._cond:
+                        self._cancels.add(row.spec.id)
+                event = {"done": True, "error": f"decoding failed: {why}"}
+                self._count("failed")
+            if event.get("done"):
                 self._tickets.pop(row.spec.id, None)
-                outbox.append((ticket.listener, self._outcome(row, ticket, piece)))
-            elif piece:
-                outbox.append((ticket.listener, {"text": piece}))
+            outbox.append((ticket.listener, event))
         if outbox:
             self.deliver(outbox)
         self._gauges()
+
+    def _fail(self, refused: list) -> None:
+        """Requests that could not join the batch: each gets its error; nothing else does."""
+        outbox = []
+        for spec, why in refused:
+            print(f"setdiff-serve: request {spec.id} failed alone: {why}", file=sys.stderr,
+                  flush=True)
+            ticket = self._tickets.pop(spec.id, None)
+            if ticket is not None:
+                outbox.append((ticket.listener, {"done": True, "error": why}))
+                self._count("failed")
+        if outbox:
+            self.deliver(outbox)
 
     def _outcome(self, row, ticket: Ticket, piece: str) -> dict:
         s = row.sample
@@ -261,13 +308,20 @@ class Scheduler:
         self._gauges()
 
     def _count_cancel(self) -> None:
+        self._count("cancelled")
+
+    def _count(self, outcome: str) -> None:
         if self.metrics is not None:
-            self.metrics.requests.labels(outcome="cancelled").inc()
+            self.metrics.requests.labels(outcome=outcome).inc()
 
     def _gauges(self) -> None:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._queue))
             self.metrics.running.set(len(self.batch))
+
+
+class _RowFailed(Exception):
+    """A row the decoder failed alone (:meth:`~setdiff_dist.inference.decoding.Sample.fail`)."""
 
 
 def deliver_now(outbox: list) -> None:
@@ -286,7 +340,7 @@ def follow(decoder, channel: PlanChannel) -> None:
         if plan.reset:
             batch = ContinuousBatch(decoder)
         batch.cancel(plan.cancel)
-        batch.admit(plan.admit)
+        batch.admit(plan.admit)  # (a request refused here is refused on rank 0 alike)
         try:
             batch.step()
         except Exception as exc:
