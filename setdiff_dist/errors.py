@@ -3,7 +3,8 @@
 Every error that is the user's to fix (a config key, a flag, a shard, a checkpoint, the launch
 environment) derives from :class:`SetdiffError`. Each command-line entry point catches it once
 (:func:`setdiff_dist.cli.command`), prints its message as ``prog: error: ...`` and exits with
-code 2; anything else is a bug of ours and keeps its traceback (exit code 1).
+code 2; anything else is a bug of ours and keeps its traceback (exit code 1). The exit codes of
+every command are listed below (``EXIT_*``).
 
 The module imports nothing heavy: the data-prep tools and the launcher use it before torch.
 """
@@ -12,7 +13,27 @@ from __future__ import annotations
 
 import os
 
+# The exit codes of every command, in one place. A launcher restarts (and Slurm requeues
+# without the node it failed on) only a failure that may go away: a crash, a kill, a hang. A
+# refusal (EXIT_USAGE) or a divergence (EXIT_DIVERGED) is deterministic: the same start fails
+# the same way, on any node, so it is never restarted (:func:`restartable`).
+EXIT_FAILED = 1  # a bug of ours, a crash, a lost peer: restarted (train.max_restarts)
 EXIT_USAGE = 2  # bad input: config, flag, data, checkpoint (argparse's code too)
+EXIT_DIVERGED = 3  # the loss stayed non-finite (Diverged): not restarted
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on a signal; requeue and resume=auto
+EXIT_HUNG = 76  # a rank made no progress for train.hang_timeout_s (EX_PROTOCOL)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader went away (`setdiff-config --keys | head`)
+# the exits that are no failure: a clean end, a stop on a signal after a checkpoint
+EXIT_STOPPED = (0, EXIT_PREEMPTED, EXIT_INTERRUPTED)
+# the failures a restart would meet again
+EXIT_NOT_RESTARTED = (EXIT_USAGE, EXIT_DIVERGED)
+
+
+def restartable(code: int) -> bool:
+    """Whether a rank's exit ``code`` (negative: killed by that signal) is a failure that a
+    restart may get past; a clean end, a stop, a refusal or a divergence is not."""
+    return code not in EXIT_STOPPED and code not in EXIT_NOT_RESTARTED
 
 
 class SetdiffError(Exception):
@@ -37,9 +58,10 @@ class TrainingError(SetdiffError, RuntimeError):
 
 
 class Diverged(TrainingError):
-    """The loss stayed non-finite: a failed run (exit code 1), not bad input."""
+    """The loss stayed non-finite: a failed run, not bad input, but as deterministic as a
+    refusal (exit code :data:`EXIT_DIVERGED`, outcome ``"diverged"``): never restarted."""
 
-    exit_code = 1
+    exit_code = EXIT_DIVERGED
 
 
 def rank_and_world() -> tuple[int, int]:

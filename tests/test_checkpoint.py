@@ -772,3 +772,128 @@ def test_resume_on_any_layout_continues_the_same_curve(trained, sonnets, tmp_pat
     tolerance = 1e-4 if "train.precision=bf16" in resumed else 1e-5
     for step, loss in want.items():
         assert got[step] == pytest.approx(loss, abs=tolerance), step
+
+
+def _flip(path, at=None):
+    """Flip one bit of the file ``path`` (its middle byte by default); returns the undo."""
+    data = path.read_bytes()
+    at = len(data) // 2 if at is None else at
+    path.write_bytes(data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:])
+    return lambda: path.write_bytes(data)
+
+
+def test_a_damaged_universal_form_is_refused_on_resume_naming_the_file(trained, sonnets,
+                                                                       tmp_path):
+    """The universal form (and its ZeRO-3 view) gets a manifest of its own when made, checked
+    by every resume that reuses it: one flipped bit in any of its files, the manifest
+    included, is refused naming that file and how to have it made again; a form without a
+    manifest (an older version's) is made again; and setdiff-train refuses the damaged form
+    with exit code 2 before DeepSpeed reads it."""
+    from setdiff_dist.train.universal import prepare
+
+    run = rewound(trained(), tmp_path)
+    step = run / "checkpoints" / "step_0000003"
+    said = []
+    # (the view of a ZeRO-1 checkpoint for a ZeRO-3 run: its vocabulary rows padded to 264)
+    assert prepare(str(step), zero3_rows=264, say=said.append) == "universal_zero3"
+    assert sum("converting" in line for line in said) == 1
+    for form in ("universal", "universal_zero3"):
+        files = sorted(p for p in (step / form).rglob("*") if p.is_file() and not p.is_symlink())
+        assert (step / form / "manifest.json") in files and len(files) > 3
+        for file in files:
+            undo = _flip(file)
+            with pytest.raises(CheckpointError) as err:
+                prepare(str(step), zero3_rows=264)
+            undo()
+            message = str(err.value)
+            assert f"{step / form} (" in message and "is damaged" in message, message
+            assert str(file.relative_to(step / form)) in message, message
+            assert f"Remove {step / form} (rm -r)" in message, message
+    link = next(p for p in (step / "universal_zero3" / "zero").iterdir() if p.is_symlink())
+    target = os.readlink(link)
+    link.unlink()
+    link.symlink_to(os.path.join(os.path.dirname(target), "elsewhere"))
+    with pytest.raises(CheckpointError, match=f"{link.name} is not the link to"):
+        prepare(str(step), zero3_rows=264)
+    link.unlink()
+    link.symlink_to(target)
+    said.clear()
+    assert prepare(str(step), zero3_rows=264, say=said.append) == "universal_zero3"
+    assert said == []  # (checked, not made again)
+    # a form without its manifest is not trusted: made again (and the view derived from it)
+    (step / "universal" / "manifest.json").unlink()
+    assert prepare(str(step), zero3_rows=264, say=said.append) == "universal_zero3"
+    assert "has no manifest" in said[0] and sum("converting" in line for line in said) == 1
+    assert (step / "universal" / "manifest.json").is_file()
+    # setdiff-train, resuming at DP=1: refused before DeepSpeed reads it, named, exit code 2
+    damaged = step / "universal" / "zero" / "embedding.weight" / "exp_avg.pt"
+    _flip(damaged)
+    res = train(run, sonnets, nproc=1)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "zero/embedding.weight/exp_avg.pt" in res.stderr
+    assert f"Remove {step / 'universal'} (rm -r)" in res.stderr, res.stderr[-3000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000003"
+
+
+def test_two_jobs_resuming_one_checkpoint_take_turns_at_its_conversion(trained, tmp_path):
+    """Two jobs (here: two threads, each a job of one rank) resume one checkpoint in a new
+    layout at once: one converts under the step's lock, the other waits for it, then finds
+    the form made and checks it instead of converting again; no error, one conversion. The
+    next start of the run that owns the checkpoint leaves a locked conversion's temporary
+    directory alone."""
+    import threading
+
+    from setdiff_dist.checkpoint.files import ConversionLock
+    from setdiff_dist.cli.train import _clean_leftovers
+    from setdiff_dist.train.universal import prepare
+
+    run = copy_run(trained(), tmp_path)
+    step = run / "checkpoints" / "step_0000003"
+    start = threading.Barrier(2)
+    said, results = [[], []], [None, None]
+
+    def job(i):
+        start.wait()
+        try:
+            results[i] = prepare(str(step), say=said[i].append, poll_s=0.05)
+        except Exception as exc:  # noqa: BLE001 (the test reports it)
+            results[i] = exc
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == ["universal", "universal"], (results, said)
+    converted = [any("converting" in line for line in s) for s in said]
+    waited = [any(line.startswith("waiting for pid") for line in s) for s in said]
+    assert sorted(converted) == [False, True] and waited == [not c for c in converted], said
+    said[0].clear()
+    assert prepare(str(step), say=said[0].append) == "universal" and said[0] == []
+    # a conversion in flight (its lock held) keeps its temporary directory
+    (step / "universal.tmp").mkdir()
+    lock = ConversionLock(str(step))
+    assert lock.acquire()
+    _clean_leftovers(str(run))
+    assert (step / "universal.tmp").is_dir()
+    lock.release()
+    _clean_leftovers(str(run))
+    assert not (step / "universal.tmp").exists()
+
+
+def test_the_fresh_start_a_refusal_suggests_asks_for_the_stage_and_layout_of_this_run():
+    """Pure logic: a refusal's suggestion (a new run from the checkpoint's weights, with its
+    config) sets what this run asked for and the checkpoint's config lacks: the ZeRO stage
+    (``zero.stage: 3`` kept from the config was refused again) and the parallel sizes."""
+    from setdiff_dist.checkpoint.manifest import layout_differences
+
+    def layout(tp=1, pp=1, dp=1):
+        return {"tensor": tp, "pipeline": pp, "data": dp, "context": 1, "world": tp * pp * dp}
+
+    [zero3_to_1] = layout_differences(layout(dp=2), layout(dp=2), 3, 1, "ckpt")
+    assert "checkpoint.init_from=ckpt zero.stage=1 ..." in zero3_to_1, zero3_to_1
+    [zero0] = layout_differences(layout(pp=2), layout(tp=2), 0, 0, "ckpt")
+    assert "checkpoint.init_from=ckpt parallel.pipeline=1 parallel.tensor=2 ..." in zero0, zero0
+    assert "zero.stage" not in zero0.split("checkpoint.init_from=")[1]
+    [tp2] = layout_differences(layout(tp=2, dp=2), layout(tp=2), 1, 3, "ckpt")
+    assert "checkpoint.init_from=ckpt zero.stage=3 ..." in tp2, tp2

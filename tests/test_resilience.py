@@ -223,3 +223,108 @@ def test_with_the_restarts_spent_the_job_ends_naming_the_failing_rank(sonnets, t
     assert "restart 1 of 1 (rank 1: signal 9)" in err
     assert "rank 1 failed again (signal 9) and no restart is left (train.max_restarts=1" in err
     assert resolve_latest(run) is not None
+
+
+def test_a_diverged_run_is_not_restarted(sonnets, tmp_path):
+    """A loss that stays non-finite (an absurd learning rate) is deterministic: with
+    train.max_restarts=2 the run still ends at once, exit code 3 (outcome "diverged", not
+    restartable), no restart."""
+    from setdiff_dist.errors import EXIT_DIVERGED
+
+    res = run_train(tmp_path, sonnets, "optimizer.lr=1e30", "optimizer.grad_clip=0",
+                    "train.max_nonfinite_steps=2", "optimizer.warmup_steps=0",
+                    "optimizer.schedule=constant", "optimizer.min_lr=0", "train.max_restarts=2",
+                    nproc=1, steps=6)
+    assert res.returncode == EXIT_DIVERGED, res.stderr[-3000:]
+    assert "2 consecutive steps with a non-finite loss or gradient norm" in res.stderr
+    assert "restart" not in res.stderr and "died" not in res.stderr, res.stderr[-3000:]
+    status = json.loads((tmp_path / "exit_status.json").read_text())
+    assert status["outcome"] == "diverged" and status["exit_code"] == EXIT_DIVERGED
+    assert status["restartable"] is False
+
+
+STUBS = {  # Slurm's commands for train.sbatch, as a failed job on node n1 sees them
+    "scontrol": """#!/bin/bash
+echo "$*" >> "$STUB_LOG"
+case "$1 $2" in
+    "show hostnames") echo n1 ;;
+    "show job") echo "JobId=$SLURM_JOB_ID ExcNodeList=(null)" ;;
+esac
+""",
+    "srun": """#!/bin/bash
+echo "srun: error: n1: task 0: Exited with exit code 1" >&2
+exit 1
+""",
+    "torchrun": "#!/bin/bash\nexit 0\n",
+}
+
+
+@pytest.mark.parametrize("outcome,code,requeued", [("diverged", 3, False), ("invalid", 2, False),
+                                                   ("failed", 1, True), ("hung", 76, True)])
+def test_train_sbatch_requeues_only_a_failure_a_restart_may_get_past(tmp_path, outcome, code,
+                                                                    requeued):
+    """train.sbatch after its job step ended, with Slurm's commands stubbed: a failure
+    (a crash, a hang) is requeued without the node it failed on; a divergence or a refusal,
+    which would end the same way on any node, is neither requeued nor excludes a node."""
+    from setdiff_dist.cli.train import _write_exit_status
+
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, text in STUBS.items():
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    run, log = tmp_path / "run", tmp_path / "scontrol.log"
+    _write_exit_status(str(run), outcome, code, 4, None)
+    env = dict(os.environ, STUB_LOG=str(log), SLURM_JOB_ID="123", SLURM_JOB_NODELIST="n1",
+               SLURM_NNODES="1", SETDIFF_HOME=os.getcwd(),
+               PATH=os.pathsep.join([str(stubs), os.path.dirname(sys.executable),
+                                     os.environ["PATH"]]))
+    res = subprocess.run(["bash", os.path.join("launchers", "slurm", "train.sbatch"),
+                          "--config", "configs/tiny-cpu.yaml", f"run_dir={run}",
+                          "train.max_restarts=2"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    calls = log.read_text().splitlines()
+    if requeued:
+        assert res.returncode == 0, res.stderr
+        assert "requeuehold 123" in calls and "release 123" in calls, calls
+        assert "update JobId=123 ExcNodeList=n1" in calls, calls
+    else:
+        assert res.returncode != 0, res.stderr
+        assert calls == ["show hostnames n1"], calls
+        assert f"not requeueing: the run ended {outcome}" in res.stderr, res.stderr
+
+
+def test_a_restarted_run_logs_each_step_once(tmp_path):
+    """metrics.jsonl after a restart from the step-3 checkpoint of a run that had logged steps
+    1-5 (and a line cut short by the crash): the lines past step 3 go, so that the restart's
+    steps 4.. appear once."""
+    from setdiff_dist.train.metrics import MetricsLogger
+
+    lines = [{"step": s, "loss": 1.0 / s} for s in range(1, 6)]
+    lines.insert(3, {"step": 3, "valid_loss": 0.5})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines)
+                                            + '{"step": 6, "lo')
+    logger = MetricsLogger(str(tmp_path), True, 6, 1e6, 1, tensorboard=False, start_step=3)
+    for step in (4, 5):
+        logger.log({"step": step, "loss": 0.1, "lr": 1e-3, "grad_norm": 1.0}, 100, 1.0)
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows if "valid_loss" in r] == [3]
+
+
+def test_the_exit_status_of_a_hang_has_the_trainers_step(tmp_path):
+    """The hang's record in exit_status.json gives the trainer's step when the hang ends the
+    process (as every outcome does), not the hang report's step, which is the culprit's last
+    heartbeat (another rank's, seconds old)."""
+    from types import SimpleNamespace
+
+    from setdiff_dist.cli.train import _record_hang
+
+    trainer = SimpleNamespace(step=5)
+    on_hang = _record_hang(str(tmp_path), trainer)
+    trainer.step = 9
+    on_hang({"rank": 1, "step": 6, "phase": "forward"})
+    status = json.loads((tmp_path / "exit_status.json").read_text())
+    assert status == {"outcome": "hung", "exit_code": EXIT_HUNG, "step": 9, "checkpoint": None,
+                      "restartable": True}

@@ -12,7 +12,16 @@ from typing import Iterable, Optional
 from setdiff_dist.errors import SetdiffError
 from setdiff_dist.paths import sha256_file
 
-from .format import LATEST, MANIFEST, UNIVERSAL, checkpoint_root, is_complete, is_step_name
+from .format import (
+    LATEST,
+    MANIFEST,
+    UNIVERSAL,
+    UNIVERSAL_LOCK,
+    UNIVERSAL_ZERO3,
+    checkpoint_root,
+    is_complete,
+    is_step_name,
+)
 
 
 class CheckpointError(SetdiffError, ValueError):
@@ -68,8 +77,6 @@ class RunLock:
 
     def __init__(self, run_dir: str):
         import fcntl
-        import socket
-        import time
 
         self.path = os.path.join(run_dir, self.NAME)
         try:
@@ -89,13 +96,84 @@ class RunLock:
                              "it, or give this one another run_dir") from None
         self._fh.seek(0)
         self._fh.truncate()
-        self._fh.write(f"pid {os.getpid()} on {socket.gethostname()} since "
-                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self._fh.write(_holder())
         self._fh.flush()
 
     def release(self) -> None:
         if self._fh and not self._fh.closed:
             self._fh.close()  # (closing the file releases the lock)
+
+
+def check_writable(run_dir: str) -> None:
+    """Refuse, before training, a run whose ``checkpoints/`` cannot be written (its first save
+    would fail mid-run): a probe file is created there and removed."""
+    root = checkpoint_root(run_dir)
+    probe = os.path.join(root, f".write-probe-{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "w") as fh:
+            fh.write("a test that this directory can be written; remove it\n")
+        os.remove(probe)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write to {root} ({exc.strerror or exc}): the run saves "
+                              "its checkpoints there; make it writable (chmod u+w, or remount "
+                              "it read-write) or give another run_dir") from None
+
+
+class ConversionLock:
+    """``directory/universal.lock`` (a checkpoint's step directory), held (``flock``) by rank 0
+    of the job that makes, checks or cleans up the checkpoint's universal forms: two jobs that
+    resume one checkpoint take turns, and the second finds the first one's form made. The file
+    stays (removing a lock file races with its next user); the kernel releases the lock when
+    its process dies. In a directory that cannot be written nobody converts: the lock is
+    granted at once."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, UNIVERSAL_LOCK)
+        self._fh = None
+
+    def acquire(self, blocking: bool = True) -> bool:
+        import fcntl
+
+        if self._fh is not None:
+            return True
+        try:
+            fh = open(self.path, "a+")
+        except OSError:
+            return True  # (a read-only checkpoint: no conversion can happen there)
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except OSError:
+            fh.close()
+            return False
+        fh.seek(0)
+        fh.truncate()
+        fh.write(_holder())
+        fh.flush()
+        self._fh = fh
+        return True
+
+    def holder(self) -> str:
+        """Who holds the lock, as its holder wrote it."""
+        try:
+            with open(self.path) as fh:
+                return fh.read().strip() or "another process"
+        except OSError:
+            return "another process"
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()  # (closing the file releases the lock)
+            self._fh = None
+
+
+def _holder() -> str:
+    """What a lock's holder writes into its file: who it is."""
+    import socket
+    import time
+
+    return (f"pid {os.getpid()} on {socket.gethostname()} since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
 
 
 def complete_checkpoints(run_dir: str) -> list[str]:
@@ -144,18 +222,35 @@ def resume_path(cfg) -> Optional[str]:
 
 def checkpoint_files(directory: str) -> list[str]:
     """The files of a checkpoint directory, relative and sorted: everything but the manifest
-    itself, temporary files and a derived ``universal/`` form."""
+    itself, temporary files and the derived universal forms (which have manifests of their
+    own) and their lock."""
+    derived = {UNIVERSAL, UNIVERSAL_ZERO3, UNIVERSAL + ".tmp", UNIVERSAL_ZERO3 + ".tmp"}
     out = []
     for base, dirs, files in os.walk(directory):
         rel = os.path.relpath(base, directory)
-        if rel == UNIVERSAL or rel.startswith(UNIVERSAL + os.sep):
-            dirs[:] = []
-            continue
+        if rel == ".":
+            dirs[:] = [d for d in dirs if d not in derived]
         for f in files:
             path = os.path.normpath(os.path.join(rel, f))
-            if path != MANIFEST and ".tmp-" not in f:
+            if path not in (MANIFEST, UNIVERSAL_LOCK) and ".tmp-" not in f:
                 out.append(path)
     return sorted(out)
+
+
+def derived_files(directory: str) -> tuple[list[str], dict[str, str]]:
+    """The files of a derived form (``universal/``, ``universal_zero3/``), relative and sorted,
+    but for its manifest and temporary files; and its symbolic links, each with its target."""
+    files, links = [], {}
+    for base, dirs, names in os.walk(directory):
+        rel = os.path.relpath(base, directory)
+        for name in dirs + names:
+            path, key = os.path.join(base, name), os.path.normpath(os.path.join(rel, name))
+            if os.path.islink(path):
+                links[key] = os.readlink(path)
+            elif name in names and key != MANIFEST and ".tmp-" not in name:
+                files.append(key)
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(base, d))]
+    return sorted(files), dict(sorted(links.items()))
 
 
 def describe_files(directory: str, names: Iterable[str], hashes: bool = True) -> dict:

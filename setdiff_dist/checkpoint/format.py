@@ -10,7 +10,11 @@ directory takes its file names from here.
   global names, readable in any layout without unpickling anything;
 - ``rng_rank{r}.pt`` per rank, the tokenizer file, ``config.yaml`` and ``manifest.json``
   (written last: its presence makes the checkpoint complete);
-- ``universal/``: DeepSpeed's universal form, derived on a resume at another data-parallel size.
+- ``universal/``: DeepSpeed's universal form, derived on a resume at another data-parallel size
+  (and ``universal_zero3/``, its view for a ZeRO-3 engine), each with a ``manifest.json`` of its
+  own (format :data:`DERIVED_FORMAT`: every file's size and SHA-256, every link's target),
+  written last and checked at every resume that reuses it; ``universal.lock``, held while a
+  job makes or checks them.
 
 ``run_dir/checkpoints/latest`` names the newest complete step directory.
 """
@@ -29,6 +33,10 @@ UNIVERSAL = "universal"
 # the universal form as a ZeRO-3 engine reads it, for a checkpoint of ZeRO 1-2 (links into
 # UNIVERSAL, the few files it reads otherwise: train.universal.zero3_view)
 UNIVERSAL_ZERO3 = "universal_zero3"
+# the manifest (MANIFEST) inside a form derived from a checkpoint: universal/, universal_zero3/
+DERIVED_FORMAT = "setdiff-derived/1"
+# in the step directory: held (flock) by the job that makes or checks its universal forms
+UNIVERSAL_LOCK = "universal.lock"
 # (a key of the client state in DeepSpeed's model-state files: the stage's parameter names ->
 # their global names, which name the optimizer state since format 1 with "optimizer_names")
 GLOBAL_NAMES = "setdiff_global_names"

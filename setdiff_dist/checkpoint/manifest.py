@@ -15,7 +15,7 @@ from typing import Optional
 from setdiff_dist.config import resolved_model
 
 from .files import CheckpointError, checkpoint_root, damaged, file_problems, pointed
-from .format import CONFIG, FORMAT, LATEST, MANIFEST
+from .format import CONFIG, DERIVED_FORMAT, FORMAT, LATEST, MANIFEST, UNIVERSAL, UNIVERSAL_ZERO3
 
 # the classes DeepSpeed pickles into its checkpoint files beside tensors and containers (found
 # with ``torch.serialization.get_unsafe_globals_in_checkpoint`` on ZeRO 0-3, fp32 and bf16
@@ -118,6 +118,22 @@ def model_differences(here: dict, there: dict, free=RUN_FREE) -> list[str]:
             if k not in free and here.get(k) != there.get(k)]
 
 
+def fresh_start(path: str, saved: dict, here: dict, zero_saved: int, zero_here: int,
+                *more: str) -> str:
+    """The command that starts a new run from the weights of the checkpoint at ``path`` (saved
+    in layout ``saved`` at ZeRO stage ``zero_saved``) in this run's layout ``here`` and stage
+    ``zero_here``: its config, with the overrides that the run asked for and it lacks (a
+    suggestion that kept the checkpoint's ``zero.stage`` would be refused again), and
+    ``more``."""
+    overrides = [f"parallel.{key}={here.get(key, 1)}" for key in ("pipeline", "tensor",
+                                                                  "context")
+                 if saved.get(key, 1) != here.get(key, 1)]
+    if zero_saved != zero_here:
+        overrides.append(f"zero.stage={zero_here}")
+    return " ".join(["setdiff-train --config", os.path.join(path, CONFIG), "run_dir=NEW_RUN_DIR",
+                     f"checkpoint.init_from={path}", *overrides, *more, "..."])
+
+
 def layout_differences(saved: dict, here: dict, zero_saved: int, zero_here: int,
                        path: str, global_names: bool = True) -> list[str]:
     """Why a checkpoint saved in layout ``saved`` (ZeRO stage ``zero_saved``; its optimizer
@@ -125,13 +141,12 @@ def layout_differences(saved: dict, here: dict, zero_saved: int, zero_here: int,
     ``here`` (``zero_here``), as lines of a refusal: none when its optimizer state can be
     re-partitioned (:func:`needs_universal`)."""
     diffs = []
-    config = os.path.join(path, CONFIG)
     keys = (("pipeline", "parallel.pipeline"), ("tensor", "parallel.tensor"),
             ("data", "data-parallel size"), ("context", "parallel.context"))
     moved = [f"{name}: checkpoint {saved.get(key, 1)}, this run {here.get(key, 1)}"
              for key, name in keys if saved.get(key, 1) != here.get(key, 1)]
-    fresh = (f"to go on from its weights in this layout, with a fresh optimizer: setdiff-train "
-             f"--config {config} run_dir=NEW_RUN_DIR checkpoint.init_from={path} ...")
+    fresh = ("to go on from its weights in this layout, with a fresh optimizer: "
+             + fresh_start(path, saved, here, zero_saved, zero_here))
     if moved and saved["pipeline"] > 1 and not global_names:
         diffs.append(f"{'; '.join(moved)} (this pipeline-parallel checkpoint was saved before "
                      "the optimizer state was named by global layer: each stage's layers are "
@@ -255,6 +270,56 @@ def verify(path: str, manifest: dict, hashes: bool = True, group=None) -> None:
         raise damaged(path, problems)
 
 
+# ------------------------------------------------------------------------- derived forms
+# A form derived from a checkpoint (its universal/ and universal_zero3/) is made once and reused
+# by every later resume at that layout: a manifest of its own, written last, lists its files
+# (size, SHA-256) and links, and carries the SHA-256 of its own content, so that damage to any
+# byte of the form, the manifest included, is named before DeepSpeed reads it.
+
+def _self_checksum(body: dict) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def derived_manifest(of: str, files: dict, links: dict) -> dict:
+    """The manifest of a form derived from the checkpoint ``of``: its ``files``
+    (``{name: {"bytes", "sha256"}}``) and ``links`` (``{name: target}``)."""
+    body = {"format": DERIVED_FORMAT, "of": of, "files": dict(sorted(files.items())),
+            "links": dict(sorted(links.items()))}
+    return dict(body, sha256=_self_checksum(body))
+
+
+def read_derived(directory: str) -> tuple[Optional[dict], list[str]]:
+    """The manifest of the derived form ``directory`` and [], or None and what is wrong with
+    it."""
+    try:
+        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, [f"{MANIFEST} is damaged (not JSON: {exc})"]
+    if not isinstance(manifest, dict) or manifest.get("format") != DERIVED_FORMAT or \
+            not isinstance(manifest.get("files"), dict) or \
+            not isinstance(manifest.get("links"), dict):
+        return None, [f"{MANIFEST} is damaged (not a {DERIVED_FORMAT} manifest)"]
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    if manifest.get("sha256") != _self_checksum(body):
+        return None, [f"{MANIFEST} does not match its own SHA-256 checksum (damaged)"]
+    return manifest, []
+
+
+def derived_problems(directory: str, manifest: dict, names: list, hashes: bool = True,
+                     links: bool = True) -> list[str]:
+    """What is wrong with ``names`` (of the manifest's files) of the derived form
+    ``directory``, and with its links (``links``)."""
+    problems = file_problems(directory, manifest["files"], names, hashes)
+    for name, target in manifest["links"].items() if links else ():
+        path = os.path.join(directory, name)
+        if not os.path.islink(path) or os.readlink(path) != target:
+            problems.append(f"{name} is not the link to {target} it was made as")
+    return problems
+
+
 def check_no_code(path: str) -> None:
     """Refuse a checkpoint any of whose pickled files (``*.pt``, the universal form's too)
     names a class or function beyond tensors, containers and :data:`PICKLED_GLOBALS`: read
@@ -267,8 +332,12 @@ def check_no_code(path: str) -> None:
         try:
             found = set(torch.serialization.get_unsafe_globals_in_checkpoint(file))
         except Exception as exc:
+            top = os.path.relpath(file, path).split(os.sep)[0]
+            fix = (f"remove {os.path.join(path, top)} (rm -r) to have it made again from the "
+                   "checkpoint") if top in (UNIVERSAL, UNIVERSAL_ZERO3) else \
+                "resume from an earlier checkpoint"
             raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc}); it is "
-                                  "damaged: resume from an earlier checkpoint") from None
+                                  f"damaged: {fix}") from None
         unsafe = sorted(found - set(PICKLED_GLOBALS))
         if unsafe:
             raise CheckpointError(f"{file} would run code when loaded ({', '.join(unsafe[:3])}"
@@ -309,9 +378,10 @@ def check_resume(path: str, cfg, tokenizer_identity: dict, here: dict, stream: d
                 "what each optimizer step averages, so the run would not go on as it was (a "
                 f"layout change keeps it: data.global_batch_size={saved}, with "
                 "data.micro_batch_size x the data-parallel size dividing it). To go on from its "
-                "weights with the new batch and a fresh optimizer: setdiff-train --config "
-                f"{os.path.join(path, CONFIG)} run_dir=NEW_RUN_DIR checkpoint.init_from={path} "
-                f"data.global_batch_size={stream['global_batch']} ...")
+                "weights with the new batch and a fresh optimizer: "
+                + fresh_start(path, manifest["layout"], here, manifest["zero_stage"],
+                              cfg.zero.stage,
+                              f"data.global_batch_size={stream['global_batch']}"))
         check_stream(manifest["data"], stream)
     verify(path, manifest, cfg.checkpoint.checksums, group)
     check_no_code(path)  # (DeepSpeed's files are pickles)

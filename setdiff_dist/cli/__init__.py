@@ -12,10 +12,7 @@ import faulthandler
 import functools
 import sys
 
-from setdiff_dist.errors import SetdiffError, report
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader went away (`setdiff-config --keys | head`)
+from setdiff_dist.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, SetdiffError, report
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -42,6 +39,16 @@ class Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+_RUNNING: list = []  # the commands running in this process (their prog), innermost last
+
+
+def running():
+    """The command (its prog) running in this process, or None: a Python caller's. What an
+    error names differs: a command's user gave a flag (``--checkpoint``), a Python caller an
+    argument (``load(path=...)``)."""
+    return _RUNNING[-1] if _RUNNING else None
+
+
 def command(prog: str, process_group: bool = False):
     """Decorate a ``main(argv) -> int`` into its console-script entry (see the module doc).
     ``process_group``: the command may join a process group; take it down cleanly at the end
@@ -57,6 +64,7 @@ def command(prog: str, process_group: bool = False):
             # stack to stderr before the process dies: on a cluster, the only trace there is
             if not faulthandler.is_enabled():
                 faulthandler.enable(all_threads=True)
+            _RUNNING.append(prog)
             try:
                 return main(argv)
             except SetdiffError as exc:
@@ -73,6 +81,7 @@ def command(prog: str, process_group: bool = False):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 return EXIT_BROKEN_PIPE
             finally:
+                _RUNNING.pop()
                 if process_group and "torch.distributed" in sys.modules:
                     from setdiff_dist.parallel import destroy_model_parallel
 

@@ -23,12 +23,15 @@ the step time and MFU (:mod:`setdiff_dist.train.scale`).
 Ctrl-C (SIGINT) is a clean stop too: the ranks agree on the next step boundary, save a checkpoint
 and exit with code 130 (outcome ``"paused"``); a second Ctrl-C aborts at once, without one.
 
-Exit codes: 0 done (or stopped at ``train.exit_at_step``), 75 preempted after a checkpoint,
-130 paused by Ctrl-C after a checkpoint, 2 bad config, data or checkpoint, 1 a failed run.
+Exit codes (:mod:`setdiff_dist.errors`): 0 done (or stopped at ``train.exit_at_step``), 75
+preempted after a checkpoint, 130 paused by Ctrl-C after a checkpoint, 2 bad config, data or
+checkpoint, 3 diverged (the loss stayed non-finite), 76 a hang, 1 a failed run. Only a failed
+run or a hang is restarted (``train.max_restarts``): a refusal or a divergence would fail again.
 Rank 0 also writes the outcome to ``run_dir/exit_status.json`` (``{"outcome", "exit_code",
-"step", "checkpoint"}``), since under torchrun or srun the exit code a job script sees is the
-launcher's, not the trainer's: the Slurm launchers requeue on ``"preempted"`` and stop on
-``"completed"``.
+"step", "checkpoint", "restartable"}``), since under torchrun or srun the exit code a job
+script sees is the launcher's, not the trainer's: the Slurm launchers requeue on
+``"preempted"``, stop on ``"completed"``, and never restart a failure that is not
+``"restartable"`` (``"invalid"``, ``"diverged"``).
 """
 
 from __future__ import annotations
@@ -40,20 +43,29 @@ import signal
 import subprocess
 import sys
 
-from setdiff_dist.cli import EXIT_INTERRUPTED, HelpFormatter, Once, command, count
+from setdiff_dist.cli import HelpFormatter, Once, command, count
 from setdiff_dist.config import ConfigError, load_config
 from setdiff_dist.config_checks import world_problems
-from setdiff_dist.errors import SetdiffError
+from setdiff_dist.errors import (
+    EXIT_FAILED,
+    EXIT_HUNG,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+    Diverged,
+    SetdiffError,
+    restartable,
+)
 from setdiff_dist.train.scale import HARDWARE
-from setdiff_dist.train.watchdog import EXIT_HUNG
 
 
 class PeerLost(SetdiffError):
     """This rank's collective failed because another rank ended: a consequence, exit 1."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on a signal; requeue and resume=auto
+
 EXIT_STATUS_FILE = "exit_status.json"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -154,7 +166,8 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0, max_restarts: int
     waiting in a collective for the process group's timeout. Then, up to ``max_restarts``
     times (``train.max_restarts``), every rank starts again and resumes from the last
     checkpoint (``SETDIFF_RESTART``: the trainer resumes with ``resume=auto``); a refusal
-    (exit code 2), a stop signal or a clean end is never restarted."""
+    (exit code 2), a divergence (3), a stop signal or a clean end is never restarted
+    (:func:`setdiff_dist.errors.restartable`)."""
     from setdiff_dist.processes import threads_per_rank
 
     threads = {}
@@ -168,7 +181,7 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0, max_restarts: int
             return 128 + SIGNALS.got[0]
         code, failed = _attempt(nproc, argv, grace_s,
                                 dict(threads, SETDIFF_RESTART=str(restart)))
-        if failed is None or failed[1] == 2 or SIGNALS.got:
+        if failed is None or not restartable(failed[1]) or SIGNALS.got:
             return code
         how = _how(failed[1])
         if restart >= max_restarts:
@@ -214,14 +227,14 @@ def _attempt(nproc: int, argv: list[str], grace_s: float, extra_env: dict):
     failed = None
     while None in [c.poll() for c in children]:  # (a list: every child polled, each time)
         dead = [(r, c.returncode) for r, c in enumerate(children)
-                if c.returncode is not None and
-                c.returncode not in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED)]
+                if c.returncode is not None and c.returncode not in EXIT_STOPPED]
         if dead and failed is None:
             failed = dead[0]
             if failed[1] == EXIT_HUNG:  # (the watch has named the hung rank)
                 print(f"setdiff-train: rank {failed[0]} ended on a hang (exit code "
                       f"{EXIT_HUNG}); stopping the other ranks", file=sys.stderr, flush=True)
-            elif failed[1] != 2:  # (2: a refusal every rank reaches; it has said why)
+            elif restartable(failed[1]):  # (else a refusal or a divergence every rank
+                # reaches; it has said why)
                 print(f"setdiff-train: rank {failed[0]} died ({_how(failed[1])}); stopping the "
                       "other ranks", file=sys.stderr, flush=True)
             for c in children:
@@ -237,13 +250,12 @@ def _attempt(nproc: int, argv: list[str], grace_s: float, extra_env: dict):
     codes = [c.wait() for c in children]
     if failed is None:
         # (a rank that failed as the last one ended, between two polls)
-        failed = next(((r, c) for r, c in enumerate(codes)
-                       if c not in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED)), None)
-        if failed is not None and failed[1] != 2:
+        failed = next(((r, c) for r, c in enumerate(codes) if c not in EXIT_STOPPED), None)
+        if failed is not None and restartable(failed[1]):
             print(f"setdiff-train: rank {failed[0]} died ({_how(failed[1])})", file=sys.stderr,
                   flush=True)
     if failed is not None:
-        return (failed[1] if failed[1] > 0 else 1), failed
+        return (failed[1] if failed[1] > 0 else EXIT_FAILED), failed
     return next((c for c in codes if c != 0), 0), None
 
 
@@ -268,13 +280,23 @@ def _latest_or_none(run_dir: str):
 
 
 def _write_exit_status(run_dir: str, outcome: str, code: int, step, checkpoint) -> None:
-    """Rank 0's record of how this attempt ended, replaced atomically."""
+    """Rank 0's record of how this attempt ended, replaced atomically; ``restartable``: whether
+    it is a failure a restart may get past (:func:`setdiff_dist.errors.restartable`), which
+    the Slurm launcher reads."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, EXIT_STATUS_FILE)
     with open(path + ".tmp", "w") as fh:
         json.dump({"outcome": outcome, "exit_code": code, "step": step,
-                   "checkpoint": checkpoint}, fh)
+                   "checkpoint": checkpoint, "restartable": restartable(code)}, fh)
     os.replace(path + ".tmp", path)
+
+
+def _record_hang(run_dir: str, trainer):
+    """Rank 0's ``on_hang``: the outcome ``"hung"`` at the trainer's own step (its last
+    completed one, as every outcome records), not the hang report's, which is the culprit's
+    last heartbeat (another rank's, written seconds before, or none)."""
+    return lambda report: _write_exit_status(run_dir, "hung", EXIT_HUNG, trainer.step,
+                                             _latest_or_none(run_dir))
 
 
 _RUN_LOCK = None  # rank 0's hold on the run directory, for the life of the process
@@ -283,7 +305,12 @@ _RUN_LOCK = None  # rank 0's hold on the run directory, for the life of the proc
 def _claim_run_dir(cfg, force: bool):
     """Rank 0: lock the run directory; the reason to refuse this run, or None."""
     global _RUN_LOCK
-    from setdiff_dist.checkpoint.files import CheckpointError, RunLock, complete_checkpoints
+    from setdiff_dist.checkpoint.files import (
+        CheckpointError,
+        RunLock,
+        check_writable,
+        complete_checkpoints,
+    )
 
     try:
         _RUN_LOCK = RunLock(cfg.run_dir)
@@ -304,6 +331,11 @@ def _claim_run_dir(cfg, force: bool):
                        f"{' ...' if len(newer) > 3 else ''}): give the rewound run a new "
                        "run_dir, resume=auto to go on from the newest, or add --force to "
                        "train over them")
+    if refusal is None:
+        try:
+            check_writable(cfg.run_dir)  # (or its first save fails, after all the work)
+        except CheckpointError as exc:
+            refusal = str(exc)
     if refusal:
         _RUN_LOCK.release()
     else:
@@ -344,9 +376,11 @@ def _clean_leftovers(run_dir: str) -> None:
     process holds the run directory, so nothing else writes there): step directories without
     a manifest (a save that crashed or found the disk full), a layout-changing conversion's
     ``universal.tmp/`` and the converter's ``latest_universal`` (never used; as large as the
-    optimizer state), temporary ``latest`` files. Says what it removed."""
+    optimizer state), temporary ``latest`` files. Says what it removed. A step directory whose
+    conversion lock another job holds (it resumes from this checkpoint) is left alone."""
     import shutil
 
+    from setdiff_dist.checkpoint.files import ConversionLock
     from setdiff_dist.checkpoint.format import (
         LATEST,
         UNIVERSAL,
@@ -367,12 +401,19 @@ def _clean_leftovers(run_dir: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(f"{name} (an incomplete save)")
                 continue
-            for junk in (f"{UNIVERSAL}.tmp", f"{UNIVERSAL_ZERO3}.tmp",
-                         "latest_universal"):  # (the last: DeepSpeed's)
-                where = os.path.join(path, junk)
-                if os.path.exists(where):
+            junk = [j for j in (f"{UNIVERSAL}.tmp", f"{UNIVERSAL_ZERO3}.tmp",
+                                "latest_universal")  # (the last: DeepSpeed's)
+                    if os.path.exists(os.path.join(path, j))]
+            lock = ConversionLock(path)
+            if not junk or not lock.acquire(blocking=False):
+                continue  # (nothing to remove, or another job converts there now)
+            try:
+                for j in junk:
+                    where = os.path.join(path, j)
                     shutil.rmtree(where) if os.path.isdir(where) else os.remove(where)
-                    removed.append(f"{name}/{junk} (an interrupted conversion)")
+                    removed.append(f"{name}/{j} (an interrupted conversion)")
+            finally:
+                lock.release()
         elif name.startswith(f"{LATEST}.tmp-"):
             os.remove(path)
     if removed:
@@ -420,13 +461,12 @@ def run(cfg, force: bool = False) -> int:
         raise CheckpointError(verdict[0])
     if rank0 and os.path.exists(os.path.join(cfg.run_dir, EXIT_STATUS_FILE)):
         os.remove(os.path.join(cfg.run_dir, EXIT_STATUS_FILE))  # a previous attempt's
-    outcome, code, trainer = "failed", 1, None
+    outcome, code, trainer = "failed", EXIT_FAILED, None
     try:
         trainer = Trainer(cfg)
         SIGNALS.hand_to(trainer.request_stop)
         if rank0:  # (a hang ends the process from the watch's thread: no finally runs)
-            trainer.on_hang = lambda report: _write_exit_status(
-                cfg.run_dir, "hung", EXIT_HUNG, report.get("step"), _latest_or_none(cfg.run_dir))
+            trainer.on_hang = _record_hang(cfg.run_dir, trainer)
         if rank0:
             os.makedirs(cfg.run_dir, exist_ok=True)
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as fh:
@@ -437,7 +477,8 @@ def run(cfg, force: bool = False) -> int:
         return code
     except SetdiffError as exc:
         code = exc.exit_code
-        outcome = "invalid" if trainer is None and code == 2 else "failed"
+        outcome = "diverged" if isinstance(exc, Diverged) else \
+            "invalid" if trainer is None and code == EXIT_USAGE else "failed"
         raise
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint
         outcome, code = "interrupted", EXIT_INTERRUPTED

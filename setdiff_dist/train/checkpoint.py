@@ -36,8 +36,6 @@ from setdiff_dist.checkpoint.format import (
     GLOBAL_NAMES,
     LATEST,
     MANIFEST,
-    UNIVERSAL,
-    UNIVERSAL_ZERO3,
     WEIGHTS,
     checkpoint_root,
     rng_file,
@@ -105,56 +103,24 @@ def needs_universal(path: str, cfg) -> bool:
                                   or stage != cfg.zero.stage)
 
 
-def make_universal(path: str, zero3_rows: Optional[int] = None) -> str:
+def make_universal(path: str, zero3_rows: Optional[int] = None, hashes: bool = True) -> str:
     """The tag (directory in ``path``) to load the optimizer state from in this layout:
     ``universal``, DeepSpeed's universal form of the checkpoint (each parameter's fp32 weights
-    and optimizer moments whole), converted once, by all the ranks together (each its share:
-    :mod:`setdiff_dist.train.universal`), through a temporary directory so that an
-    interrupted conversion is redone, never half-used. ``zero3_rows``: this run is ZeRO-3 (with
-    that many padded vocabulary rows); a ZeRO 1-2 checkpoint's form is then read through
-    ``universal_zero3`` (:func:`~setdiff_dist.train.universal.zero3_view`)."""
-    from .universal import convert, dist_agree, zero3_view
+    and optimizer moments whole), converted once, by all the ranks together (each its share),
+    through a temporary directory so that an interrupted conversion is redone, never half-used,
+    with a manifest of its own that every later resume checks (``hashes``: SHA-256 too) before
+    DeepSpeed reads it; under a lock, so that two jobs resuming one checkpoint take turns.
+    ``zero3_rows``: this run is ZeRO-3 (with that many padded vocabulary rows); a ZeRO 1-2
+    checkpoint's form is then read through ``universal_zero3``. See
+    :func:`setdiff_dist.train.universal.prepare`."""
+    from .universal import dist_agree, prepare
 
-    out = os.path.join(path, UNIVERSAL)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    agree = dist_agree()
     # (every rank sees the same directory: a checkpoint is resumed from a shared file system)
-    if not os.path.isdir(out):
-        tmp = out + ".tmp"
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            print(f"converting {path} to DeepSpeed's universal form for this layout, on "
-                  f"{world} rank{'s' if world > 1 else ''}", flush=True)
-        agree((None, None))  # (the old temporary directory is gone before anyone writes)
-        say = (lambda line: print(f"  {line}", flush=True)) if rank == 0 else None
-        try:
-            convert(path, tmp, rank, world, agree, say)
-        except CheckpointError:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if rank == 0:
-            os.replace(tmp, out)
-    saved_zero3 = any(f.startswith("zero_pp_rank_") and f.endswith("_model_states.pt")
-                      for f in os.listdir(path))
-    if zero3_rows is None or saved_zero3:
-        dist.barrier()
-        return UNIVERSAL
-    view = os.path.join(path, UNIVERSAL_ZERO3)
-    error = None
-    if rank == 0 and not os.path.isdir(view):
-        tmp = view + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            zero3_view(out, tmp, zero3_rows)
-            os.replace(tmp, view)
-        except (OSError, CheckpointError) as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = f"cannot make the ZeRO-3 view of {out}: {exc}"
-    found = agree((error, None))
-    if found[0][0]:
-        raise CheckpointError(found[0][0])
-    return UNIVERSAL_ZERO3
+    rank = dist.get_rank()
+    say = (lambda line: print(line, flush=True)) if rank == 0 else None
+    tag = prepare(path, rank, dist.get_world_size(), dist_agree(), zero3_rows, hashes, say)
+    dist.barrier()
+    return tag
 
 
 def layout() -> dict:

@@ -192,7 +192,8 @@ class Trainer:
         tag = None
         if self.universal:
             tag = checkpoint.make_universal(
-                path, self.model.padded_vocab if self.cfg.zero.stage == 3 else None)
+                path, self.model.padded_vocab if self.cfg.zero.stage == 3 else None,
+                hashes=self.cfg.checkpoint.checksums)
         state = checkpoint.load(self.engine, path, universal=tag)["setdiff"]
         self.step, self.samples_seen = state["step"], state["samples_seen"]
         self._follow_schedule(path)

@@ -3,8 +3,9 @@
 Only global rank 0 writes. Every logged step appends one JSON object to
 ``<run_dir>/metrics.jsonl`` (``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
 ``samples_seen``, the phase timers' ``time_<phase>`` seconds per step and the ranks' step times
-``step_time_min`` / ``_median`` / ``_max`` with the ``slowest_rank``, and more); tensorboard gets
-the same scalars plus the perplexity bound, MFU and memory, and so does Weights & Biases with
+``step_time_min`` / ``_median`` / ``_max`` with the ``slowest_rank``, and more); a run that
+resumes first drops the lines past its checkpoint's step. Tensorboard gets the same scalars
+plus the perplexity bound, MFU and memory, and so does Weights & Biases with
 ``logging.wandb`` (:class:`WandbLogger`). tokens/s and MFU count training time only
 (:mod:`setdiff_dist.train.timers`).
 """
@@ -87,6 +88,33 @@ class WandbLogger:
         wandb.teardown()
 
 
+def keep_until(path: str, step: int) -> None:
+    """Drop the lines of ``metrics.jsonl`` past ``step`` (the step this run starts from: a
+    restart from an earlier checkpoint logs those steps again), and a torn last line, so that
+    each step appears once, as tensorboard's ``purge_step`` does for its events."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # (a line cut short by a crash)
+        if not isinstance(record, dict):
+            continue
+        at = record.get("step", 0)
+        if not isinstance(at, (int, float)) or at <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.writelines(kept)
+        os.replace(tmp, path)
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str, enabled: bool, total_steps: int, flops_per_token: float,
                  world_size: int, tensorboard: bool = True, start_step: int = 0,
@@ -99,6 +127,7 @@ class MetricsLogger:
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             self.path = os.path.join(run_dir, "metrics.jsonl")
+            keep_until(self.path, start_step)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 

@@ -17,9 +17,17 @@ files in pass 1, the parameters, largest first, in pass 2), with a check between
 that every rank finished its share: a rank whose share fails makes every rank raise the same
 :class:`~setdiff_dist.checkpoint.files.CheckpointError` (naming it) instead of waiting for it
 at a barrier. Pass 3 is small and runs on rank 0. Everything is written under
-``<step>/universal.tmp`` and renamed to ``universal`` only when complete, so an interrupted
-conversion is redone, never half-used (``setdiff-train`` removes the leftover at its next
-start). The checkpoint directory must be visible to every rank, as it is for a resume anyway.
+``<step>/universal.tmp``, then the ranks share the hashing of its files for its own manifest
+(``universal/manifest.json``: every file's size and SHA-256), and it is renamed to
+``universal`` only when complete, so an interrupted conversion is redone, never half-used
+(``setdiff-train`` removes the leftover at its next start). The checkpoint directory must be
+visible to every rank, as it is for a resume anyway.
+
+:func:`prepare` is what a resume calls: under ``<step>/universal.lock`` (held by rank 0; a
+second job resuming the same checkpoint waits for it, then finds the form made), it checks an
+existing form against its manifest (the ranks share the hashing) and refuses a damaged one,
+naming the file; a form without a manifest (an older version's, or a copy cut short) is made
+again, never trusted. ``universal_zero3/`` is handled the same way.
 
 Megatron's linear layers save an ``_extra_state`` entry in the module state (Transformer
 Engine's FP8 metadata; ``None`` for the local layers), which the converter would take for a
@@ -37,6 +45,7 @@ import argparse
 import contextlib
 import glob
 import itertools
+import json
 import math
 import os
 import shutil
@@ -53,6 +62,7 @@ from setdiff_dist.progress import progress
 # (an agreement between the ranks: each gives what it has, ``(error or None, result)``, and
 # gets every rank's, in the order of the ranks)
 Agree = Callable[[tuple], list]
+Say = Callable[[str], None]
 
 
 def share(items: list, weights: list, rank: int, world: int) -> list:
@@ -332,23 +342,196 @@ def zero3_view(universal: str, out: str, padded_vocab: int) -> None:
                        os.path.join(out, f"zero_pp_rank_0_{f}"))
 
 
-def main(argv=None) -> int:
+# ------------------------------------------------------------------ made once, checked always
+
+def _together(agree: Agree, work: Callable[[], object], what: str) -> list:
+    """``work()`` on every rank; every rank's result, or the first failure (a
+    :class:`CheckpointError`, or ``cannot <what>: <the OSError>``) raised on every rank."""
     from setdiff_dist.checkpoint.files import CheckpointError
+
+    try:
+        mine = (None, work())
+    except CheckpointError as exc:
+        mine = (str(exc), None)
+    except OSError as exc:
+        mine = (f"cannot {what}: {exc}", None)
+    found = agree(mine)
+    for error, _ in found:
+        if error is not None:
+            raise CheckpointError(error)
+    return [result for _, result in found]
+
+
+def _seal(directory: str, of: str, rank: int, world: int, agree: Agree, hashes: bool) -> dict:
+    """The manifest of the derived form being written in ``directory`` (the ranks share the
+    hashing); rank 0 writes it there, last."""
+    from setdiff_dist.checkpoint.files import derived_files, describe_files, write_atomic
+    from setdiff_dist.checkpoint.format import MANIFEST
+    from setdiff_dist.checkpoint.manifest import derived_manifest
+
+    files, links = derived_files(directory)
+    tables = _together(agree, lambda: describe_files(directory, files[rank::world], hashes),
+                       f"hash the files of {directory}")
+    manifest = derived_manifest(of, {k: v for t in tables for k, v in t.items()}, links)
+    if rank == 0:
+        write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _check(directory: str, made_from: str, rank: int, world: int, agree: Agree,
+           hashes: bool) -> None:
+    """Refuse the derived form ``directory`` (made from ``made_from``) if any of its files or
+    links differs from its manifest: every rank checks its share and raises the same
+    :class:`CheckpointError`, naming the files and how to have the form made again."""
+    from setdiff_dist.checkpoint.files import CheckpointError
+    from setdiff_dist.checkpoint.format import UNIVERSAL
+    from setdiff_dist.checkpoint.manifest import derived_problems, read_derived
+
+    def mine():
+        manifest, problems = read_derived(directory)
+        if manifest is None:
+            return problems if rank == 0 else []
+        return derived_problems(directory, manifest, sorted(manifest["files"])[rank::world],
+                                hashes, links=rank == 0)
+    problems = sorted(p for part in _together(agree, mine, f"check {directory}") for p in part)
+    if problems:
+        what = "DeepSpeed's universal form" if directory.endswith(UNIVERSAL) else \
+            "the ZeRO-3 view of DeepSpeed's universal form"
+        raise CheckpointError(
+            f"{directory} ({what} of {made_from}, made for a resume in another layout) is "
+            f"damaged: {'; '.join(problems[:3])}"
+            f"{f' (and {len(problems) - 3} more)' if len(problems) > 3 else ''}. Remove "
+            f"{directory} (rm -r) and resume again: it is made again from {made_from}, which "
+            "the resume verifies")
+
+
+def _found(directory: str, say: Say, also: tuple = ()) -> bool:
+    """(Rank 0, under the lock.) Whether ``directory`` holds a form to check (it has its
+    manifest). One without (an older version's, or cut short) is removed, with ``also`` (the
+    forms derived from it), to be made again; so is its temporary directory."""
+    from setdiff_dist.checkpoint.format import MANIFEST
+
+    shutil.rmtree(directory + ".tmp", ignore_errors=True)
+    if os.path.isfile(os.path.join(directory, MANIFEST)):
+        return True
+    if os.path.lexists(directory):
+        say(f"note: {directory} has no manifest (made by an older version, or not completely): "
+            "making it again")
+        shutil.rmtree(directory)
+    for other in also:
+        if os.path.lexists(other):
+            shutil.rmtree(other)
+    return False
+
+
+def _take(lock, agree: Agree, say: Say, poll_s: float) -> None:
+    """Every rank waits until rank 0 holds ``lock`` (short agreements, every ``poll_s``
+    seconds: no rank sits in one collective for as long as another job converts)."""
+    waited = False
+    while True:
+        got = lock.acquire(blocking=False) if lock is not None else None
+        if lock is not None and not got and not waited:
+            say(f"waiting for {lock.holder()} ({lock.path}), which makes or checks the same "
+                "universal form; this job then uses it")
+        if agree((None, got))[0][1]:
+            return
+        waited = True
+        time.sleep(poll_s)
+
+
+def prepare(path: str, rank: int = 0, world: int = 1, agree: Agree = _alone,
+            zero3_rows: Optional[int] = None, hashes: bool = True, say: Optional[Say] = None,
+            poll_s: float = 2.0) -> str:
+    """The tag (directory in the step directory ``path``) a resume in another layout loads the
+    optimizer state from: ``universal``, or for a ZeRO-3 run (``zero3_rows``: its padded
+    vocabulary rows) of a ZeRO 1-2 checkpoint ``universal_zero3`` (:func:`zero3_view`). Made
+    if missing (by the ``world`` ranks together, each its share), checked against its manifest
+    if there (``hashes``: with SHA-256, else sizes), under the checkpoint's
+    :class:`~setdiff_dist.checkpoint.files.ConversionLock`, held by rank 0. Every rank of the
+    job calls this with an ``agree`` over them; ``say``: rank 0's notes."""
+    from setdiff_dist.checkpoint.files import CheckpointError, ConversionLock
+    from setdiff_dist.checkpoint.format import UNIVERSAL, UNIVERSAL_ZERO3
+
+    say = say or (lambda line: None)
+    out, view = os.path.join(path, UNIVERSAL), os.path.join(path, UNIVERSAL_ZERO3)
+    lock = ConversionLock(path) if rank == 0 else None
+    try:
+        _take(lock, agree, say, poll_s)
+        there = _together(agree, lambda: _found(out, say, (view,)) if rank == 0 else None,
+                          f"clean up {out}")[0]
+        if there:
+            _check(out, path, rank, world, agree, hashes)
+        else:
+            _convert_into(path, out, rank, world, agree, hashes, say)
+        saved_zero3 = any(f.startswith("zero_pp_rank_") and f.endswith("_model_states.pt")
+                          for f in os.listdir(path))
+        if zero3_rows is None or saved_zero3:
+            return UNIVERSAL
+        if _together(agree, lambda: _found(view, say) if rank == 0 else None,
+                     f"clean up {view}")[0]:
+            _check(view, out, rank, world, agree, hashes)
+            return UNIVERSAL_ZERO3
+        tmp = view + ".tmp"
+
+        def make():
+            try:
+                zero3_view(out, tmp, zero3_rows)
+            except (OSError, CheckpointError) as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(f"cannot make the ZeRO-3 view of {out}: {exc}") from None
+        _together(agree, make if rank == 0 else lambda: None, f"make {view}")
+        _seal(tmp, path, rank, world, agree, hashes)
+        _together(agree, lambda: os.replace(tmp, view) if rank == 0 else None, f"make {view}")
+        return UNIVERSAL_ZERO3
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _convert_into(path: str, out: str, rank: int, world: int, agree: Agree, hashes: bool,
+                  say: Say) -> None:
+    """Convert the checkpoint ``path`` into ``out`` (through ``out.tmp``), its manifest written
+    last, then renamed into place (see :func:`prepare`)."""
+    from setdiff_dist.checkpoint.files import CheckpointError
+
+    tmp = out + ".tmp"
+    say(f"converting {path} to DeepSpeed's universal form for this layout, on {world} "
+        f"rank{'s' if world > 1 else ''}")
+    try:
+        convert(path, tmp, rank, world, agree, lambda line: say(f"  {line}"))
+        agree((None, None))  # (rank 0 has removed the converter's scratch files)
+        _seal(tmp, path, rank, world, agree, hashes)
+        _together(agree, lambda: os.replace(tmp, out) if rank == 0 else None,
+                  f"move {tmp} into place")
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def main(argv=None) -> int:
+    from setdiff_dist.checkpoint.files import CheckpointError, ConversionLock
 
     ap = argparse.ArgumentParser(prog="python -m setdiff_dist.train.universal",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--input_folder", required=True, help="a checkpoint's step directory")
     ap.add_argument("--output_folder", required=True, help="where its universal form goes")
     args = ap.parse_args(argv)
-    tmp = os.path.normpath(args.output_folder) + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    out = os.path.normpath(args.output_folder)
+    tmp = out + ".tmp"
+    lock = ConversionLock(os.path.dirname(out) or ".")
+    lock.acquire()
     try:
+        shutil.rmtree(tmp, ignore_errors=True)
         convert(args.input_folder, tmp, say=lambda line: print(line, flush=True))
+        _seal(tmp, os.path.normpath(args.input_folder), 0, 1, _alone, True)
+        os.replace(tmp, out)
     except CheckpointError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         print(exc, file=sys.stderr)
         return 2
-    os.replace(tmp, args.output_folder)
+    finally:
+        lock.release()
     return 0
 
 

@@ -40,9 +40,9 @@ import threading
 import time
 from typing import Callable, Optional
 
+from setdiff_dist.errors import EXIT_HUNG
 from setdiff_dist.progress import watch, watched_by
 
-EXIT_HUNG = 76  # a rank made no progress for train.hang_timeout_s (EX_PROTOCOL)
 DIRECTORY = "watchdog"
 REPORT = "hang.json"
 
