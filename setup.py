@@ -84,7 +84,7 @@ setup(
             "setdiff-convert=setdiff_dist.cli.convert:main",
             "setdiff-eval=setdiff_dist.cli.eval:main",
             "setdiff-serve=setdiff_dist.cli.serve:main",
-            "setdiff-lm-eval=setdiff_dist.eval.lm_eval_cli:main",
+            "setdiff-lm-eval=setdiff_dist.cli.lm_eval:main",
             "setdiff-prep=data_prep.prep:main",
             "setdiff-corpus=data_prep.corpus:main",
             "setdiff-tasks=data_prep.tasks:main",

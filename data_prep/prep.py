@@ -101,12 +101,14 @@ def _table_records(path: str) -> Iterator[tuple[str, dict]]:
     """``(where, record)`` of a Parquet file, an Arrow file (``datasets``' stream format or
     Arrow's file format) or a CSV file (with a header), a batch at a time."""
     if path.endswith((".csv", ".csv.gz")):
-        import csv
         import io
 
-        reader = csv.DictReader(io.StringIO(_read_text(path)))
-        for i, rec in enumerate(reader, 2):
-            yield f"{path} line {i}", rec
+        from .csv_records import CsvRecords
+
+        # (a quote that never closes is an error naming its line, not the rest of the file
+        # read as one field; a record's line is where it starts, newlines in fields counted)
+        for line, rec in CsvRecords(path, io.StringIO(_read_text(path), newline=""), PrepError):
+            yield f"{path} line {line}", rec
         return
     try:
         import pyarrow as pa

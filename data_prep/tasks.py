@@ -147,7 +147,7 @@ STORY = ("sentence1", "sentence2", "sentence3", "sentence4", "sentence5")
 def rocstories(path: str, middle: int = 1, size: Optional[int] = None) -> list[dict]:
     """ROCStories' five-sentence stories from its CSV, as infill records: ``middle`` = 1 masks
     the third sentence, 3 the second to fourth (the reference's two spans)."""
-    import csv
+    from .csv_records import CsvRecords
 
     if middle not in (1, 3):
         raise CorpusError(f"--middle {middle}: the paper's spans are 1 (the third sentence) or "
@@ -158,7 +158,7 @@ def rocstories(path: str, middle: int = 1, size: Optional[int] = None) -> list[d
         raise CorpusError(f"--input {path}: {exc.strerror}; give ROCStories' CSV file") from None
     out = []
     with fh:
-        reader = csv.DictReader(fh)
+        reader = CsvRecords(path, fh, CorpusError)  # (a quote never closed: an error)
         columns = set(reader.fieldnames or ())
         cloze = set(CLOZE) <= columns
         if not cloze and not set(STORY) <= columns:
@@ -166,7 +166,7 @@ def rocstories(path: str, middle: int = 1, size: Optional[int] = None) -> list[d
                 f"{path}: not a ROCStories CSV: its header has {sorted(columns)[:8]}; expected "
                 f"the Story Cloze columns {', '.join(CLOZE)} or the story columns "
                 f"{', '.join(STORY)}")
-        for number, row in enumerate(reader, 2):
+        for number, row in reader:
             if size is not None and len(out) == size:
                 break
             if cloze:

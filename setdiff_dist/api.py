@@ -20,7 +20,11 @@ lm-evaluation-harness adapter do (:class:`setdiff_dist.eval.likelihood.Scorer`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence, Union
+import os
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Generation", "Model", "load"]
 
@@ -181,15 +185,54 @@ def _generation(r) -> Generation:
                       trace=r.trace or [], trace_confidence=r.trace_confidence or [])
 
 
-def load(path: str, tensor_parallel: int = 1, dtype: str = "auto",
-         device: Optional[str] = None, raw_weights: bool = False) -> Model:
-    """The model of a training run directory, a checkpoint or an export (``setdiff-convert``),
-    for inference: ``dtype`` "auto" (bf16 on a GPU, fp32 on CPUs), "float32" or "bfloat16";
-    the EMA of the weights when the run kept one, unless ``raw_weights``. At
-    ``tensor_parallel`` N > 1, call it on each of N ranks (torchrun)."""
-    from setdiff_dist.inference.settings import inference_dtype
-    from setdiff_dist.inference.weights import build_inference_model
+def load(path: Union[str, os.PathLike], tensor_parallel: int = 1,
+         dtype: Union[str, torch.dtype] = "auto", device: Optional[str] = None,
+         raw_weights: bool = False) -> Model:
+    """The model of a training run directory, a checkpoint or an export, for inference.
 
-    module, cfg, tok = build_inference_model(path, tensor=int(tensor_parallel), device=device,
-                                             dtype=inference_dtype(dtype), raw=raw_weights)
+    Args:
+        path: a training run directory (its latest checkpoint), a checkpoint directory
+            (``checkpoints/step_N``) or a ``setdiff-convert`` export, as a string or a path.
+        tensor_parallel: the tensor-parallel size N, an integer of 1 or more; with N > 1, call
+            ``load`` on each of N ranks (``torchrun --nproc-per-node N``).
+        dtype: "auto" (bfloat16 on a GPU, float32 on CPUs), "float32" (or "fp32"),
+            "bfloat16" (or "bf16"), or ``torch.float32`` / ``torch.bfloat16``; float16 is not
+            supported.
+        device: where the model runs ("cpu", "cuda", "cuda:1", ...); default: a GPU when there
+            is one, else the CPU.
+        raw_weights: read the raw weights rather than their exponential moving average, which
+            is read by default when the run kept one (``train.ema_decay``).
+
+    Returns a :class:`Model`. A bad argument or a missing or damaged checkpoint raises
+    :class:`setdiff_dist.checkpoint.weights.LoadError` (a
+    :class:`~setdiff_dist.errors.SetdiffError`), whose message names the argument as it was
+    given (``load(path='runs/x')``; from a command, its flag: ``--checkpoint runs/x``) and says
+    what to give instead.
+    """
+    from setdiff_dist.inference.weights import (
+        build_inference_model,
+        check_model_path,
+        model_dtype,
+        tensor_parallel_size,
+    )
+
+    names = _argument_names()
+    tensor = tensor_parallel_size(tensor_parallel, names["tensor_parallel"])
+    torch_dtype = model_dtype(dtype, names["dtype"])
+    path = check_model_path(path, names["path"])
+    module, cfg, tok = build_inference_model(path, tensor=tensor, device=device,
+                                             dtype=torch_dtype, raw=bool(raw_weights),
+                                             what=names["path"])
     return Model(module, cfg, tok, path)
+
+
+def _argument_names() -> dict:
+    """How :func:`load`'s errors name its arguments: as a command's flags when a command (whose
+    ``--checkpoint`` and ``--tensor-parallel`` flags these are) is running, else as Python
+    arguments."""
+    from setdiff_dist.cli import running
+
+    if running() is not None:
+        return {"path": "--checkpoint", "tensor_parallel": "--tensor-parallel",
+                "dtype": "--dtype"}
+    return {k: f"load({k})" for k in ("path", "tensor_parallel", "dtype")}

@@ -2,7 +2,9 @@
 point a reader or a writer outside their directory, non-finite numbers and out-of-range flags
 are refused before any work, and results are valid JSON written only where they can be."""
 
+import contextlib
 import json
+import os
 
 import pytest
 from helpers import cli, sonnet_shards, tree_hash
@@ -259,3 +261,135 @@ def test_a_damaged_shard_directory_is_one_clear_error(shards, tmp_path, damage, 
         next(iter(TokenLoader(s, global_batch=2, micro_batch=2, num_workers=0)))
     for w in words:
         assert w in str(err.value), str(err.value)
+
+
+# ----------------------------------------------------------------------- setdiff_dist.load(...)
+# The Python API checks its arguments before it reads anything, and its errors name them as a
+# Python caller gave them (load(path=...)), where a command's name its flags (--checkpoint).
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"dtype": "fp16"}, ["load(dtype='fp16'): float16 is not supported",
+                         "float32 (fp32) or bfloat16 (bf16)"]),
+    ({"dtype": "float16"}, ["load(dtype='float16'): float16 is not supported"]),
+    ({"dtype": "fp8"}, ["load(dtype='fp8'): unknown dtype; give auto", "bfloat16 (bf16)"]),
+    ({"tensor_parallel": 0}, ["load(tensor_parallel=0): the tensor-parallel size must be an "
+                              "integer of 1 or more", "torchrun --nproc-per-node N"]),
+    ({"tensor_parallel": -2}, ["load(tensor_parallel=-2): the tensor-parallel size"]),
+    ({"tensor_parallel": 1.5}, ["load(tensor_parallel=1.5): the tensor-parallel size"]),
+], ids=["fp16", "float16", "fp8", "tp 0", "tp -2", "tp 1.5"])
+def test_load_refuses_a_bad_dtype_or_tensor_parallel_size_first(tmp_path, kwargs, words):
+    import setdiff_dist
+    from setdiff_dist.errors import SetdiffError
+
+    with pytest.raises(SetdiffError) as err:  # (before the path, which does not exist)
+        setdiff_dist.load(str(tmp_path / "no-such-run"), **kwargs)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_load_names_its_path_argument_and_a_command_its_flag(tmp_path, capsys):
+    import setdiff_dist
+    from setdiff_dist.checkpoint.weights import LoadError
+
+    missing = tmp_path / "no-such-run"
+    with pytest.raises(LoadError) as err:
+        setdiff_dist.load(missing)  # (a pathlib.Path is a path too)
+    assert str(err.value).startswith(f"load(path={str(missing)!r}): no such directory; give a "
+                                     "training run directory"), str(err.value)
+    assert "--checkpoint" not in str(err.value)
+    shards = tmp_path / "shards"  # setdiff-prep's output, given for a checkpoint
+    shards.mkdir()
+    (shards / "manifest.json").write_text(json.dumps({"splits": {}}))
+    with pytest.raises(LoadError, match=r"^load\(path='.*shards'\) is a shard directory"):
+        setdiff_dist.load(str(shards))
+    with pytest.raises(LoadError, match=r"^load\(path=None\): expected a directory"):
+        setdiff_dist.load(None)
+    # the commands (which load through the same function) name their flag
+    code, err = cli("setdiff_dist.cli.generate", ["--checkpoint", str(missing), "--prompt",
+                                                  "x"], capsys)
+    assert code == 2 and f"--checkpoint {missing}: no such directory" in err, err
+    assert "load(path" not in err
+
+
+def test_load_has_an_explicit_documented_signature():
+    """``setdiff_dist.load`` (the lazy entry) takes the same arguments as
+    ``setdiff_dist.api.load``, each named in its docstring."""
+    import inspect
+
+    import setdiff_dist
+    import setdiff_dist.api
+
+    ours, api = inspect.signature(setdiff_dist.load), inspect.signature(setdiff_dist.api.load)
+    assert list(ours.parameters) == list(api.parameters) == [
+        "path", "tensor_parallel", "dtype", "device", "raw_weights"]
+    assert [p.default for p in ours.parameters.values()] == \
+        [p.default for p in api.parameters.values()]
+    for name in api.parameters:
+        assert f"{name}:" in setdiff_dist.api.load.__doc__, name
+        assert f"``{name}``" in setdiff_dist.load.__doc__, name
+
+
+def test_load_accepts_the_dtype_aliases(trained):
+    """"fp32" and "bf16" (and torch's dtypes, any case) are the dtypes they name, in this
+    process (its process group taken down after)."""
+    import os
+
+    import torch
+
+    import setdiff_dist
+    from setdiff_dist.parallel import destroy_model_parallel
+
+    run, saved = trained(), dict(os.environ)
+    try:
+        for dtype, want in (("fp32", torch.float32), ("bf16", torch.bfloat16),
+                            (torch.bfloat16, torch.bfloat16), ("BFloat16", torch.bfloat16)):
+            model = setdiff_dist.load(run, dtype=dtype, device="cpu")
+            # (the decode-time model keeps its weights as buffers)
+            assert {b.dtype for b in model.module.buffers() if b.is_floating_point()} == \
+                {want}, dtype
+    finally:
+        destroy_model_parallel()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _read_only(directory):
+    """``directory`` read-only: its mode, and for root (whom the mode does not stop) the
+    immutable attribute; skips where neither can be had."""
+    import subprocess
+
+    directory.chmod(0o555)
+    immutable = False
+    try:
+        try:
+            (directory / "probe").write_text("root writes anyway")
+            (directory / "probe").unlink()
+            res = subprocess.run(["chattr", "+i", str(directory)], capture_output=True)
+            if res.returncode != 0:
+                pytest.skip("cannot make a directory read-only for this user here")
+            immutable = True
+        except PermissionError:
+            pass
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(directory)], capture_output=True)
+        directory.chmod(0o755)
+
+
+def test_a_read_only_checkpoints_directory_is_refused_before_training(tmp_path, capsys):
+    """A run directory that can be written holding a checkpoints/ that cannot: refused at the
+    start, in one line saying what to do, exit code 2, instead of a traceback at the first
+    save (and a restart)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with _read_only(run / "checkpoints"):
+        code, err = cli("setdiff_dist.cli.train", [
+            "--config", "configs/tiny-cpu.yaml", f"run_dir={run}",
+            f"data.train_shards={tmp_path / 'no-shards'}"], capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert f"setdiff-train: error: cannot write to {run / 'checkpoints'} (" in err, err
+    assert "make it writable" in err and "give another run_dir" in err, err
+    assert os.listdir(run / "checkpoints") == []

@@ -101,3 +101,17 @@ def test_rocstories_csv_becomes_the_papers_infill_spans(tmp_path, capsys):
     capsys.readouterr()
     assert tasks.main(["rocstories", "--input", str(bad), "--out", str(out)]) == 2
     assert "InputSentence1" in capsys.readouterr().err
+
+
+def test_an_unterminated_quote_in_a_rocstories_csv_names_its_line(tmp_path, capsys):
+    """A story whose quote never closes is exit 2 naming the file and the line of the quote, not
+    the rest of the file read as one sentence."""
+    src = tmp_path / "ROCStories_winter2017.csv"
+    src.write_text("storyid,storytitle,sentence1,sentence2,sentence3,sentence4,sentence5\n"
+                   's1,Rain,It rained.,We stayed in.,We read.,It stopped.,We went out.\n'
+                   's2,Snow,"It snowed.,We slept.,We woke.,It melted.,We swam.\n'
+                   's3,Sun,It shone.,We ran.,We hid.,It set.,We slept.\n')
+    assert tasks.main(["rocstories", "--input", str(src), "--out", str(tmp_path / "r.jsonl")]) \
+        == 2
+    err = capsys.readouterr().err
+    assert f"{src} line 3: a quoted field opens here and its quote never closes" in err, err

@@ -150,6 +150,29 @@ def test_bad_jsonl_and_cli_exit_code(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_an_unterminated_csv_quote_is_an_error_naming_the_line_it_opened_on(tmp_path, capsys):
+    """A CSV field whose quote never closes is an error naming the file and the line of that
+    quote (exit code 2, nothing written), not the rest of the file silently read as one field;
+    records spanning lines (a quoted newline) are named by the line they start on."""
+    src = tmp_path / "rows.csv"
+    good = 'text,label\n"two\nlines",1\nplain,2\n'
+    src.write_text(good + '"never closed,3\nswallowed,4\nswallowed too,5\n')
+    out = tmp_path / "o"
+    assert prep_main(["--input", str(src), "--tokenizer", "bytes", "--seq-len", "8", "--out",
+                      str(out), "--valid-every", "0", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"{src} line 5: a quoted field opens here and its quote never closes" in err, err
+    assert "close the quote" in err and "Traceback" not in err
+    assert not out.exists()
+    # closed: a record named by the line it starts on (the third record, on line 5, has no
+    # label); read whole, four records
+    src.write_text(good + '"closed, no label"\nfine,4\n')
+    with pytest.raises(PrepError, match=f"{src} line 5: no string field 'label'"):
+        prepare([str(src)], "bytes", 8, str(out), text_field="label", progress=False)
+    m = prepare([str(src)], "bytes", 8, str(out), valid_every=0, progress=False)
+    assert m["documents"] == 4
+
+
 def test_existing_output_is_kept_unless_overwrite(sonnets, tmp_path):
     out = tmp_path / "out"
     prepare([sonnets], "bytes", 64, str(out), split_paragraphs=True, valid_every=0,

@@ -194,7 +194,7 @@ def test_lm_evals_own_command_line_runs_our_model_and_its_tooling_reads_the_outp
 
     out = tmp_path / "lm-eval"
     env = child_env({**os.environ, **OFFLINE, "HF_HOME": str(runs["cache"])})
-    res = subprocess.run([sys.executable, "-m", "setdiff_dist.eval.lm_eval_cli", "--model",
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.lm_eval", "--model",
                           "setdiff", "--model_args", f"checkpoint={runs['staggered']}",
                           "--tasks", "setdiff_choice", "--include_path", TASKS,
                           "--num_fewshot", "0", "--output_path", str(out), "--log_samples"],
@@ -273,3 +273,63 @@ def test_a_failing_task_keeps_the_finished_ones_and_bad_settings_compute_nothing
     assert "harness task setdiff_gen: generation setting(s) num_beams=4 are not supported" in \
         res.stderr
     assert not out.exists()
+
+
+# ------------------------------------------------------------ setdiff-lm-eval: what users get wrong
+# Each: one line `setdiff-lm-eval: error: ...` saying what is wrong and what to give, exit code 2,
+# no traceback; in this process (each is refused before lm-eval loads a task or a model).
+
+LM_EVAL_ERRORS = [
+    ("a missing checkpoint", ["--model_args", "checkpoint={missing}"],
+     ["--model_args checkpoint={missing}: no such directory; give a training run directory"]),
+    ("no checkpoint", ["--model_args", "window=4"], ["--model_args: give checkpoint=DIR"]),
+    ("dtype=fp16", ["--model_args", "checkpoint={missing},dtype=fp16"],
+     ["--model_args dtype=fp16: float16 is not supported", "float32 (fp32) or bfloat16 (bf16)"]),
+    ("dtype=fp8", ["--model_args", "checkpoint={missing}", "dtype=fp8"],
+     ["--model_args dtype=fp8: unknown dtype; give auto"]),
+    ("an unknown key", ["--model_args", "checkpoint={missing},windw=4,beams=2"],
+     ["unknown model argument(s) beams, windw of --model setdiff: windw (did you mean window?)",
+      "Its model arguments are checkpoint, tensor_parallel, dtype"]),
+    ("hf's pretrained", ["--model_args", "pretrained={missing}"],
+     ["pretrained (did you mean checkpoint?)"]),
+    ("lm-eval's own flag as a model argument", ["--model_args", "checkpoint={missing},device=cpu"],
+     ["--model_args device: lm-eval sets this with its own flag: give --device ... instead"]),
+    ("tensor_parallel=0", ["--model_args", "checkpoint={missing},tensor_parallel=0"],
+     ["--model_args tensor_parallel=0: the tensor-parallel size must be an integer of 1 or more"]),
+    ("--batch_size 0", ["--model_args", "checkpoint={missing}", "--batch_size", "0"],
+     ["--batch_size 0: give how many requests are scored at once, an integer of 1 or more"]),
+    ("--batch_size x", ["--model_args", "checkpoint={missing}", "--batch_size", "x"],
+     ["--batch_size x:"]),
+]
+
+
+@pytest.mark.parametrize("args,words", [c[1:] for c in LM_EVAL_ERRORS],
+                         ids=[c[0] for c in LM_EVAL_ERRORS])
+def test_lm_eval_user_errors_are_one_line_and_exit_code_2(tmp_path, args, words):
+    missing = tmp_path / "no-such-run"
+    res = run_cli("setdiff_dist.cli.lm_eval", "--model", "setdiff",
+                  *[a.format(missing=missing) for a in args], "--tasks", "setdiff_choice",
+                  "--include_path", TASKS)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("setdiff-lm-eval: error: "), res.stderr
+    for w in words:
+        assert w.format(missing=missing) in errors[0], errors[0]
+
+
+def test_lm_eval_on_a_damaged_checkpoint_is_one_line_and_exit_code_2(trained, tmp_path):
+    """The checkpoint's files are checked when lm-eval builds our model (after its own start):
+    a truncated weights file is our one line, naming the file, not lm-eval's traceback."""
+    from helpers import copy_run
+
+    run = copy_run(trained(), tmp_path)
+    weights = sorted(run.glob("checkpoints/step_*/weights/*.safetensors"))[-1]
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    res = run_cli("setdiff_dist.cli.lm_eval", "--model", "setdiff", "--model_args",
+                  f"checkpoint={run}", "--tasks", "setdiff_choice", "--include_path", TASKS)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert errors and errors[0].startswith("setdiff-lm-eval: error: "), res.stderr[-3000:]
+    assert weights.name in res.stderr and "(truncated)" in res.stderr, res.stderr[-3000:]

@@ -49,31 +49,26 @@ class SetdiffLM(TemplateLM):
         "auto": 8; ``max_batch_size``: its cap)."""
         super().__init__()
         from setdiff_dist.inference.decoder import decoder_for
-        from setdiff_dist.inference.settings import DECODE_KEYS, decode_settings
+        from setdiff_dist.inference.settings import decode_settings
 
-        unknown = sorted(set(decode) - set(DECODE_KEYS))
-        if unknown:
-            raise ScoreError(f"unknown model argument(s) {', '.join(unknown)}; the decoding "
-                             f"settings are {', '.join(DECODE_KEYS)}")
+        given = dict(decode, tensor_parallel=tensor_parallel, dtype=dtype,
+                     raw_weights=raw_weights, preset=preset)
         if loaded is None:
-            if not checkpoint:
-                raise ScoreError("give the model argument checkpoint=DIR (a checkpoint or "
-                                 "export)")
+            given["checkpoint"] = checkpoint
+        check_model_args(given, need_checkpoint=loaded is None)
+        batch = batch_rows(batch_size, max_batch_size)
+        if loaded is None:
             import torch
 
-            from setdiff_dist.inference.settings import inference_dtype
-            from setdiff_dist.inference.weights import build_inference_model
+            from setdiff_dist.inference.weights import build_inference_model, model_dtype
 
             if device and device.startswith("cuda") and not torch.cuda.is_available():
                 raise ScoreError(f"device {device} was asked for (lm-eval's default is cuda:0) "
                                  "but this machine has no CUDA GPU: pass --device cpu")
             loaded = build_inference_model(checkpoint, tensor=int(tensor_parallel),
-                                           device=device, dtype=inference_dtype(dtype),
-                                           raw=bool(raw_weights))
+                                           device=device, dtype=model_dtype(dtype, "dtype"),
+                                           raw=bool(raw_weights), what="checkpoint")
         model, cfg, tok = loaded
-        batch = 8 if str(batch_size).startswith("auto") else int(batch_size)
-        if max_batch_size is not None:
-            batch = min(batch, int(max_batch_size))
         self.scorer = Scorer(model, cfg, tok, batch)
         self.tok = tok
         self.decode = decode_settings(cfg, preset, **decode)
@@ -193,6 +188,93 @@ class SetdiffLM(TemplateLM):
                     text = text.split(u)[0]
             texts.append(text)
         return texts
+
+
+#: the model arguments of ``--model setdiff`` (``--model_args K=V,...``) besides the decoding
+#: settings (:data:`setdiff_dist.inference.settings.DECODE_KEYS`); lm-eval passes ``device``,
+#: ``batch_size`` and ``max_batch_size`` from its own flags (:data:`LM_EVAL_FLAGS`)
+MODEL_ARGS = ("checkpoint", "tensor_parallel", "dtype", "raw_weights", "preset")
+LM_EVAL_FLAGS = {"device": "--device", "batch_size": "--batch_size",
+                 "max_batch_size": "--max_batch_size"}
+
+
+def check_model_args(args: dict, need_checkpoint: bool = True) -> None:
+    """lm-eval's ``--model_args`` for ``--model setdiff`` (a dict, as lm-eval parses them),
+    checked before anything is loaded: every key known (a near miss is suggested; lm-eval's
+    own flags are not model arguments), a ``checkpoint`` directory (with ``need_checkpoint``),
+    and ``dtype``, ``tensor_parallel``, ``raw_weights`` and ``preset`` of the kinds they take.
+    A :class:`ScoreError` (exit code 2) says which and what to give instead; the decoding
+    settings' values are checked against the checkpoint when it is loaded (``--batch_size``:
+    :func:`batch_rows`)."""
+    import difflib
+
+    from setdiff_dist.inference.settings import DECODE_KEYS, PRESETS
+    from setdiff_dist.inference.weights import (
+        LoadError,
+        check_model_path,
+        model_dtype,
+        tensor_parallel_size,
+    )
+
+    flags = [k for k in args if k in LM_EVAL_FLAGS]
+    if flags:
+        raise ScoreError(f"--model_args {', '.join(flags)}: lm-eval sets "
+                         f"{'these' if len(flags) > 1 else 'this'} with its own flag: give "
+                         f"{', '.join(LM_EVAL_FLAGS[k] + ' ...' for k in flags)} instead")
+    known = MODEL_ARGS + DECODE_KEYS
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        hints = []
+        for key in unknown:
+            near = ["checkpoint"] if key in ("pretrained", "path", "model") else \
+                difflib.get_close_matches(key, known, n=1)
+            if near:
+                hints.append(f"{key} (did you mean {near[0]}?)")
+        raise ScoreError(f"--model_args: unknown model argument(s) {', '.join(unknown)} of "
+                         f"--model setdiff{': ' + '; '.join(hints) if hints else ''}. Its model "
+                         f"arguments are {', '.join(MODEL_ARGS)} and the decoding settings "
+                         f"{', '.join(DECODE_KEYS)}")
+    if need_checkpoint and not args.get("checkpoint"):
+        raise ScoreError("--model_args: give checkpoint=DIR (a training run, a checkpoint or a "
+                         "setdiff-convert export directory): --model_args checkpoint=runs/NAME")
+    try:
+        if args.get("dtype") is not None:
+            model_dtype(args["dtype"], "dtype")
+        if args.get("tensor_parallel") is not None:
+            tensor_parallel_size(args["tensor_parallel"], "tensor_parallel")
+        if need_checkpoint:
+            check_model_path(args["checkpoint"], "checkpoint")
+    except LoadError as exc:
+        raise ScoreError(f"--model_args {exc}") from None
+    raw = args.get("raw_weights")
+    if raw is not None and not isinstance(raw, bool):
+        raise ScoreError(f"--model_args raw_weights={raw}: give true or false")
+    preset = args.get("preset")
+    if preset is not None and preset not in PRESETS:
+        raise ScoreError(f"--model_args preset={preset}: unknown preset; give one of "
+                         f"{', '.join(PRESETS)}")
+
+
+def batch_rows(batch_size, max_batch_size=None) -> int:
+    """The rows a batch of requests takes: lm-eval's ``--batch_size`` (an integer of 1 or more,
+    or "auto" / "auto:N", which is 8 here: our batches do not grow) capped by
+    ``--max_batch_size``; anything else is a :class:`ScoreError` saying what to give."""
+    text = "8" if batch_size is None else str(batch_size).strip()
+    if text == "auto" or (text.startswith("auto:") and text[5:].isdigit()):
+        batch = 8
+    elif text.isdigit() and not isinstance(batch_size, (bool, float)):
+        batch = int(text)
+    else:
+        batch = 0
+    if batch < 1:
+        raise ScoreError(f"--batch_size {batch_size}: give how many requests are scored at "
+                         "once, an integer of 1 or more (or auto)")
+    if max_batch_size is not None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or \
+                max_batch_size < 1:
+            raise ScoreError(f"--max_batch_size {max_batch_size}: give an integer of 1 or more")
+        batch = min(batch, max_batch_size)
+    return batch
 
 
 def _progress(total: int, what: str, disable: bool):
