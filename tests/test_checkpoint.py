@@ -866,7 +866,7 @@ def test_two_jobs_resuming_one_checkpoint_take_turns_at_its_conversion(trained, 
         t.join(timeout=300)
     assert results == ["universal", "universal"], (results, said)
     converted = [any("converting" in line for line in s) for s in said]
-    waited = [any(line.startswith("waiting for pid") for line in s) for s in said]
+    waited = [any(line.startswith("waiting for ") for line in s) for s in said]
     assert sorted(converted) == [False, True] and waited == [not c for c in converted], said
     said[0].clear()
     assert prepare(str(step), say=said[0].append) == "universal" and said[0] == []
