@@ -133,3 +133,27 @@ class CommRecorder:
 
     def between(self, start: float, end: float) -> list[Call]:
         return [c for c in self.calls if start <= c.t < end]
+
+
+class RecordingDevice:
+    """A stand-in for CUDA events behind :class:`setdiff_dist.train.timers.DeviceClock`: an
+    event is recorded at the host's time, and each wait for one (the device synchronize the
+    timers may do) is recorded with whether a step was running then (``inside``: a callable
+    the test gives, e.g. from the trainer's timers)."""
+
+    def __init__(self, inside):
+        self.inside, self.waits = inside, []
+
+    def clock(self):
+        import time
+
+        from setdiff_dist.train.timers import DeviceClock
+
+        class Event:
+            def record(ev):
+                ev.t = time.perf_counter()
+
+            def elapsed_time(ev, other):  # (milliseconds, as CUDA's)
+                return (other.t - ev.t) * 1000.0
+
+        return DeviceClock(event=Event, synchronize=lambda ev: self.waits.append(self.inside()))

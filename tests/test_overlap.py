@@ -68,6 +68,7 @@ def _observe(t, recorder, ps):
     of the first (local) layer's backward in each micro-batch timed from its weights'
     gradients."""
     import torch.distributed as dist
+    from comm_record import RecordingDevice
 
     layer = t.engine.module.decoder.layers[0]
     ends, starts = [], []
@@ -81,6 +82,10 @@ def _observe(t, recorder, ps):
     t.engine.module.register_forward_hook(
         lambda *_: forward_ends.append((time.perf_counter(), pending())))
     dp = tuple(dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True)))
+    # the timers on a stand-in device clock, whose waits for the device are recorded: where a
+    # GPU's would be (the CPU's clock never waits)
+    device = RecordingDevice(lambda: t.timers._step_start is not None)
+    t.timers.clock = device.clock()
     step_starts = mark_steps(t)
     first = len(recorder.calls)
     recorder.tag = lambda: t.timers._stack[-1][0] if t.timers._stack else None
@@ -91,7 +96,7 @@ def _observe(t, recorder, ps):
     calls = recorder.calls[first:]
     return {"calls": [(c.t, c.kind, c.ranks == dp, c.wire, c.tag) for c in calls],
             "ends": ends, "step_starts": step_starts, "wall": wall, "layer_starts": starts,
-            "forward_ends": forward_ends,
+            "forward_ends": forward_ends, "device_waits": device.waits,
             "buckets": len(t.prefetch.buckets) if t.prefetch else 0,
             "params": sum(p.numel() for p in t.engine.module.parameters()),
             "optimizer": type(t.engine.optimizer).__name__, "dp": len(dp),
@@ -176,6 +181,11 @@ def test_the_phase_timers_add_up_to_the_step_time(runs):
         assert r["slowest_rank"] in range(4)
         assert r["tokens_per_s"] == pytest.approx(8 * 32 / r["step_time"], rel=1e-6)
     assert sum(r["step_time"] for r in rows) < found[0]["pp2xdp2-bf16-overlap_true"]["wall"]
+    # with the timers on, on every run and rank: waits for the device at the log intervals
+    # only, never inside a step (on a GPU one would serialize the overlapped gather)
+    for rank in found:
+        for name, info in rank.items():
+            assert info["device_waits"] and not any(info["device_waits"]), name
 
 
 def test_profile_steps_leaves_one_trace_per_rank(runs):

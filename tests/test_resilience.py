@@ -328,3 +328,41 @@ def test_the_exit_status_of_a_hang_has_the_trainers_step(tmp_path):
     status = json.loads((tmp_path / "exit_status.json").read_text())
     assert status == {"outcome": "hung", "exit_code": EXIT_HUNG, "step": 9, "checkpoint": None,
                       "restartable": True}
+
+
+def test_the_phase_timers_wait_for_the_device_only_when_they_report():
+    """On a device the phase boundaries are events, read when the timers report: no wait for
+    the device inside a step (one there would serialize the overlapped parameter gather), the
+    phases still exclusive and adding up to the step."""
+    import torch
+    from comm_record import RecordingDevice
+
+    from setdiff_dist.train.timers import PhaseTimers
+
+    timers = PhaseTimers()
+    device = RecordingDevice(lambda: timers._step_start is not None)
+    timers.clock = device.clock()
+    for _ in range(3):
+        timers.start_step()
+        with timers.phase("data_wait"):
+            time.sleep(0.01)
+        with timers.phase("backward"):
+            time.sleep(0.01)
+            with timers.phase("grad_reduce"):
+                time.sleep(0.02)
+        with timers.phase("optimizer"):
+            with timers.phase("param_gather"):
+                time.sleep(0.01)
+        timers.end_step()
+    assert device.waits == []
+    out = timers.report(torch.device("cpu"))
+    assert device.waits and not any(device.waits)  # (only now, between steps)
+    phases = sum(out[f"time_{k}"] for k in ("data_wait", "forward", "backward", "grad_reduce",
+                                           "optimizer", "param_gather"))
+    assert phases == pytest.approx(out["step_time"], rel=0.05)
+    assert out["time_grad_reduce"] >= 0.02 and 0.01 <= out["time_backward"] < 0.02
+    assert out["time_optimizer"] < 0.005 <= out["time_param_gather"]
+    with timers.phase("checkpoint"):  # (a report inside a phase keeps it open)
+        out = timers.report(torch.device("cpu"))
+        time.sleep(0.01)
+    assert out["time_checkpoint"] == 0 and timers.totals["checkpoint"] >= 0.01

@@ -166,10 +166,14 @@ def initialize_model_parallel(tensor: int = 1, pipeline: int = 1,
     cpu_compat.apply()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    # (no gloo copies of the data-parallel groups: nothing here uses them - DeepSpeed reduces
+    # and gathers on the groups themselves - and at N ranks each is one more world-wide
+    # rendezvous at start-up)
     ps.initialize_model_parallel(tensor_model_parallel_size=tensor,
                                  pipeline_model_parallel_size=pipeline,
                                  virtual_pipeline_model_parallel_size=virtual_pipeline,
-                                 context_parallel_size=context)
+                                 context_parallel_size=context,
+                                 create_gloo_process_groups=False)
     cpu_compat.seed_model_parallel_rng(seed)
 
 

@@ -26,9 +26,15 @@ same work there and, without tensor parallelism, waits on no other rank (the dat
 collectives, where a fast rank waits for a slow one, lie in the other phases, which are equal on
 every rank of a synchronous step: step times cannot tell the slow rank from the waiting ones).
 
-On a GPU the device is synchronized at the top-level phase boundaries (not inside the backward,
-where it would serialize the overlapped reduction). Training time, for tokens/s and MFU, is the
-sum of the steps' times: evaluation and checkpoints are left out.
+The timers never synchronize the device inside a step (a synchronize at a phase boundary would
+make the optimizer phase wait for the parameter broadcasts it has just launched, which the next
+forward is meant to overlap). On a GPU each boundary records a CUDA event on the current stream
+(:class:`DeviceClock`), and the events are read only when the timers report, at a log
+interval, after one wait for the last of them; on the CPU the host's clock is read
+(:class:`WallClock`). A phase's time is thus the device's time between its boundaries on the
+compute stream: work that overlaps on another stream shows only where the compute stream
+waits for it. Training time, for tokens/s and MFU, is the sum of the steps' times: evaluation
+and checkpoints are left out.
 """
 
 from __future__ import annotations
@@ -78,41 +84,73 @@ class Stragglers:
                 "stragglers": sorted(now), "new": new, "cleared": cleared, "ratios": ratios}
 
 
+class WallClock:
+    """The host's clock: a mark is ``time.perf_counter()``, read at once."""
+
+    def mark(self):
+        return time.perf_counter()
+
+    def settle(self, last) -> None:
+        """Wait until every mark up to ``last`` can be read (nothing to wait for here)."""
+
+    @staticmethod
+    def seconds(a, b) -> float:
+        return b - a
+
+
+class DeviceClock:
+    """The device's clock: a mark is a CUDA event recorded on the current stream (no wait); the
+    marks are read after :meth:`settle` has waited for the last one, which the timers do only
+    when they report. ``event`` and ``synchronize`` are torch's (tests give their own to see
+    where the clock waits)."""
+
+    def __init__(self, event=None, synchronize=None):
+        self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.synchronize = synchronize or (lambda ev: ev.synchronize())
+
+    def mark(self):
+        ev = self.event()
+        ev.record()
+        return ev
+
+    def settle(self, last) -> None:
+        self.synchronize(last)
+
+    @staticmethod
+    def seconds(a, b) -> float:
+        return a.elapsed_time(b) / 1000.0
+
+
 class PhaseTimers:
-    def __init__(self, stragglers: Optional[Stragglers] = None):
+    """The phase and step timers (the module's doc); ``clock``: :class:`DeviceClock` on a GPU,
+    else :class:`WallClock`. Each phase leaves a span of two marks (and the span it is nested
+    in); the spans are turned into seconds when the timers report."""
+
+    def __init__(self, stragglers: Optional[Stragglers] = None, clock=None):
         self.stragglers = stragglers or Stragglers()
         self.hosts: Optional[list] = None  # every rank's host, gathered at the first report
-        self.cuda = torch.cuda.is_available()
-        self.totals = dict.fromkeys(PHASES, 0.0)
-        self.step_times: list[float] = []
-        self._stack: list[list] = []  # [name, start, time taken by nested phases]
-        self._step_start: Optional[float] = None
-
-    def _sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
+        self.clock = clock or (DeviceClock() if torch.cuda.is_available() else WallClock())
+        self._spans: list = []  # [name, start mark, end mark, the enclosing span's index]
+        self._steps: list = []  # [start mark, end mark]
+        self._done = dict.fromkeys(PHASES, 0.0)  # seconds of the spans already read
+        self._stack: list[list] = []  # [name, the span's index] of the phases open now
+        self._step_start = None
 
     @contextlib.contextmanager
     def phase(self, name: str):
         """Time ``name`` (exclusive of the phases nested in it), labelled in profiler traces."""
-        top = not self._stack
-        if top:
-            self._sync()
         progress(name)  # (the hang watch's heartbeat: train/watchdog.py)
-        entry = [name, time.perf_counter(), 0.0]
-        self._stack.append(entry)
+        index = len(self._spans)
+        self._spans.append([name, self.clock.mark(), None,
+                            self._stack[-1][1] if self._stack else None])
+        self._stack.append([name, index])
         try:
             with torch.profiler.record_function(f"setdiff/{name}"):
                 yield
         finally:
-            if top:
-                self._sync()
+            self._spans[index][2] = self.clock.mark()
             self._stack.pop()
             progress()
-            took = time.perf_counter() - entry[1]
-            self.totals[name] += took - entry[2]
-            if self._stack:
-                self._stack[-1][2] += took
 
     def timed(self, name: str, fn):
         """``fn`` wrapped in :meth:`phase` ``name``."""
@@ -127,13 +165,39 @@ class PhaseTimers:
     def start_step(self) -> None:
         """A step starts (before its batch is waited for); a step started already goes on."""
         if self._step_start is None:
-            self._sync()
-            self._step_start = time.perf_counter()
+            self._step_start = self.clock.mark()
 
     def end_step(self) -> None:
-        self._sync()
-        self.step_times.append(time.perf_counter() - self._step_start)
+        self._steps.append((self._step_start, self.clock.mark()))
         self._step_start = None
+
+    @property
+    def totals(self) -> dict:
+        """Each phase's seconds since the last report (reading them waits for the device)."""
+        self._read()
+        return dict(self._done)
+
+    def _read(self) -> None:
+        """Turn the finished spans into seconds (each exclusive of the spans nested in it);
+        spans still open stay (a report inside a phase: the final checkpoint's)."""
+        closed = [i for i, span in enumerate(self._spans) if span[2] is not None]
+        if not closed:
+            return
+        self.clock.settle(self._spans[closed[-1]][2])
+        took = {i: self.clock.seconds(self._spans[i][1], self._spans[i][2]) for i in closed}
+        nested = dict.fromkeys(closed, 0.0)
+        for i in closed:
+            parent = self._spans[i][3]
+            if parent in nested:
+                nested[parent] += took[i]
+        for i in closed:
+            self._done[self._spans[i][0]] += took[i] - nested[i]
+        keep = {i for i, span in enumerate(self._spans) if span[2] is None}
+        renumber = {old: new for new, old in enumerate(sorted(keep))}
+        self._spans = [[name, start, end, renumber.get(parent)]
+                       for i, (name, start, end, parent) in enumerate(self._spans) if i in keep]
+        for entry in self._stack:
+            entry[1] = renumber[entry[1]]
 
     def report(self, device, stage: int = 0) -> dict:
         """The phases' seconds per step (``checkpoint`` and ``eval``: in all) since the last
@@ -141,10 +205,15 @@ class PhaseTimers:
         calls it) the min / median / max of their step times, the slowest rank, and the
         stragglers (``stage``: this rank's pipeline stage, whose ranks it is compared with);
         then starts over. A newly named straggler, or one back within the margin, gets a
-        line of its own (rank 0)."""
-        steps = max(len(self.step_times), 1)
-        mine = sum(self.step_times)
-        out = {f"time_{k}": self.totals[k] / (steps if k in STEP_PHASES else 1) for k in PHASES}
+        line of its own (rank 0). Called between steps: the one place the timers wait for
+        the device."""
+        if self._steps:
+            self.clock.settle(self._steps[-1][1])
+        step_times = [self.clock.seconds(a, b) for a, b in self._steps]
+        totals = self.totals
+        steps = max(len(step_times), 1)
+        mine = sum(step_times)
+        out = {f"time_{k}": totals[k] / (steps if k in STEP_PHASES else 1) for k in PHASES}
         out["step_time"] = mine / steps
         out["train_seconds"] = mine
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -178,8 +247,8 @@ class PhaseTimers:
                 for r in found["cleared"]:
                     print(f"straggler: rank {r} on {self.hosts[r]} is back within the margin "
                           f"({found['ratios'][r]:.2f}x)", flush=True)
-        self.totals = dict.fromkeys(PHASES, 0.0)
-        self.step_times = []
+        self._done = dict.fromkeys(PHASES, 0.0)
+        self._steps = []
         return out
 
 
