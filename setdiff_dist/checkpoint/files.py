@@ -67,80 +67,24 @@ class RunDirBusy(CheckpointError):
     """Another process trains in this run directory."""
 
 
-class RunLock:
-    """``run_dir/.setdiff.lock``, held (``flock``) by the trainer's rank 0 for its whole life,
-    with its pid, host and start time inside: a second trainer on the same run directory is
-    refused, naming the owner. The kernel releases the lock when its process dies, so a crash
-    or a preemption leaves nothing stale behind."""
+class FileLock:
+    """A file held with ``flock`` while its holder works, with who holds it (pid, host, since
+    when) written inside for the others to name. The file stays (removing a lock file races
+    with its next user); the kernel releases the lock when its process dies, so a crash or a
+    preemption leaves nothing stale behind."""
 
-    NAME = ".setdiff.lock"
-
-    def __init__(self, run_dir: str):
-        import fcntl
-
-        self.path = os.path.join(run_dir, self.NAME)
-        try:
-            os.makedirs(run_dir, exist_ok=True)
-            self._fh = open(self.path, "a+")
-        except OSError as exc:
-            raise CheckpointError(f"cannot write to run_dir={run_dir} ({exc.strerror}: "
-                                  f"{exc.filename}): a run keeps its checkpoints, metrics and "
-                                  "logs there; give a writable run_dir") from None
-        try:
-            fcntl.flock(self._fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._fh.seek(0)
-            owner = self._fh.read().strip() or "another process"
-            self._fh.close()
-            raise RunDirBusy(f"{run_dir} is in use by {owner}: wait for that run to end, stop "
-                             "it, or give this one another run_dir") from None
-        self._fh.seek(0)
-        self._fh.truncate()
-        self._fh.write(_holder())
-        self._fh.flush()
-
-    def release(self) -> None:
-        if self._fh and not self._fh.closed:
-            self._fh.close()  # (closing the file releases the lock)
-
-
-def check_writable(run_dir: str) -> None:
-    """Refuse, before training, a run whose ``checkpoints/`` cannot be written (its first save
-    would fail mid-run): a probe file is created there and removed."""
-    root = checkpoint_root(run_dir)
-    probe = os.path.join(root, f".write-probe-{os.getpid()}")
-    try:
-        os.makedirs(root, exist_ok=True)
-        with open(probe, "w") as fh:
-            fh.write("a test that this directory can be written; remove it\n")
-        os.remove(probe)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write to {root} ({exc.strerror or exc}): the run saves "
-                              "its checkpoints there; make it writable (chmod u+w, or remount "
-                              "it read-write) or give another run_dir") from None
-
-
-class ConversionLock:
-    """``directory/universal.lock`` (a checkpoint's step directory), held (``flock``) by rank 0
-    of the job that makes, checks or cleans up the checkpoint's universal forms: two jobs that
-    resume one checkpoint take turns, and the second finds the first one's form made. The file
-    stays (removing a lock file races with its next user); the kernel releases the lock when
-    its process dies. In a directory that cannot be written nobody converts: the lock is
-    granted at once."""
-
-    def __init__(self, directory: str):
-        self.path = os.path.join(directory, UNIVERSAL_LOCK)
+    def __init__(self, path: str):
+        self.path = path
         self._fh = None
 
     def acquire(self, blocking: bool = True) -> bool:
+        """Hold the lock (at once, or waiting with ``blocking``); False if another holds it.
+        An OSError opening the file is the caller's to judge."""
         import fcntl
 
         if self._fh is not None:
             return True
-        try:
-            fh = open(self.path, "a+")
-        except OSError:
-            return True  # (a read-only checkpoint: no conversion can happen there)
+        fh = open(self.path, "a+")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except OSError:
@@ -165,6 +109,58 @@ class ConversionLock:
         if self._fh is not None:
             self._fh.close()  # (closing the file releases the lock)
             self._fh = None
+
+
+class RunLock(FileLock):
+    """``run_dir/.setdiff.lock``, held by the trainer's rank 0 for its whole life: a second
+    trainer on the same run directory is refused, naming the owner."""
+
+    NAME = ".setdiff.lock"
+
+    def __init__(self, run_dir: str):
+        super().__init__(os.path.join(run_dir, self.NAME))
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            held = self.acquire(blocking=False)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write to run_dir={run_dir} ({exc.strerror}: "
+                                  f"{exc.filename}): a run keeps its checkpoints, metrics and "
+                                  "logs there; give a writable run_dir") from None
+        if not held:
+            raise RunDirBusy(f"{run_dir} is in use by {self.holder()}: wait for that run to "
+                             "end, stop it, or give this one another run_dir")
+
+
+def check_writable(run_dir: str) -> None:
+    """Refuse, before training, a run whose ``checkpoints/`` cannot be written (its first save
+    would fail mid-run): a probe file is created there and removed."""
+    root = checkpoint_root(run_dir)
+    probe = os.path.join(root, f".write-probe-{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "w") as fh:
+            fh.write("a test that this directory can be written; remove it\n")
+        os.remove(probe)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write to {root} ({exc.strerror or exc}): the run saves "
+                              "its checkpoints there; make it writable (chmod u+w, or remount "
+                              "it read-write) or give another run_dir") from None
+
+
+class ConversionLock(FileLock):
+    """``directory/universal.lock`` (a checkpoint's step directory), held by rank 0 of the job
+    that makes, checks or cleans up the checkpoint's universal forms: two jobs that resume one
+    checkpoint take turns, and the second finds the first one's form made. In a directory that
+    cannot be written nobody converts: the lock is granted at once."""
+
+    def __init__(self, directory: str):
+        super().__init__(os.path.join(directory, UNIVERSAL_LOCK))
+
+    def acquire(self, blocking: bool = True) -> bool:
+        try:
+            return super().acquire(blocking)
+        except OSError:
+            return True  # (a read-only checkpoint: no conversion can happen there)
 
 
 def _holder() -> str:

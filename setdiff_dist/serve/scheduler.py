@@ -117,7 +117,7 @@ class Scheduler:
             if waiting:
                 self._queue.remove(waiting[0])
                 self._tickets.pop(request_id, None)
-                self._count_cancel()
+                self._count("cancelled")
             elif request_id in self._tickets:
                 self._cancels.add(request_id)
             self._gauges()
@@ -220,7 +220,7 @@ class Scheduler:
     def _apply(self, plan: Plan) -> None:
         for row in self.batch.cancel(plan.cancel):
             if self._tickets.pop(row.spec.id, None) is not None:  # (not one failed alone)
-                self._count_cancel()
+                self._count("cancelled")
         rows, refused = self.batch.admit(plan.admit)
         if self.metrics is not None:
             for row in rows:
@@ -242,28 +242,22 @@ class Scheduler:
             ticket = self._tickets.get(row.spec.id)
             if ticket is None or not (ticket.streamed or row in finished):
                 continue  # (no text is decoded for a request that is not streamed, until done)
-            try:
-                if row.sample.error is not None:
-                    raise _RowFailed(row.sample.error)
-                piece = ticket.stream.delta(row)
-                if row in finished:
-                    event = self._outcome(row, ticket, piece)
-                elif piece:
-                    event = {"text": piece}
-                else:
-                    continue
-            except Exception as exc:  # noqa: BLE001 (this row's failure: the others go on)
-                why = str(exc) if isinstance(exc, _RowFailed) else \
-                    f"{type(exc).__name__}: {exc}"
-                if not isinstance(exc, _RowFailed):
+            why, event = row.sample.error, None  # (a row the decoder failed has finished)
+            if why is None:
+                try:
+                    piece = ticket.stream.delta(row)
+                    event = self._outcome(row, ticket, piece) if row in finished else \
+                        {"text": piece} if piece else None
+                except Exception as exc:  # noqa: BLE001 (this row's failure: the others go on)
                     traceback.print_exc(file=sys.stderr)
-                print(f"setdiff-serve: request {row.spec.id} failed alone: {why}",
-                      file=sys.stderr, flush=True)
-                if row not in finished:  # (it leaves the batch before the next step)
-                    with self._cond:
-                        self._cancels.add(row.spec.id)
-                event = {"done": True, "error": f"decoding failed: {why}"}
-                self._count("failed")
+                    why = f"{type(exc).__name__}: {exc}"
+                    if row not in finished:  # (it leaves the batch before the next step)
+                        with self._cond:
+                            self._cancels.add(row.spec.id)
+            if why is not None:
+                event = self._failed(row.spec.id, f"decoding failed: {why}")
+            if event is None:
+                continue
             if event.get("done"):
                 self._tickets.pop(row.spec.id, None)
             outbox.append((ticket.listener, event))
@@ -275,14 +269,21 @@ class Scheduler:
         """Requests that could not join the batch: each gets its error; nothing else does."""
         outbox = []
         for spec, why in refused:
-            print(f"setdiff-serve: request {spec.id} failed alone: {why}", file=sys.stderr,
-                  flush=True)
             ticket = self._tickets.pop(spec.id, None)
+            event = self._failed(spec.id, why, count=ticket is not None)
             if ticket is not None:
-                outbox.append((ticket.listener, {"done": True, "error": why}))
-                self._count("failed")
+                outbox.append((ticket.listener, event))
         if outbox:
             self.deliver(outbox)
+
+    def _failed(self, request_id: str, why: str, count: bool = True) -> dict:
+        """The end of a request that failed alone: said in the log, counted (``count``: it
+        still has a client), its event."""
+        print(f"setdiff-serve: request {request_id} failed alone: {why}", file=sys.stderr,
+              flush=True)
+        if count:
+            self._count("failed")
+        return {"done": True, "error": why}
 
     def _outcome(self, row, ticket: Ticket, piece: str) -> dict:
         s = row.sample
@@ -307,9 +308,6 @@ class Scheduler:
                       if t is not None])
         self._gauges()
 
-    def _count_cancel(self) -> None:
-        self._count("cancelled")
-
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.requests.labels(outcome=outcome).inc()
@@ -318,10 +316,6 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._queue))
             self.metrics.running.set(len(self.batch))
-
-
-class _RowFailed(Exception):
-    """A row the decoder failed alone (:meth:`~setdiff_dist.inference.decoding.Sample.fail`)."""
 
 
 def deliver_now(outbox: list) -> None:

@@ -109,10 +109,9 @@ def keep_until(path: str, step: int) -> None:
         if not isinstance(at, (int, float)) or at <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
     if kept != lines:
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.writelines(kept)
-        os.replace(tmp, path)
+        from setdiff_dist.checkpoint.files import write_atomic
+
+        write_atomic(path, "".join(kept))
 
 
 class MetricsLogger:
