@@ -138,22 +138,30 @@ def _parse(argv):
     ap.add_argument("--hardware", choices=sorted(HARDWARE), default=None,
                     help="with --dry-run: predict a step's time, communication and MFU on "
                          "these GPUs (8 per node)")
+    ap.add_argument("--constants", action="store_true",
+                    help="with --dry-run: also print every constant of the step-time model and "
+                         "its source ($SETDIFF_EFFICIENCY: a file of refitted ones)")
     ap.add_argument("--force", action="store_true",
                     help="with resume=never: train over the checkpoints already in run_dir")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     return ap.parse_intermixed_args(argv)
 
 
-def dry_run(cfg, world_size: int, device_memory, hardware=None) -> int:
+def dry_run(cfg, world_size: int, device_memory, hardware=None, constants=False) -> int:
     from setdiff_dist.train.plan import PlanError, plan
 
     try:
-        p = plan(cfg, world_size)
+        p = plan(cfg, world_size, hardware)
     except PlanError as exc:
         raise PlanError(f"the layout cannot run on {world_size} ranks:\n{exc}") from None
     print(p.table(device_memory))
     if hardware:
         print(p.predict(cfg, hardware).table())
+    if constants:
+        from setdiff_dist.train.scale import constants_table
+
+        print("constants of the step-time model (setdiff_dist.train.scale):")
+        print(constants_table())
     fits = device_memory is None or all(s.total <= device_memory * 2 ** 30 for s in p.stages)
     return 0 if fits else 2
 
@@ -517,9 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         SIGNALS.restore(STOP_SIGNALS)  # (nothing to checkpoint: Ctrl-C just stops it)
         p = cfg.parallel
         return dry_run(cfg, args.world_size or p.tensor * p.pipeline * p.context,
-                       args.device_memory, args.hardware)
-    if args.world_size or args.device_memory or args.hardware:
-        raise ConfigError(["--world-size, --device-memory and --hardware go with --dry-run"],
+                       args.device_memory, args.hardware, args.constants)
+    if args.world_size or args.device_memory or args.hardware or args.constants:
+        raise ConfigError(["--world-size, --device-memory, --hardware and --constants go with "
+                           "--dry-run"],
                           "the flags")
     if args.nproc_per_node and "RANK" not in os.environ:
         problems = world_problems(cfg, args.nproc_per_node)

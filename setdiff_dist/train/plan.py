@@ -55,10 +55,11 @@ class StagePlan:
     gradients: float
     optimizer: float
     activations: float
+    runtime: float = 0.0  # on a GPU: the CUDA context, NCCL's buffers, the allocator's slack
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.activations + self.runtime
 
 
 @dataclasses.dataclass
@@ -71,6 +72,8 @@ class Plan:
     model_params: int      # the whole model (tied embedding counted once)
     stages: list
     context: int = 1       # context-parallel size (``data`` counts those ranks too)
+    groups: int = 0        # process groups megatron creates (every rank takes part in each)
+    param_tensors: int = 0  # parameter tensors on a rank (DeepSpeed broadcasts each at start)
 
     def table(self, device_memory: Optional[float] = None) -> str:
         dp = (f"DP {self.data}" if self.context == 1 else
@@ -80,8 +83,10 @@ class Plan:
                 f"model: {self.model_params / 1e6:,.1f}M parameters; per stage "
                 + " + ".join(f"{s.model_params / 1e6:,.1f}M" for s in self.stages)
                 + f" = {sum(s.model_params for s in self.stages) / 1e6:,.1f}M\n")
+        gpu = any(s.runtime for s in self.stages)
         rows = [f"{'stage':>5} {'ranks':>11} {'layers':>6} {'params/rank':>12} {'weights':>8} "
-                f"{'grads':>8} {'optim':>8} {'activ':>8} {'total':>8}"]
+                f"{'grads':>8} {'optim':>8} {'activ':>8} " + (f"{'runtime':>8} " if gpu else "")
+                + f"{'total':>8}"]
         over = []
         for s in self.stages:
             flag = ""
@@ -89,21 +94,32 @@ class Plan:
                 flag = "  OUT OF MEMORY"
                 over.append(s.stage)
             rows.append(f"{s.stage:>5} {s.ranks:>11} {s.layers:>6} {s.params / 1e6:>11.1f}M "
-                        + " ".join(f"{v / GiB:7.2f}G" for v in (s.weights, s.gradients,
-                                                                s.optimizer, s.activations,
-                                                                s.total)) + flag)
+                        + " ".join(f"{v / GiB:7.2f}G" for v in (
+                            s.weights, s.gradients, s.optimizer, s.activations,
+                            *((s.runtime,) if gpu else ()), s.total)) + flag)
         tail = ""
         if device_memory is not None:
             tail = (f"\nstages over the {device_memory:g} GiB per device: "
                     f"{', '.join(map(str, over))}" if over else
                     f"\nevery stage fits in {device_memory:g} GiB per device")
+        if gpu:
+            tail += ("\n(runtime: the CUDA context, NCCL's buffers and the allocator's slack; "
+                     "activations with the GPU's fused norms)")
         return head + "\n".join(rows) + tail
 
-    def predict(self, cfg, hardware: str):
-        """The scale model's step on this layout (:func:`setdiff_dist.train.scale.predict`)."""
-        from setdiff_dist.train.scale import predict
+    def predict(self, cfg, hardware: str, system=None):
+        """The scale model's step on this layout (:func:`setdiff_dist.train.scale.predict`),
+        with the start-up it takes to reach the first one."""
+        from setdiff_dist.train.scale import predict, startup_seconds, step_flows
 
-        return predict(cfg, self, hardware)
+        groups = {f.group for s in range(self.pipeline) for f in step_flows(cfg, self, s)
+                  if f.size > 1}
+        sizes = {"tensor": self.tensor, "data": self.data, "context": self.context,
+                 "pipeline": 2, "embedding": 2}
+        startup = startup_seconds(self.groups, [sizes[g] for g in groups] + [self.world_size],
+                                  self.world_size, max(s.params for s in self.stages),
+                                  self.param_tensors, cfg, hardware)
+        return predict(cfg, self, hardware, system, startup)
 
 
 def _layout_problems(cfg, world_size: int) -> list[str]:
@@ -130,20 +146,34 @@ def _stage_model(cfg, world_size: int, stage: int):
     cpu_compat.apply()
     dist.init_process_group("fake", store=FakeStore(), rank=stage * (world_size // pp),
                             world_size=world_size)
+    groups = []  # the size of each group this rank is in, or 0 for one it only helps create
+    real_new_group = dist.new_group
+
+    def counted(*args, **kwargs):
+        group = real_new_group(*args, **kwargs)
+        member = group not in (None, dist.GroupMember.NON_GROUP_MEMBER)
+        groups.append(dist.get_world_size(group) if member else 0)
+        return group
+
     try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                     pipeline_model_parallel_size=pp,
-                                     context_parallel_size=cfg.parallel.context,
-                                     create_gloo_process_groups=False)
+        dist.new_group = counted
+        try:
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                         pipeline_model_parallel_size=pp,
+                                         context_parallel_size=cfg.parallel.context,
+                                         create_gloo_process_groups=False)
+        finally:
+            dist.new_group = real_new_group
         config = transformer_config(cfg.model, tensor=tp, pipeline=pp,
                                     sequence_parallel=cfg.parallel.sequence_parallel)
         with torch.device("meta"):
             model = SetDiffusionTransformer(cfg.model, config,
                                             pre_process=ps.is_pipeline_first_stage(),
                                             post_process=ps.is_pipeline_last_stage())
-        params, model_params = 0, 0
+        params, model_params, tensors = 0, 0, 0
         for name, p in model.named_parameters():
             params += p.numel()
+            tensors += 1
             if name.startswith("output_layer") and model.tie and pp > 1:
                 continue  # the last stage's copy of the tied embedding
             model_params += p.numel() * (tp if getattr(p, "tensor_model_parallel", False)
@@ -155,20 +185,22 @@ def _stage_model(cfg, world_size: int, stage: int):
             model_params -= pad * h
         if model.post_process and not model.tie:
             model_params -= pad * h
-        return params, model_params, len(model.decoder.layers)
+        return params, model_params, len(model.decoder.layers), {
+            "groups": len(groups), "member_of": sum(1 for n in groups if n),
+            "tensors": tensors}
     finally:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def layer_bytes(cfg) -> float:
+def layer_bytes(cfg, fused_norm: bool = False) -> float:
     """The tensors one layer saves for its backward for one micro-batch on one rank, as
     measured on the layers (tests/test_plan.py holds it to the saved-tensor bytes of real layers
     within 10% across backend x precision x recompute x GQA x CP). Under full recompute: its
     input (:func:`kept_by_layer` is then what a recomputed layer holds in the backward)."""
     if cfg.train.recompute != "full":
-        return kept_by_layer(cfg)
+        return kept_by_layer(cfg, fused_norm)
     _, tokens, e, sp = _micro_batch(cfg)
     return tokens * cfg.model.hidden_size / sp * e
 
@@ -184,7 +216,7 @@ def _micro_batch(cfg) -> tuple:
             par.tensor if par.sequence_parallel else 1)
 
 
-def kept_by_layer(cfg) -> float:
+def kept_by_layer(cfg, fused_norm: bool = False) -> float:
     """What a layer that runs its forward with autograd keeps for its backward (no recompute,
     or the core attention recomputed under selective recompute):
 
@@ -212,6 +244,8 @@ def kept_by_layer(cfg) -> float:
     q, kv = heads * dh / tp, groups * dh / tp
     gqa = groups < heads
     norm = (8 * h + 4 + e * h) if m.normalization == "rmsnorm" else (2 * e * h + 8)
+    if fused_norm:  # a GPU's fused kernel (torch's CUDA RMSNorm, TE, apex): input, 1/rms, output
+        norm = 2 * e * h + (4 if m.normalization == "rmsnorm" else 8)
     per_token = 2 * norm / sp                # both norms
     per_token += 4 * dh * e                  # rotary cos / sin
     per_token += q * e                       # rotated queries
@@ -239,17 +273,18 @@ def kept_by_layer(cfg) -> float:
     return tokens * per_token
 
 
-def activation_bytes(cfg, layers: int, first: bool, last: bool) -> float:
+def activation_bytes(cfg, layers: int, first: bool, last: bool,
+                     fused_norm: bool = False) -> float:
     """The tensors one micro-batch leaves saved for the backward on a rank of a stage with
     ``layers`` layers (see the module docstring and :func:`layer_bytes`)."""
     m, par, d = cfg.model, cfg.parallel, cfg.data
     tp, cp, h = par.tensor, par.context, m.hidden_size
     order = order_of(cfg.order)
     seq, tokens, b, sp = _micro_batch(cfg)
-    saved = layer_bytes(cfg) * layers
+    saved = layer_bytes(cfg, fused_norm) * layers
     if cfg.train.recompute == "full":    # layer inputs, plus one chunk's layers live
         chunk = min(cfg.train.recompute_num_layers, layers)
-        saved += kept_by_layer(cfg) * chunk
+        saved += kept_by_layer(cfg, fused_norm) * chunk
     mask = 0 if m.attention_backend in ("flex", "permuted_causal") or order.causal_lm \
         else d.micro_batch_size * seq * seq    # the dense boolean mask, shared by the layers
     if cp > 1:
@@ -304,9 +339,28 @@ def rank_memory(cfg, params: int, dp: int, in_flight: int, activations: float) -
             "activations": max(in_flight * activations, step)}
 
 
-def plan(cfg, world_size: int) -> Plan:
+def gpu_runtime(cfg, world_size: int, allocated: float) -> float:
+    """What a GPU process holds beyond its tensors: the CUDA context, the buffers of each NCCL
+    communicator it uses (tensor, data, context, pipeline neighbours, tied embedding, the world
+    group), and the caching allocator's slack over ``allocated`` bytes
+    (:data:`setdiff_dist.train.scale.CONSTANTS` ``memory.*``)."""
+    from setdiff_dist.train.scale import const
+
+    par = cfg.parallel
+    tp, pp, cp = par.tensor, par.pipeline, par.context
+    dp = world_size // (tp * pp)
+    comms = sum(1 for n in (tp, dp, cp, world_size) if n > 1)
+    comms += 2 if pp > 1 else 0   # the stages before and after (send / receive)
+    comms += 1 if pp > 1 and cfg.model.tie_embeddings else 0
+    nccl = comms * const("memory.nccl_channels") * 2 * const("memory.nccl_per_channel_peer")
+    return const("memory.cuda_context") + nccl + const("memory.fragmentation") * allocated
+
+
+def plan(cfg, world_size: int, hardware: Optional[str] = None) -> Plan:
     """The :class:`Plan` of ``cfg`` on ``world_size`` ranks; :class:`PlanError` lists the
-    problems of a layout that cannot run."""
+    problems of a layout that cannot run. With ``hardware`` (a GPU of
+    :data:`setdiff_dist.train.scale.HARDWARE`) the memory is a GPU's: fused norms, and the
+    runtime's share (:func:`gpu_runtime`); without, the tensors alone, as on the CPU."""
     problems = _layout_problems(cfg, world_size)
     if problems:
         raise PlanError("\n".join(f"  - {p}" for p in problems))
@@ -314,15 +368,19 @@ def plan(cfg, world_size: int) -> Plan:
     dp = world_size // (tp * pp)  # ZeRO shards over data x context-parallel ranks
     micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size
                                            * (dp // cfg.parallel.context))
-    stages = []
+    stages, counts = [], {}
+    gpu = hardware is not None
     for s in range(pp):
-        params, model_params, layers = _stage_model(cfg, world_size, s)
+        params, model_params, layers, counts[s] = _stage_model(cfg, world_size, s)
         mem = rank_memory(cfg, params, dp, min(pp - s, micro),
-                          activation_bytes(cfg, layers, s == 0, s == pp - 1))
+                          activation_bytes(cfg, layers, s == 0, s == pp - 1, fused_norm=gpu))
+        if gpu:
+            mem["runtime"] = gpu_runtime(cfg, world_size, sum(mem.values()))
         per_stage = world_size // pp
         stages.append(StagePlan(s, f"{s * per_stage}-{(s + 1) * per_stage - 1}", layers, params,
                                 model_params, **mem))
-    return Plan(world_size, tp, pp, dp, micro, _whole_model(cfg), stages, cfg.parallel.context)
+    return Plan(world_size, tp, pp, dp, micro, _whole_model(cfg), stages, cfg.parallel.context,
+                counts[0]["groups"], max(c["tensors"] for c in counts.values()))
 
 
 def _whole_model(cfg):

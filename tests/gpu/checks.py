@@ -89,8 +89,39 @@ def step_13b(device: str) -> str:
     line += (f", MFU {mfu * 100:.1f}%" if mfu is not None else ", MFU unknown (no peak FLOPs "
              "for this GPU in train/metrics.py)")
     line += f"; peak {peak / 2**30:.1f} GiB vs plan {plan_gib:.1f} GiB ({ratio:.2f}x)"
+    line += "; " + _predicted_beside(load_config(config, overrides), tps)
     expect(ratio <= 1.10, line + ": the plan underestimates the peak by more than 10%")
     return line
+
+
+def _predicted_beside(cfg, tokens_per_s: float) -> str:
+    """The scale model's step for this config on this GPU next to the measured one, and the
+    GEMM efficiency that would make them agree, written to $OUT/efficiency.json (the file
+    ``SETDIFF_EFFICIENCY`` points the planner at)."""
+    import json
+
+    import torch
+
+    from setdiff_dist.train.plan import plan
+    from setdiff_dist.train.scale import CONSTANTS
+
+    name = torch.cuda.get_device_name().lower()
+    hardware = "b200" if "b200" in name else "h200" if "h200" in name else "h100"
+    predicted = plan(cfg, 1, hardware).predict(cfg, hardware)
+    measured = cfg.data.global_batch_size * cfg.data.seq_len / tokens_per_s
+    e0 = CONSTANTS["gemm.efficiency"].value
+    gemm = predicted.breakdown["gemm"]
+    rest = predicted.step - gemm
+    fitted = e0 * gemm / (measured - rest) if measured > rest else None
+    out = os.environ.get("OUT", os.path.join(ROOT, "gpu-results"))
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "efficiency.json"), "w") as fh:
+        json.dump({"hardware": hardware, "measured_step_s": measured,
+                   "predicted_step_s": predicted.step, "breakdown": predicted.breakdown,
+                   "constants": {"gemm.efficiency": fitted} if fitted else {}}, fh, indent=1)
+    return (f"step {measured * 1e3:,.0f} ms measured vs {predicted.step * 1e3:,.0f} ms "
+            f"predicted on {hardware} (MFU {predicted.mfu * 100:.1f}% predicted); GEMM "
+            f"efficiency fitted {fitted if fitted is None else round(fitted, 3)} (was {e0})")
 
 
 # ---------------------------------------------------------------------------------------------
