@@ -22,10 +22,10 @@ the Megatron rows' largest relative error smallest, and prints them (the values 
 :data:`setdiff_dist.train.scale.CONSTANTS` came from it).
 
 Part 2, our path: for the 1.3B and 8B models at 8 / 64 / 256 / 1024 H100s, collectives per
-step, exposed communication and predicted MFU, before (today's default: DeepSpeed ZeRO-1, a
-reduce per bucket and owner, a broadcast per owner and bucket) and after (the bucket-sharded
-path issue 50 builds: one reduce-scatter and one all-gather per bucket, buckets of
-max(40M, 1M x DP) elements), both with the overlap the code has.
+step, exposed communication and predicted MFU, before (DeepSpeed ZeRO-1, the default: a reduce
+per bucket and owner, a broadcast per owner and bucket) and after (``zero.implementation=
+megatron``: one reduce-scatter and one all-gather per bucket, buckets of max(40M, 1M x DP)
+elements), both with the overlap the code has.
 """
 
 from __future__ import annotations
@@ -200,8 +200,11 @@ def our_rows() -> list[dict]:
                   else [])])
             p = plan(cfg, world, "h100")
             before = p.predict(cfg, "h100")
-            after = p.predict(cfg, "h100", dataclasses.replace(ours(cfg), dp="bucket_sharded"))
-            assert isinstance(after.system, System)
+            megatron = dataclasses.replace(cfg, zero=dataclasses.replace(
+                cfg.zero, implementation="megatron"))
+            after = p.predict(megatron, "h100")
+            assert isinstance(after.system, System) and after.system == dataclasses.replace(
+                ours(cfg), dp="bucket_sharded")
             out.append({"model": model, "gpus": world, "layout": f"TP{p.tensor} DP{p.data} "
                         f"x{p.micro_batches}",
                         "collectives": [before.collectives, after.collectives],
@@ -237,8 +240,8 @@ def main(argv=None):
         print(f"  {r['run']:<22} {r['gpus']:>5} {r['published_mfu'] * 100:>8.1f}% "
               f"{r['predicted_mfu'] * 100:>8.1f}% {r['error'] * 100:>+6.1f}% "
               f"{r['step_ms']:>7,.0f}ms {r['exposed_ms']:>6,.0f}ms  {r['source']}")
-    print("\nour path, before (DeepSpeed ZeRO-1 per-owner reduces + broadcasts) / after "
-          "(bucket-sharded reduce-scatter + all-gather):")
+    print("\nour path, zero.implementation=deepspeed (per-owner reduces + broadcasts) / "
+          "megatron (a reduce-scatter + an all-gather per bucket):")
     print(f"  {'model':>5} {'GPUs':>5} {'layout':>15} {'collectives':>15} {'exposed ms':>17} "
           f"{'MFU %':>13} {'start-up':>9} {'memory':>7}")
     ours_ = our_rows()

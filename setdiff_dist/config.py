@@ -134,6 +134,17 @@ class ZeroConfig:
     reduce_bucket_size: int = _f(40_000_000, "elements per gradient-reduction and parameter "
                                  "all-gather bucket (megatron's default: smaller buckets start "
                                  "the reduction earlier in the backward)", min=1)
+    implementation: str = _f("deepspeed", "who shards ZeRO-1: deepspeed (a reduce per bucket "
+                             "and owner, a broadcast per owner and bucket: O(DP) collectives a "
+                             "step) or megatron (megatron-core's distributed optimizer: one "
+                             "reduce-scatter and one all-gather per bucket, whatever DP is; "
+                             "ZeRO-1, no optimizer offload)",
+                             choices=("deepspeed", "megatron"))
+    min_bucket_per_rank: int = _f(1_000_000, "zero.implementation=megatron: a bucket holds at "
+                                  "least this many elements per data-parallel rank (megatron's "
+                                  "rule: buckets of max(reduce_bucket_size, this x DP), so each "
+                                  "rank's share of a collective stays bandwidth-bound as DP "
+                                  "grows); 0: exactly reduce_bucket_size", min=0)
 
 
 @dataclass

@@ -94,6 +94,17 @@ def validate(cfg) -> list[str]:
                  "zero.stage 0 or 1 with pipeline parallelism")
     if cfg.checkpoint.init_from and cfg.checkpoint.init_from_hf:
         p.append("checkpoint.init_from and checkpoint.init_from_hf are both set: start from one")
+    if cfg.zero.implementation == "megatron":
+        z = cfg.zero
+        why = [f"zero.stage={z.stage} (it shards the optimizer state: ZeRO-1)"
+               if z.stage != 1 else None,
+               "zero.offload_optimizer=cpu" if z.offload_optimizer != "none" else None,
+               f"train.precision={cfg.train.precision}"
+               if cfg.train.precision not in ("fp32", "bf16") else None]
+        why = [w for w in why if w]
+        if why:
+            p.append(f"zero.implementation=megatron does not run with {', '.join(why)}; use "
+                     "zero.implementation=deepspeed for it")
     if cfg.zero.offload_params != "none" and cfg.zero.stage != 3:
         p.append("zero.offload_params needs zero.stage=3")
     if cfg.train.precision in ("bf16", "fp8") and cfg.zero.stage == 0:

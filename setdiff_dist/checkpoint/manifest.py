@@ -185,10 +185,14 @@ def needs_universal(saved: dict, here: dict, optimizer_changed: bool) -> bool:
 
 def optimizer_form(config: dict) -> str:
     """The form of the ZeRO optimizer state a run of ``config`` (a config as a dict) saves:
-    ``"bf16_optimizer"`` (DeepSpeed's ``BF16_Optimizer``: bf16 or fp8 at ZeRO-1 without
-    ``zero.overlap_comm`` or optimizer offload) or ``"zero"`` (its ZeRO optimizer). A config
+    ``"megatron"`` (megatron-core's distributed optimizer, ``zero.implementation=megatron``:
+    each rank's fragments of each parameter), ``"bf16_optimizer"`` (DeepSpeed's
+    ``BF16_Optimizer``: bf16 or fp8 at ZeRO-1 without ``zero.overlap_comm`` or optimizer
+    offload) or ``"zero"`` (its ZeRO optimizer). A config
     from before ``zero.overlap_comm`` existed ran without it."""
     zero, train = config.get("zero", {}), config.get("train", {})
+    if zero.get("implementation", "deepspeed") == "megatron":
+        return "megatron"
     if train.get("precision", "fp32") in ("bf16", "fp8") and zero.get("stage", 1) == 1 \
             and not zero.get("overlap_comm", False) \
             and zero.get("offload_optimizer", "none") == "none":
@@ -207,6 +211,11 @@ def optimizer_changes(path: str, cfg) -> Optional[str]:
     return f"zero.overlap_comm: checkpoint {before}, this run {str(cfg.zero.overlap_comm).lower()}"
 
 
+def _layout_text(layout: dict) -> str:
+    return (f"TP {layout.get('tensor')} x PP {layout.get('pipeline')} x DP {layout.get('data')}"
+            + (f" x CP {layout['context']}" if layout.get("context", 1) > 1 else ""))
+
+
 def check_compatible(manifest: dict, path: str, cfg, tokenizer_identity: dict,
                      here: dict) -> dict:
     """``manifest`` (of the checkpoint at ``path``), or a CheckpointError listing every
@@ -221,7 +230,23 @@ def check_compatible(manifest: dict, path: str, cfg, tokenizer_identity: dict,
     global_names = m.get("optimizer_names") == "global"
     diffs += layout_differences(m["layout"], here, m["zero_stage"], cfg.zero.stage, path,
                                 global_names)
-    changed = optimizer_changes(path, cfg)
+    saved_form = optimizer_form(saved_config(path) or {})
+    this_form = optimizer_form(cfg.to_dict())
+    if "megatron" in (saved_form, this_form):
+        if saved_form != this_form:
+            diffs.append(f"zero.implementation: checkpoint "
+                         f"{'megatron' if saved_form == 'megatron' else 'deepspeed'}, this run "
+                         f"{cfg.zero.implementation} (their optimizer states differ in form; "
+                         "converting between them is not supported yet: resume with the "
+                         "checkpoint's zero.implementation)")
+        elif any(m["layout"].get(k) != here.get(k) for k in ("tensor", "pipeline", "data",
+                                                             "context")):
+            diffs.append("layout: zero.implementation=megatron resumes at the layout it saved "
+                         f"({_layout_text(m['layout'])}; this run {_layout_text(here)}): "
+                         "resume on that many ranks, or with zero.implementation=deepspeed "
+                         "from a deepspeed checkpoint to change the layout")
+    changed = optimizer_changes(path, cfg) if saved_form != "megatron" and \
+        this_form != "megatron" else None
     if changed and m["layout"]["pipeline"] > 1 and not global_names:
         diffs.append(f"{changed} (bf16 ZeRO-1 keeps its optimizer state in another form with "
                      "overlap_comm; this pipeline-parallel checkpoint was saved before its "

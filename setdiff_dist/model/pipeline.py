@@ -49,16 +49,19 @@ def forward_backward(model, microbatches: Iterable, seq_len: int, micro_batch_si
         return out, loss_func
 
     overlapped = sync is not None and sync.overlapped and not forward_only
+    # megatron's distributed optimizer reduces in its hooks at the last micro-batch; its engine
+    # sums the tied embedding's stages after the reduction (MegatronEngine.step)
+    megatron = sync is not None and getattr(sync, "megatron", False) and not forward_only
     tied = model.tied_embedding_weight() if overlapped else None
     held = [tied] if tied is not None else []
-    model.config.no_sync_func = sync.no_sync if overlapped else None
+    model.config.no_sync_func = sync.no_sync if overlapped or megatron else None
     try:
         with sync.held(held) if overlapped else contextlib.nullcontext():
             stats = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(microbatches),
                 model=[model], num_microbatches=len(microbatches), seq_length=seq_len,
                 micro_batch_size=micro_batch_size, forward_only=forward_only)
-            if not forward_only:
+            if not forward_only and not megatron:
                 model.sync_tied_embedding_grads(sync.main_grad if sync is not None else None)
     finally:
         model.config.no_sync_func = None

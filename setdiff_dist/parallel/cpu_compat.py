@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import types
 
 import torch
@@ -122,6 +123,48 @@ def apply() -> bool:
     for name in _CUDA_BOUND_MODULES:
         importlib.import_module(name).torch = cpu_torch
     _APPLIED = True
+    return True
+
+
+# megatron-core's DistributedDataParallel and distributed optimizer (zero.implementation=megatron):
+# their buffers and scalars are made on torch.cuda.current_device() / device="cuda"
+_DISTRIBUTED_OPTIMIZER_MODULES = ("megatron.core.distributed.param_and_grad_buffer",
+                                  "megatron.core.distributed.distributed_data_parallel",
+                                  "megatron.core.optimizer.optimizer",
+                                  "megatron.core.optimizer.distrib_optimizer",
+                                  "megatron.core.optimizer.clip_grads")
+# ... and check a tensor's type by its CUDA name (param.type() == "torch.cuda.FloatTensor")
+_TYPE_NAME_CALLERS = frozenset(("megatron.core.optimizer.optimizer",
+                                "megatron.core.optimizer.distrib_optimizer",
+                                "megatron.core.optimizer.clip_grads"))
+_OPTIMIZER_APPLIED = False
+
+
+def apply_distributed_optimizer() -> bool:
+    """What megatron-core's DDP and distributed optimizer need on a machine without CUDA, on
+    top of :func:`apply`: the CPU view of ``torch.cuda`` for their modules, and
+    ``Tensor.type()`` answering the CUDA type name of a CPU tensor to those modules only (the
+    callers are told apart by the calling frame's module). Returns whether it patched."""
+    global _OPTIMIZER_APPLIED
+    if not apply():
+        return False
+    if _OPTIMIZER_APPLIED:
+        return True
+    cpu_torch = importlib.import_module(_CUDA_BOUND_MODULES[0]).torch
+    for name in _DISTRIBUTED_OPTIMIZER_MODULES:
+        importlib.import_module(name).torch = cpu_torch
+    original = torch.Tensor.type
+
+    def type_name(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") \
+                and not name.startswith("torch.cuda.") \
+                and sys._getframe(1).f_globals.get("__name__") in _TYPE_NAME_CALLERS:
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    torch.Tensor.type = type_name
+    _OPTIMIZER_APPLIED = True
     return True
 
 

@@ -162,6 +162,7 @@ class GradientSync:
     def __init__(self, engine):
         self.engine = engine
         opt = engine.optimizer
+        self.megatron = hasattr(engine, "ddp")  # (megatron_dp.MegatronEngine)
         self._buffers = {}
         if hasattr(opt, "bf16_groups") and hasattr(opt, "fp32_groups_gradients"):
             for i, group in enumerate(opt.bf16_groups):
@@ -179,6 +180,8 @@ class GradientSync:
                 self._group_of[id(p)] = i
 
     def main_grad(self, param):
+        if self.megatron:
+            return param.main_grad
         if id(param) in self._buffers:
             return self._buffers[id(param)]
         if self._grad_accum:
@@ -187,6 +190,10 @@ class GradientSync:
 
     @contextlib.contextmanager
     def no_sync(self):
+        if self.megatron:
+            with self.engine.ddp.no_sync():
+                yield
+            return
         opt = self.engine.optimizer
         opt.set_gradient_accumulation_boundary(False)
         try:
@@ -220,6 +227,9 @@ class GradientSync:
         reduction (the parameters' ``.grad`` and ``grad_accum``, ``BF16_Optimizer``'s fp32
         buffers, the ZeRO optimizer's reduced partitions)."""
         engine = self.engine
+        if self.megatron:
+            engine.drop_gradients()
+            return
         for p in engine.module.parameters():
             for t in (p.grad, getattr(p, "grad_accum", None)):
                 if t is not None:
@@ -236,6 +246,9 @@ def time_gradient_reduction(engine, timers) -> None:
     """Time DeepSpeed's gradient reductions as the ``grad_reduce`` phase of ``timers``
     (:class:`setdiff_dist.train.timers.PhaseTimers`): the engine's reduction after the backward
     and, where the ZeRO optimizer reduces in its backward hooks, each bucket's."""
+    if hasattr(engine, "time_gradient_reduction"):  # (megatron_dp.MegatronEngine)
+        engine.time_gradient_reduction(timers)
+        return
     engine.allreduce_gradients = timers.timed("grad_reduce", engine.allreduce_gradients)
     opt = engine.optimizer
     if hasattr(opt, "reduce_ipg_grads"):
@@ -351,7 +364,15 @@ def zero_optimizer_for_bf16(wanted: bool):
 
 
 def build_engine(cfg, model, load_universal: bool = False):
-    """``deepspeed.initialize`` over ``model`` with megatron's groups."""
+    """``deepspeed.initialize`` over ``model`` with megatron's groups (with
+    ``zero.implementation=megatron``: :class:`~setdiff_dist.train.megatron_dp.MegatronEngine`,
+    the same surface over megatron-core's distributed optimizer)."""
+    if cfg.zero.implementation == "megatron":
+        from .megatron_dp import MegatronEngine
+
+        # (with pipeline parallelism megatron's schedule runs the micro-batches: one backward)
+        return MegatronEngine(cfg, model, 1 if cfg.parallel.pipeline > 1 else
+                              micro_batches_per_step(cfg, ps.get_data_parallel_world_size()))
     skip_deepspeed_shm_build()
     import deepspeed
 

@@ -228,6 +228,8 @@ class Trainer:
         the wire from the last step arrive (a no-op without ``zero.overlap_param_gather``)."""
         if self.prefetch is not None:
             self.prefetch.finish()
+        if hasattr(self.engine, "whole_weights"):  # (megatron's distributed optimizer)
+            self.engine.whole_weights()
 
     def _optimizer_step(self) -> None:
         with self.timers.phase("optimizer"), \

@@ -295,8 +295,8 @@ class System:
       the parameters' gather after the step (DeepSpeed's all-gather in buckets, or with
       ``overlap_param_gather`` one broadcast per owner per bucket during the next forward);
       ``bucket_sharded``: every bucket cut over all ranks (megatron-core's distributed
-      optimizer): one reduce-scatter and one all-gather per bucket, buckets of
-      ``max(bucket, 1M x DP)`` elements (megatron's rule);
+      optimizer, ``zero.implementation=megatron``): one reduce-scatter and one all-gather per
+      bucket, buckets of ``max(bucket, min_bucket_per_rank x DP)`` elements (megatron's rule);
       ``allreduce``: one all-reduce per bucket (ZeRO-0, DeepSpeed's BF16_Optimizer at ZeRO-1)
       and, sharded, DeepSpeed's all-gather after the step;
       ``zero3``: DeepSpeed ZeRO-3, parameters gathered for every micro-batch's forward and
@@ -323,6 +323,7 @@ class System:
     recompute_gemm: float = 0.0  # the share of the forward's GEMMs recomputed in the backward
     bucket: Optional[float] = None
     dp_groups: int = 2   # DeepSpeed's parameter groups (weight decay, none): partitioned apart
+    min_bucket_per_rank: float = 1e6  # bucket_sharded: buckets of max(bucket, this x DP)
 
 
 def ours(cfg) -> System:
@@ -333,8 +334,11 @@ def ours(cfg) -> System:
 
     z, m = cfg.zero, cfg.model
     form = optimizer_form(cfg.to_dict())
+    bucket = z.reduce_bucket_size
     if z.stage == 3:
         dp = "zero3"
+    elif getattr(z, "implementation", "deepspeed") == "megatron":
+        dp = "bucket_sharded"
     elif z.stage == 0 or form == "bf16_optimizer":
         dp = "allreduce"
     else:
@@ -349,8 +353,10 @@ def ours(cfg) -> System:
     else:
         attention = "dense"
     return System("setdiff-dist", dp=dp, overlap_grad=z.overlap_comm,
-                  overlap_param=z.overlap_param_gather and form == "zero" and z.stage in (1, 2),
-                  fused=backend == "te", attention=attention, bucket=z.reduce_bucket_size)
+                  overlap_param=z.overlap_param_gather and form in ("zero", "megatron")
+                  and z.stage in (1, 2),
+                  fused=backend == "te", attention=attention, bucket=bucket,
+                  min_bucket_per_rank=getattr(z, "min_bucket_per_rank", 1_000_000))
 
 
 # -- what a step sends -----------------------------------------------------------------------
@@ -434,7 +440,7 @@ def _dp_flows(cfg, plan, stage: int, system: System) -> list[Flow]:
             flows.append(Flow("parameter all-gather", "data", zero_dp, "all_gather",
                               e * params / n, n))
     elif system.dp == "bucket_sharded":
-        size = max(bucket, 1e6 * zero_dp)
+        size = max(bucket, system.min_bucket_per_rank * zero_dp)
         n = math.ceil(params / size)
         flows.append(Flow("gradient reduce-scatter", "data", zero_dp, "reduce_scatter",
                           grads / n, n, "last_backward" if system.overlap_grad else None))

@@ -1,0 +1,156 @@
+"""Collectives per training step as DP grows, on gloo with torch.distributed's collectives
+recorded (tests/comm_record.py): DeepSpeed's ZeRO-1 (a reduce per bucket and owner, a
+broadcast per owner and bucket: the count grows with DP) and megatron-core's distributed
+optimizer (``zero.implementation=megatron``: one reduce-scatter and one all-gather per bucket,
+the same count at every DP), at DP 2, 4 and 8 and PP2 x DP 2 and 4 with a fixed bucket size,
+counts and bytes together. The same spawns check that the megatron path follows DeepSpeed's
+fp32 losses (1e-6) on DP, TP x DP and PP x DP and resumes bit-exactly."""
+
+import pytest
+import torch
+from helpers import curve, mark_steps, train_config
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+# a sixth of the tiny model, not grown with DP (megatron's floor of 1M elements per rank would
+# make the tiny model one bucket)
+BUCKET = ("zero.reduce_bucket_size=20000", "zero.min_bucket_per_rank=0")
+STEPS = 4
+# the timers' phases of a step (what the trainer does between steps, logging, is not the step's)
+PHASES = ("data_wait", "forward", "backward", "grad_reduce", "optimizer", "param_gather")
+
+
+def _record(t, recorder):
+    """Train ``t``; per step after the first: {kind: calls} and bytes sent on the DP group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dp = tuple(dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True)))
+    starts = mark_steps(t)
+    first = len(recorder.calls)
+    recorder.tag = lambda: t.timers._stack[-1][0] if t.timers._stack else None
+    t.fit()
+    recorder.tag = None
+    calls = recorder.calls[first:]
+    bounds = starts + [float("inf")]
+    steps = []
+    # (not the first step, which sets up what persists, nor the last, with the end's work)
+    for a, b in list(zip(bounds, bounds[1:]))[1:-1]:
+        mine = [c for c in calls if a <= c.t < b and c.ranks == dp and c.tag in PHASES]
+        kinds = {}
+        for c in mine:
+            kinds[c.kind] = kinds.get(c.kind, 0) + 1
+        sent = {k: sum(c.wire for c in mine if c.kind == k) for k in kinds}
+        steps.append((kinds, sent))
+    return {"steps": steps, "dp": len(dp), "stage": ps.get_pipeline_model_parallel_rank(),
+            "params": sum(p.numel() for p in t.engine.module.parameters())}
+
+
+def _train(rank, shards, root, out, world):
+    from comm_record import CommRecorder
+
+    recorder = CommRecorder().__enter__()  # before DeepSpeed and megatron start
+
+    from setdiff_dist.quiet import quiet
+
+    quiet()
+    from setdiff_dist.train.loop import Trainer
+
+    found = {}
+    runs = {f"dp-{impl}-{precision}": [f"zero.implementation={impl}",
+                                       f"train.precision={precision}"]
+            for impl in ("deepspeed", "megatron") for precision in ("fp32", "bf16")}
+    if world >= 4:  # PP2 x DP2, PP2 x DP4
+        runs.update({f"pp2-{impl}-fp32": [f"zero.implementation={impl}", "train.precision=fp32",
+                                          "parallel.pipeline=2"]
+                     for impl in ("deepspeed", "megatron")})
+    if world == 2:  # a checkpoint at step 2, resumed below
+        runs["megatron-saved"] = ["zero.implementation=megatron", "train.precision=fp32",
+                                  "checkpoint.interval=2"]
+    if world == 4:
+        runs.update({f"tp2-{impl}": [f"zero.implementation={impl}", "parallel.tensor=2"]
+                     for impl in ("deepspeed", "megatron")})
+    for name, overrides in runs.items():
+        cfg = train_config(f"{root}/{name}", shards, *BUCKET, "train.tensorboard=false",
+                           *overrides, steps=STEPS, global_batch=16, micro_batch=1)
+        found[name] = _record(Trainer(cfg), recorder)
+        found[name]["curve"] = curve(cfg.run_dir)[0] if rank == 0 else None
+    if world == 2:
+        first = f"{root}/megatron-saved"
+        cfg = train_config(f"{root}/resumed", shards, *BUCKET, "train.tensorboard=false",
+                           "zero.implementation=megatron", "train.precision=fp32",
+                           f"resume={first}/checkpoints/step_0000002", steps=STEPS,
+                           global_batch=16, micro_batch=1)
+        t = Trainer(cfg)
+        t.fit()
+        found["resumed"] = {"curve": curve(cfg.run_dir)[0] if rank == 0 else None}
+    torch.save(found, out / f"w{world}-rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(sonnets, tmp_path_factory):
+    from mp_harness import spawn
+
+    out = tmp_path_factory.mktemp("dp")
+    found = {}
+    for world in (2, 4, 8):
+        spawn(_train, world, str(sonnets), str(out / f"w{world}"), out, world)
+        found[world] = [torch.load(out / f"w{world}-rank{r}.pt") for r in range(world)]
+    return found
+
+
+@pytest.mark.parametrize("layout,precision", [("dp", "fp32"), ("dp", "bf16"), ("pp2", "fp32")])
+def test_megatron_sends_the_same_collectives_at_every_dp_at_the_byte_bound(runs, layout,
+                                                                           precision):
+    """megatron: per step on the DP group, one reduce-scatter and one all-gather per bucket
+    (the same number at DP 2, 4 and 8; with PP2 at DP 2 and 4, on each stage) and a few scalar
+    all-reduces (tokens, loss, norm); their bytes within the reduce-scatter (fp32 gradients) +
+    all-gather (the weights) bound. DeepSpeed's reduces and broadcasts grow with DP, at the
+    same bytes."""
+    e = 2 if precision == "bf16" else 4
+    counts = {"megatron": {}, "deepspeed": {}}
+    worlds = (2, 4, 8) if layout == "dp" else (4, 8)
+    for world in worlds:
+        for impl in counts:
+            for found in runs[world]:
+                info = found[f"{layout}-{impl}-{precision}"]
+                dp, params = info["dp"], info["params"]
+                assert dp == world // (1 if layout == "dp" else 2)
+                bound = params * (4 + e) * (dp - 1) / dp
+                for kinds, sent in info["steps"]:
+                    bulk = {k: n for k, n in kinds.items() if k != "all_reduce"}
+                    counts[impl].setdefault((info["stage"], dp), set()).add(
+                        tuple(sorted(bulk.items())))
+                    moved = sum(v for k, v in sent.items() if k != "all_reduce")
+                    assert bound * 0.999 <= moved <= bound * 1.01, (impl, world, sent, bound)
+                    # (the scalars: tokens, loss, norm, overflow flags)
+                    assert sent.get("all_reduce", 0) <= 64 * kinds.get("all_reduce", 0), sent
+    print(f"\n{layout} {precision} collectives per step on the DP group (stage, DP): {counts}")
+    for stage in {s for s, _ in counts["megatron"]}:
+        mega = {dp: v for (s, dp), v in counts["megatron"].items() if s == stage}
+        assert len({frozenset(v) for v in mega.values()}) == 1, mega  # the same at every DP
+        (only,) = next(iter(mega.values()))
+        kinds = dict(only)
+        assert set(kinds) == {"reduce_scatter", "all_gather"}
+        assert kinds["reduce_scatter"] == kinds["all_gather"] >= 1
+        ds = {dp: sum(n for _, n in next(iter(v)))
+              for (s, dp), v in counts["deepspeed"].items() if s == stage}
+        low, high = min(ds), max(ds)
+        assert ds[low] < ds[high], ds
+    if layout == "dp":  # several buckets each way on the one stage
+        assert dict(next(iter(counts["megatron"][0, 2])))["reduce_scatter"] >= 2
+
+
+def test_megatron_follows_deepspeeds_fp32_losses_and_resumes_exactly(runs):
+    for world, layout in ((2, "dp"), (4, "dp"), (8, "dp"), (4, "pp2"), (8, "pp2")):
+        ds = runs[world][0][f"{layout}-deepspeed-fp32"]["curve"]
+        mg = runs[world][0][f"{layout}-megatron-fp32"]["curve"]
+        assert len(mg) == STEPS and mg == pytest.approx(ds, rel=1e-6, abs=1e-6), (world, ds, mg)
+    tp_ds, tp_mg = runs[4][0]["tp2-deepspeed"]["curve"], runs[4][0]["tp2-megatron"]["curve"]
+    assert tp_mg == pytest.approx(tp_ds, rel=1e-6, abs=1e-6)
+    # bf16: the same fp32 accumulation and reduction, in another order
+    for world in (2, 4, 8):
+        assert runs[world][0]["dp-megatron-bf16"]["curve"] == pytest.approx(
+            runs[world][0]["dp-deepspeed-bf16"]["curve"], rel=0.02)
+    resumed = runs[2][0]["resumed"]["curve"]
+    assert resumed == runs[2][0]["megatron-saved"]["curve"][2:]
