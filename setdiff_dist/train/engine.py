@@ -372,7 +372,8 @@ def build_engine(cfg, model, load_universal: bool = False):
 
         # (with pipeline parallelism megatron's schedule runs the micro-batches: one backward)
         return MegatronEngine(cfg, model, 1 if cfg.parallel.pipeline > 1 else
-                              micro_batches_per_step(cfg, ps.get_data_parallel_world_size()))
+                              micro_batches_per_step(cfg, ps.get_data_parallel_world_size()),
+                              lr_multiplier(cfg.optimizer, cfg.train.steps))
     skip_deepspeed_shm_build()
     import deepspeed
 

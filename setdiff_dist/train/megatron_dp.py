@@ -42,9 +42,11 @@ def bucket_elements(cfg, dp: int) -> int:
 
 class MegatronEngine:
     """The trainer's engine on megatron-core's DDP + distributed optimizer (see the module's
-    docstring). ``gradient_accumulation_steps``: micro-batches per optimizer step."""
+    docstring). ``gradient_accumulation_steps``: micro-batches per optimizer step;
+    ``schedule``: the LR multiplier of each optimizer step (``engine.lr_multiplier``, passed in
+    so that this module does not import the engine that builds it)."""
 
-    def __init__(self, cfg, model, gradient_accumulation_steps: int):
+    def __init__(self, cfg, model, gradient_accumulation_steps: int, schedule):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
@@ -52,8 +54,6 @@ class MegatronEngine:
 
         from setdiff_dist.model.transformer import global_name
         from setdiff_dist.parallel import cpu_compat
-
-        from .engine import lr_multiplier
 
         cpu_compat.apply_distributed_optimizer()
         self.cfg = cfg
@@ -94,7 +94,7 @@ class MegatronEngine:
             use_gloo_process_groups=False)
         self._apply_weight_decay()
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer.optimizer, lr_multiplier(o, cfg.train.steps))
+            self.optimizer.optimizer, schedule)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.device = next(model.parameters()).device
         self.skipped_steps = 0
