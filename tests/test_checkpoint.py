@@ -85,6 +85,76 @@ def test_a_background_save_killed_mid_write_leaves_latest_and_the_next_one_is_ex
         assert (saved / "weights" / name).read_bytes() == (blocking / name).read_bytes(), name
 
 
+# (on the ranks' path: each rank counts the process groups it creates, at start-up and inside
+# Trainer.fit, and lists the save keys left in the default group's store as it leaves)
+COUNT_GROUPS = """
+import json, os, sys
+import torch.distributed as dist
+
+_made, _new_group, _destroy = [], dist.new_group, dist.destroy_process_group
+
+def _in_fit():
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "fit" and code.co_filename.endswith(os.path.join("train", "loop.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+def new_group(*args, **kwargs):
+    _made.append(_in_fit())
+    return _new_group(*args, **kwargs)
+
+def destroy_process_group(group=None):
+    if group is None and dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+        keys = [k for k in store.list_keys() if k.startswith("setdiff/save")]
+        path = os.path.join(os.environ["COUNT_GROUPS"], "rank%d.json" % dist.get_rank())
+        with open(path, "w") as fh:
+            json.dump({"at_start": _made.count(False), "in_training": _made.count(True),
+                       "keys": keys}, fh)
+    return _destroy(group)
+
+dist.new_group = new_group
+dist.destroy_process_group = destroy_process_group
+"""
+
+
+def test_background_saves_create_no_process_group_and_leave_no_key_in_the_store(sonnets,
+                                                                                  tmp_path):
+    """checkpoint.async_save at every step (issue 50): the ranks agree on each save through the
+    default group's store, so no process group is created once training runs (a world-wide
+    gloo group was, at the first save: N - 1 connections per rank at N ranks); every save is
+    complete, latest moves to the last, and the store keeps no key of any save."""
+    from setdiff_dist.checkpoint.files import checkpoint_files, file_problems
+    from setdiff_dist.checkpoint.manifest import read_manifest
+
+    site, counts, run = tmp_path / "site", tmp_path / "counts", tmp_path / "run"
+    site.mkdir()
+    counts.mkdir()
+    (site / "sitecustomize.py").write_text(COUNT_GROUPS)
+    env = dict(os.environ, COUNT_GROUPS=str(counts),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(site),
+                                                        os.environ.get("PYTHONPATH")])))
+    res = run_train(run, sonnets, "zero.stage=2", "checkpoint.async_save=true",
+                    "checkpoint.interval=1", "checkpoint.keep_last=2", steps=4, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for rank in (0, 1):
+        seen = json.loads((counts / f"rank{rank}.json").read_text())
+        assert seen["at_start"] > 0  # (the count works: megatron's groups)
+        assert seen["in_training"] == 0, seen
+        assert seen["keys"] == [], seen
+    assert latest(run) == "step_0000004"
+    saves = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step"))
+    assert saves == ["step_0000003", "step_0000004"]  # (keep_last: the rank 0 of each save)
+    for name in saves:
+        saved = str(run / "checkpoints" / name)
+        table = read_manifest(saved)["files"]
+        assert sorted(table) == checkpoint_files(saved)
+        assert file_problems(saved, table, table) == []
+
+
 @pytest.mark.parametrize("layout", [
     pytest.param(("zero.stage=2",), id="zero2"),
     # the default bf16 path: ZeRO-1, the reduction overlapped with the backward

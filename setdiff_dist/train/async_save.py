@@ -1,28 +1,44 @@
-"""Checkpoints written in the background (``checkpoint.async_save``).
+"""Checkpoints written in the background (``checkpoint.async_save``), and how the ranks of any
+save agree that it is complete (:class:`SaveAgreement`).
 
 A save has two parts. The collective part runs on the training thread, at the step boundary,
 as a blocking save does: the disk-space check, DeepSpeed's ``save_checkpoint`` (its tag check
 and barriers) with a :class:`Capture` in place of its checkpoint engine, which copies each state
 dict it is given to host memory instead of writing it, the ZeRO-3 / EMA gathers of the layout-
 free weights (each rank keeps a host copy of its share) and the RNG state. Then training goes
-on, and a background thread (:class:`AsyncSaver`) writes every file, waits on a gloo group of
-its own for every rank's files to be on disk, hashes its share, and rank 0 writes the manifest,
-moves ``latest`` and prunes, as a blocking save does. So:
+on, and a background thread (:class:`AsyncSaver`) writes every file, waits for every rank's
+files to be on disk, hashes its share, and rank 0 writes the manifest, moves ``latest`` and
+prunes, as a blocking save does. So:
 
 - at most one save is in flight: the next save (and the end of training, a stop on a signal)
   first waits for the one before;
 - ``latest`` moves only after every file of every rank is written and hashed; a process killed
   while the thread writes leaves ``latest`` at the previous checkpoint and a step directory
   without a manifest, which the next start removes;
-- the thread's collectives go over their own process group (gloo, created at the first save), so
-  they never interleave with the training thread's.
+- the thread uses no process group: it agrees with the other ranks through the c10d store that
+  the default group already has (:class:`SaveAgreement`), so it never interleaves with the
+  training thread's collectives, and a save adds no process group (at N ranks a world-wide gloo
+  group would be N - 1 more connections per rank, set up in the middle of training).
 
 The host copy costs the checkpoint's size in host memory while the write runs.
+
+The agreement (the blocking save's too) is two rounds through the store, each a gather to
+rank 0 and rank 0's word back: every rank says its files are written (the hashing then reads
+other ranks' files); every rank gives its share's file table, and rank 0 writes the manifest,
+moves ``latest``, prunes and says so (no rank returns before ``latest`` has moved). Rank 0 waits
+for the others up to the process group's timeout, then names the ranks that never reported and
+tells the others, leaving ``latest`` where it was; a rank that never hears from rank 0 gives up
+a little later, naming rank 0. Every key is deleted once read: rank 0 deletes what the others
+wrote, and the last rank to read rank 0's word deletes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import datetime
+import itertools
+import json
 import os
 import threading
 from typing import Callable, Optional
@@ -31,7 +47,23 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
+from setdiff_dist.errors import EXIT_FAILED, TrainingError
 from setdiff_dist.progress import progress
+
+# How long rank 0 waits for the other ranks in a save's agreement when the process group's own
+# timeout (train.collective_timeout_s, which a collective waits) cannot be read: torch's default
+# for a gloo group, 30 minutes. The background write of a large checkpoint on a slow file system
+# may keep a rank minutes behind the others; a shorter wait would fail a save that is merely slow.
+AGREE_TIMEOUT_S = 1800.0
+# The ranks other than 0 wait this much longer (at most; never more than the timeout again) for
+# rank 0's word than rank 0 waits for theirs: rank 0's message naming the ranks that never
+# reported reaches them before they give up on their own.
+GRACE_S = 60.0
+# Every key of a save's agreement is under this prefix (of the default group's store, which
+# prefixes it again: default_pg/)
+KEY_PREFIX = "setdiff/save"
+
+_saves = itertools.count()
 
 
 def host_copy(obj):
@@ -108,30 +140,22 @@ class AsyncSaver:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._on_error: Optional[Callable[[BaseException], BaseException]] = None
-        self._group = None
         self.files_written = 0  # (the thread's progress, for the hang watch)
         self.path: Optional[str] = None  # the save in flight (or the last one)
 
-    def group(self):
-        """The checkpoint thread's process group (a collective the first time: every rank's
-        training thread calls it, at the same save)."""
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo") if dist.get_world_size() > 1 else None
-        return self._group
-
-    def submit(self, path: str, write: Callable[[], None], finish: Callable[[object], None],
+    def submit(self, path: str, write: Callable[[], None], finish: Callable[[], None],
                on_error: Callable[[BaseException], BaseException]) -> None:
-        """Run ``write()`` then ``finish(group)`` in the background; an exception is kept and
-        raised, through ``on_error``, by the next :meth:`wait`."""
+        """Run ``write()`` then ``finish()`` in the background; an exception is kept and
+        raised, through ``on_error``, by the next :meth:`wait`. (``finish`` agrees with the
+        other ranks through the store, :class:`SaveAgreement`: no process group.)"""
         self.wait()
-        group = self.group()
         self.path, self._on_error = path, on_error
 
         def run():
             _background_priority()
             try:
                 write()
-                finish(group)
+                finish()
             except BaseException as exc:  # noqa: BLE001 (raised on the training thread)
                 self._error = exc
 
@@ -161,3 +185,147 @@ class AsyncSaver:
         error, self._error = self._error, None
         if error is not None:
             raise self._on_error(error)
+
+
+class SaveNotAgreed(TrainingError):
+    """A save the ranks could not agree was complete (a rank died or hung in it, or rank 0
+    failed to finish it): ``latest`` still points at the previous checkpoint. A failure a
+    restart may get past (exit code 1)."""
+
+    exit_code = EXIT_FAILED
+
+
+def save_name(tag: str) -> str:
+    """The name of this process's next save (of checkpoint ``tag``) in the store: the tag and
+    the number of saves this process has begun. Every rank calls it once at the start of every
+    save, on the training thread: saves are collective, so every rank counts them alike and
+    names a save alike, and a save of the same tag again (after a failed one) has keys of its
+    own, never those an earlier attempt left."""
+    return f"{KEY_PREFIX}/{tag}/{next(_saves)}"
+
+
+def process_group_timeout() -> float:
+    """Seconds a collective of the default process group waits (``train.collective_timeout_s``),
+    else :data:`AGREE_TIMEOUT_S`."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        return min(pg._get_backend(device).options._timeout.total_seconds()
+                   for device in pg._device_types)
+    except Exception:  # noqa: BLE001 (torch's private API, which may move)
+        return AGREE_TIMEOUT_S
+
+
+def store_client():
+    """A client of the default process group's store of its own: a wait on the store holds its
+    client's lock for as long as it waits (every TCPStore operation takes the client's
+    ``activeOpLock_``), which would stop the training thread's, and NCCL's, use of the store
+    meanwhile. One more connection to the store's server, for one save; no rendezvous."""
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        return store.clone()
+    except RuntimeError:  # (a store that cannot be cloned: waits then share its client)
+        return store
+
+
+def _ranks(ranks: list) -> str:
+    shown = ", ".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more"
+                                                if len(ranks) > 16 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
+
+
+class SaveAgreement:
+    """How the ``world`` ranks of one save (``name``: :func:`save_name`) agree, through the c10d
+    ``store`` (by default a client of the default group's store of its own,
+    :func:`store_client`), with no process group: :meth:`decide` rounds. ``what`` names the
+    save in messages; ``timeout_s`` (by default the process group's): how long rank 0 waits
+    for the other ranks.
+
+    A round's keys, ``<name>/<stage>/...``, the same few at any number of ranks: ``values``
+    (each rank but 0 appends its rank and value), ``count`` (how many have), ``all`` (set by
+    the last of them), ``word`` (rank 0's: done, or why not) and ``seen`` (how many ranks have
+    read the word). Rank 0 deletes the first three once it has read them; the last rank to read
+    the word deletes the last two."""
+
+    def __init__(self, store, name: str, rank: int, world: int, what: str,
+                 timeout_s: Optional[float] = None):
+        self.name, self.rank, self.world, self.what = name, rank, world, what
+        self.timeout_s = process_group_timeout() if timeout_s is None else timeout_s
+        self.store = store if store is not None or world == 1 else store_client()
+
+    def decide(self, stage: str, value, act: Optional[Callable[[list], None]] = None) -> None:
+        """Every rank gives ``value`` (JSON); rank 0 calls ``act(values)`` with every rank's,
+        in rank order, and says how it went. Returns on every rank once ``act`` has returned;
+        raises :class:`SaveNotAgreed` on every rank still there when a rank never reported,
+        when rank 0 never answered, or when ``act`` failed (rank 0 raises ``act``'s error)."""
+        if self.world == 1:
+            if act is not None:
+                act([value])
+            return
+        base = f"{self.name}/{stage}"
+        if self.rank != 0:
+            # (the append is applied before the count's answer comes back: one connection,
+            # served in order; so when the count is complete, so are the values)
+            self.store.append(f"{base}/values", json.dumps([self.rank, value]).encode() + b"\n")
+            if self.store.add(f"{base}/count", 1) == self.world - 1:
+                self.store.set(f"{base}/all", b"")
+            self._hear(base, stage)
+            return
+        try:
+            values = self._gather(base, stage)
+            if act is not None:
+                act([value] + values)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # (the store may be what failed)
+                self._say(base, str(exc) if isinstance(exc, SaveNotAgreed)
+                          else f"{type(exc).__name__}: {exc}")
+                self._forget(base)
+            raise
+        self._say(base, None)
+        self._forget(base)
+
+    def _gather(self, base: str, stage: str) -> list:
+        """Every other rank's value, in rank order (rank 0), within the timeout."""
+        try:
+            self.store.wait([f"{base}/all"], datetime.timedelta(seconds=self.timeout_s))
+        except dist.DistStoreError:  # (a timeout; a lost store fails what follows too)
+            if not self.store.check([f"{base}/all"]):
+                got = self._values(base) if self.store.check([f"{base}/values"]) else {}
+                missing = [r for r in range(1, self.world) if r not in got]
+                raise SaveNotAgreed(
+                    f"{self.what} is not complete: {_ranks(missing)} of {self.world} never "
+                    f"reported ({stage}) within {self.timeout_s:g} s (the process group's "
+                    "timeout, train.collective_timeout_s): they died or hang. latest still "
+                    "points at the previous checkpoint; the next start removes this "
+                    "one") from None
+        got = self._values(base)
+        return [got[r] for r in range(1, self.world)]
+
+    def _values(self, base: str) -> dict:
+        lines = self.store.get(f"{base}/values").decode().splitlines()
+        return {rank: value for rank, value in map(json.loads, lines)}
+
+    def _say(self, base: str, error: Optional[str]) -> None:
+        self.store.set(f"{base}/word", json.dumps({"error": error}).encode())
+
+    def _forget(self, base: str) -> None:
+        for key in ("values", "count", "all"):
+            self.store.delete_key(f"{base}/{key}")
+
+    def _hear(self, base: str, stage: str) -> None:
+        """Rank 0's word on ``stage`` (a rank other than 0)."""
+        wait = self.timeout_s + min(GRACE_S, self.timeout_s)
+        word = f"{base}/word"
+        try:
+            self.store.wait([word], datetime.timedelta(seconds=wait))
+        except dist.DistStoreError:
+            if not self.store.check([word]):
+                raise SaveNotAgreed(
+                    f"{self.what} is not complete: rank 0 never answered ({stage}) within "
+                    f"{wait:g} s: it died or hangs. latest still points at the previous "
+                    "checkpoint; the next start removes this one", every_rank=False) from None
+        error = json.loads(self.store.get(word))["error"]
+        if self.store.add(f"{base}/seen", 1) == self.world - 1:  # the last to read the word
+            self.store.delete_key(word)
+            self.store.delete_key(f"{base}/seen")
+        if error is not None:  # (rank 0 prints it: every_rank)
+            raise SaveNotAgreed(f"{self.what}: rank 0 could not finish it ({stage}): {error}")

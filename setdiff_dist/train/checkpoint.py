@@ -6,7 +6,9 @@ conversion to DeepSpeed's universal form for a resume at another data-parallel s
 The format itself (names, manifest, the checks before a resume, the weights' reader and writer)
 is :mod:`setdiff_dist.checkpoint`'s. A save writes every rank's files, then a barrier that every
 rank reaches only once its files are on disk, then the manifest, and then replaces ``latest``
-atomically, so a crash at any point leaves ``latest`` at a complete checkpoint.
+atomically, so a crash at any point leaves ``latest`` at a complete checkpoint. (That barrier and
+the gathering of the manifest's file tables go through the default group's c10d store, not a
+process group: :class:`setdiff_dist.train.async_save.SaveAgreement`.)
 """
 
 from __future__ import annotations
@@ -211,8 +213,11 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     resume on other data is refused before any model is built. ``saver``
     (:class:`~setdiff_dist.train.async_save.AsyncSaver`): capture the state now and write it in
     the background (``latest`` moves when it is all written)."""
+    from .async_save import SaveAgreement, save_name
+
     root = checkpoint_root(cfg.run_dir)
     tag = tag_of(step)
+    name = save_name(tag)  # (first: every rank counts every save it begins, failed or not)
     path = os.path.join(root, tag)
     rank = dist.get_rank()
     if saver is not None:
@@ -239,22 +244,25 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     def failed(exc: BaseException) -> BaseException:
         return save_failed(exc, root, tag, need) if write_failure(exc) else exc
 
-    def finish(group=None):
-        """Every rank's files are on disk: the manifest (the ranks share the hashing), then
-        ``latest``, then the pruning (``group``: the process group to agree over)."""
+    def finish(store=None):
+        """This rank's files are on disk: once every rank's are, the manifest (the ranks share
+        the hashing), then ``latest``, then the pruning; returns once ``latest`` has moved.
+        The ranks agree through the c10d store, not a process group (``store``: a client of it;
+        by default one of this save's own): :class:`~.async_save.SaveAgreement`."""
         _fault_point("after_shards", step)
-        dist.barrier(group=group)  # every rank's files are on disk
         world = dist.get_world_size()
+        agree = SaveAgreement(store, name, rank, world, f"checkpoint {tag}")
+        agree.decide("written", None)  # every rank's files are on disk
         mine = describe_files(path, checkpoint_files(path)[rank::world], cfg.checkpoint.checksums)
-        tables = [None] * world
-        dist.all_gather_object(tables, mine, group=group)
-        if rank == 0:
+
+        def publish(tables):  # (rank 0, with every rank's table)
             manifest = build_manifest(step, layout(), cfg, tokenizer_identity,
                                       {k: v for t in tables for k, v in t.items()}, data)
             write_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=2))
             write_atomic(os.path.join(root, LATEST), tag + "\n")
             prune(root, cfg.checkpoint.keep_last, keep=tag)
-        dist.barrier(group=group)
+
+        agree.decide("tables", mine, publish)
 
     def small_files():
         if rank == 0:
