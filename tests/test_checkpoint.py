@@ -225,7 +225,8 @@ def test_a_change_of_optimizer_state_form_is_converted_or_refused(tmp_path):
     assert optimizer_form({"train": {"precision": "bf16"}}) == "bf16_optimizer"  # before
     assert optimizer_form({"train": {"precision": "bf16"}, "zero": {"overlap_comm": True}}) \
         == "zero"
-    cfg = load_config("configs/tiny-cpu.yaml", ["train.precision=bf16", "parallel.pipeline=2"])
+    cfg = load_config("configs/tiny-cpu.yaml", ["train.precision=bf16", "parallel.pipeline=2",
+                                                "zero.implementation=deepspeed"])
     saved = cfg.to_dict()
     saved["zero"]["overlap_comm"] = False
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
@@ -246,6 +247,28 @@ def test_a_change_of_optimizer_state_form_is_converted_or_refused(tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     check_compatible(manifest, str(tmp_path), cfg, {"sha256": "x", "spec": "bytes"},
                      dict(manifest["layout"]))
+    # megatron's distributed optimizer: to and from DeepSpeed's, and to other buckets, through
+    # the universal form (accepted, with the change said)
+    mega = load_config("configs/tiny-cpu.yaml", ["zero.implementation=auto"])  # (megatron)
+    assert optimizer_form(mega.to_dict()) == "megatron"
+    for deepspeeds in (["zero.stage=2"], ["zero.offload_optimizer=cpu"],
+                       ["zero.implementation=deepspeed"]):
+        other = load_config("configs/tiny-cpu.yaml", deepspeeds).to_dict()
+        assert optimizer_form(other) == "zero", deepspeeds
+    assert optimizer_changes(str(tmp_path), mega) == \
+        "zero.implementation: checkpoint deepspeed, this run megatron"
+    saved = mega.to_dict()
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert optimizer_changes(str(tmp_path), mega) is None
+    assert optimizer_changes(str(tmp_path), cfg) == \
+        "zero.implementation: checkpoint megatron, this run deepspeed"
+    check_compatible(dict(manifest, layout=dict(manifest["layout"], pipeline=1)),
+                     str(tmp_path), cfg, {"sha256": "x", "spec": "bytes"},
+                     dict(manifest["layout"]))
+    smaller = load_config("configs/tiny-cpu.yaml", ["zero.implementation=auto",
+                                                    "zero.min_bucket_per_rank=5"])
+    assert optimizer_changes(str(tmp_path), smaller) == \
+        f"zero.min_bucket_per_rank: checkpoint {mega.zero.min_bucket_per_rank}, this run 5"
 
 
 def test_which_layout_changes_resume_and_which_are_refused():
@@ -809,6 +832,9 @@ def test_the_universal_conversion_split_over_the_ranks_writes_what_one_process_w
 FOUR_LAYERS = "model.num_layers=4"  # (a pipeline of 4 stages)
 
 
+MEGATRON = "zero.implementation=megatron"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("saved,resumed", [
     pytest.param(({"nproc": 4}, FOUR_LAYERS, "parallel.tensor=2", "parallel.pipeline=2"),
@@ -823,7 +849,19 @@ FOUR_LAYERS = "model.num_layers=4"  # (a pipeline of 4 stages)
                  id="bf16-dp2-to-dp1"),
     pytest.param(({"nproc": 2},), ({"nproc": 2}, "zero.stage=3"), id="zero1-to-zero3"),
     pytest.param(({"nproc": 1},), ({"nproc": 2}, "parallel.context=2"), id="cp1-to-cp2"),
-    pytest.param(({"nproc": 2}, "zero.stage=2"), ({"nproc": 1},), id="zero2-dp2-to-zero1-dp1")])
+    pytest.param(({"nproc": 2}, "zero.stage=2"), ({"nproc": 1},), id="zero2-dp2-to-zero1-dp1"),
+    # megatron-core's distributed optimizer (zero.implementation=megatron) to and from
+    # DeepSpeed's engines and other layouts
+    pytest.param(({"nproc": 2},), ({"nproc": 2}, MEGATRON, "parallel.tensor=2"),
+                 id="deepspeed-dp2-to-megatron-tp2"),
+    pytest.param(({"nproc": 2}, MEGATRON), ({"nproc": 1},), id="megatron-dp2-to-deepspeed-dp1"),
+    pytest.param(({"nproc": 4}, MEGATRON, "parallel.pipeline=2"),
+                 ({"nproc": 4}, MEGATRON, "parallel.tensor=2"),
+                 id="megatron-pp2xdp2-to-megatron-tp2xdp2"),
+    pytest.param(({"nproc": 2}, MEGATRON), ({"nproc": 2}, "zero.stage=3"),
+                 id="megatron-dp2-to-zero3"),
+    pytest.param(({"nproc": 2}, MEGATRON, "train.precision=bf16"),
+                 ({"nproc": 4}, MEGATRON, "train.precision=bf16"), id="megatron-bf16-dp2-to-dp4")])
 def test_resume_on_any_layout_continues_the_same_curve(trained, sonnets, tmp_path, saved,
                                                        resumed):
     """A checkpoint of one pipeline x tensor x data-parallel layout and ZeRO stage resumes in

@@ -41,7 +41,7 @@ def _record(t, recorder):
         for c in mine:
             kinds[c.kind] = kinds.get(c.kind, 0) + 1
         sent = {k: sum(c.wire for c in mine if c.kind == k) for k in kinds}
-        steps.append((kinds, sent))
+        steps.append((kinds, sent, sorted({(c.kind, c.tag) for c in mine})))
     return {"steps": steps, "dp": len(dp), "stage": ps.get_pipeline_model_parallel_rank(),
             "params": sum(p.numel() for p in t.engine.module.parameters())}
 
@@ -102,8 +102,9 @@ def runs(sonnets, tmp_path_factory):
 @pytest.mark.parametrize("layout,precision", [("dp", "fp32"), ("dp", "bf16"), ("pp2", "fp32")])
 def test_megatron_sends_the_same_collectives_at_every_dp_at_the_byte_bound(runs, layout,
                                                                            precision):
-    """megatron: per step on the DP group, one reduce-scatter and one all-gather per bucket
-    (the same number at DP 2, 4 and 8; with PP2 at DP 2 and 4, on each stage) and a few scalar
+    """megatron: per step on the DP group, one reduce-scatter per bucket launched inside the
+    backward and one all-gather per bucket inside the next forward (the same number at DP 2, 4
+    and 8; with PP2 at DP 2 and 4, on each stage) and a few scalar
     all-reduces (tokens, loss, norm); their bytes within the reduce-scatter (fp32 gradients) +
     all-gather (the weights) bound. DeepSpeed's reduces and broadcasts grow with DP, at the
     same bytes."""
@@ -117,7 +118,7 @@ def test_megatron_sends_the_same_collectives_at_every_dp_at_the_byte_bound(runs,
                 dp, params = info["dp"], info["params"]
                 assert dp == world // (1 if layout == "dp" else 2)
                 bound = params * (4 + e) * (dp - 1) / dp
-                for kinds, sent in info["steps"]:
+                for kinds, sent, tags in info["steps"]:
                     bulk = {k: n for k, n in kinds.items() if k != "all_reduce"}
                     counts[impl].setdefault((info["stage"], dp), set()).add(
                         tuple(sorted(bulk.items())))
@@ -125,6 +126,10 @@ def test_megatron_sends_the_same_collectives_at_every_dp_at_the_byte_bound(runs,
                     assert bound * 0.999 <= moved <= bound * 1.01, (impl, world, sent, bound)
                     # (the scalars: tokens, loss, norm, overflow flags)
                     assert sent.get("all_reduce", 0) <= 64 * kinds.get("all_reduce", 0), sent
+                    if impl == "megatron":  # launched inside the backward / the next forward
+                        assert {t for k, t in tags if k == "reduce_scatter"} == {"backward"}
+                        assert {t for k, t in tags if k == "all_gather"} <= {"forward",
+                                                                             "param_gather"}
     print(f"\n{layout} {precision} collectives per step on the DP group (stage, DP): {counts}")
     for stage in {s for s, _ in counts["megatron"]}:
         mega = {dp: v for (s, dp), v in counts["megatron"].items() if s == stage}

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Optional
 
-from setdiff_dist.config import resolved_model
+from setdiff_dist.config import resolved_model, zero_implementation
 
 from .files import CheckpointError, checkpoint_root, damaged, file_problems, pointed
 from .format import CONFIG, DERIVED_FORMAT, FORMAT, LATEST, MANIFEST, UNIVERSAL, UNIVERSAL_ZERO3
@@ -185,13 +185,14 @@ def needs_universal(saved: dict, here: dict, optimizer_changed: bool) -> bool:
 
 def optimizer_form(config: dict) -> str:
     """The form of the ZeRO optimizer state a run of ``config`` (a config as a dict) saves:
-    ``"megatron"`` (megatron-core's distributed optimizer, ``zero.implementation=megatron``:
+    ``"megatron"`` (megatron-core's distributed optimizer, :func:`~setdiff_dist.config.
+    zero_implementation`:
     each rank's fragments of each parameter), ``"bf16_optimizer"`` (DeepSpeed's
     ``BF16_Optimizer``: bf16 or fp8 at ZeRO-1 without ``zero.overlap_comm`` or optimizer
     offload) or ``"zero"`` (its ZeRO optimizer). A config
     from before ``zero.overlap_comm`` existed ran without it."""
     zero, train = config.get("zero", {}), config.get("train", {})
-    if zero.get("implementation", "deepspeed") == "megatron":
+    if zero_implementation(config) == "megatron":
         return "megatron"
     if train.get("precision", "fp32") in ("bf16", "fp8") and zero.get("stage", 1) == 1 \
             and not zero.get("overlap_comm", False) \
@@ -203,17 +204,26 @@ def optimizer_form(config: dict) -> str:
 def optimizer_changes(path: str, cfg) -> Optional[str]:
     """``"zero.overlap_comm: checkpoint X, this run Y"`` when the checkpoint at ``path`` keeps
     its optimizer state in another form than this run (DeepSpeed converts it through the
-    universal form), else None."""
+    universal form), ``"zero.implementation: ..."`` between DeepSpeed's and megatron's, the
+    bucket settings that cut megatron's state otherwise; else None."""
     saved = saved_config(path)
-    if not saved or optimizer_form(saved) == optimizer_form(cfg.to_dict()):
+    if not saved:
+        return None
+    forms = optimizer_form(saved), optimizer_form(cfg.to_dict())
+    if "megatron" in forms:
+        zero = saved.get("zero", {})
+        if forms[0] != forms[1]:
+            name = ["megatron" if f == "megatron" else "deepspeed" for f in forms]
+            return f"zero.implementation: checkpoint {name[0]}, this run {name[1]}"
+        # (megatron cuts its optimizer state bucket by bucket: other buckets, other shards)
+        moved = [f"zero.{k}: checkpoint {zero.get(k)}, this run {getattr(cfg.zero, k)}"
+                 for k in ("reduce_bucket_size", "min_bucket_per_rank")
+                 if zero.get(k, getattr(cfg.zero, k)) != getattr(cfg.zero, k)]
+        return "; ".join(moved) or None
+    if forms[0] == forms[1]:
         return None
     before = str(saved.get("zero", {}).get("overlap_comm", False)).lower()
     return f"zero.overlap_comm: checkpoint {before}, this run {str(cfg.zero.overlap_comm).lower()}"
-
-
-def _layout_text(layout: dict) -> str:
-    return (f"TP {layout.get('tensor')} x PP {layout.get('pipeline')} x DP {layout.get('data')}"
-            + (f" x CP {layout['context']}" if layout.get("context", 1) > 1 else ""))
 
 
 def check_compatible(manifest: dict, path: str, cfg, tokenizer_identity: dict,
@@ -232,21 +242,9 @@ def check_compatible(manifest: dict, path: str, cfg, tokenizer_identity: dict,
                                 global_names)
     saved_form = optimizer_form(saved_config(path) or {})
     this_form = optimizer_form(cfg.to_dict())
-    if "megatron" in (saved_form, this_form):
-        if saved_form != this_form:
-            diffs.append(f"zero.implementation: checkpoint "
-                         f"{'megatron' if saved_form == 'megatron' else 'deepspeed'}, this run "
-                         f"{cfg.zero.implementation} (their optimizer states differ in form; "
-                         "converting between them is not supported yet: resume with the "
-                         "checkpoint's zero.implementation)")
-        elif any(m["layout"].get(k) != here.get(k) for k in ("tensor", "pipeline", "data",
-                                                             "context")):
-            diffs.append("layout: zero.implementation=megatron resumes at the layout it saved "
-                         f"({_layout_text(m['layout'])}; this run {_layout_text(here)}): "
-                         "resume on that many ranks, or with zero.implementation=deepspeed "
-                         "from a deepspeed checkpoint to change the layout")
-    changed = optimizer_changes(path, cfg) if saved_form != "megatron" and \
-        this_form != "megatron" else None
+    # (a change to or from megatron's distributed optimizer goes through the universal form)
+    changed = optimizer_changes(path, cfg) if "megatron" not in (saved_form, this_form) \
+        else None
     if changed and m["layout"]["pipeline"] > 1 and not global_names:
         diffs.append(f"{changed} (bf16 ZeRO-1 keeps its optimizer state in another form with "
                      "overlap_comm; this pipeline-parallel checkpoint was saved before its "

@@ -365,9 +365,12 @@ def zero_optimizer_for_bf16(wanted: bool):
 
 def build_engine(cfg, model, load_universal: bool = False):
     """``deepspeed.initialize`` over ``model`` with megatron's groups (with
-    ``zero.implementation=megatron``: :class:`~setdiff_dist.train.megatron_dp.MegatronEngine`,
+    megatron's data parallelism, :func:`~setdiff_dist.config.zero_implementation`:
+    :class:`~setdiff_dist.train.megatron_dp.MegatronEngine`,
     the same surface over megatron-core's distributed optimizer)."""
-    if cfg.zero.implementation == "megatron":
+    from setdiff_dist.config import zero_implementation
+
+    if zero_implementation(cfg) == "megatron":
         from .megatron_dp import MegatronEngine
 
         # (with pipeline parallelism megatron's schedule runs the micro-batches: one backward)

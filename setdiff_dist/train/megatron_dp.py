@@ -213,6 +213,9 @@ class MegatronEngine:
                 rng = opt._get_model_param_range_map(p)["param"]
                 tensors = opt._get_main_param_and_optimizer_states(p)
                 out[names[p]] = {"start": rng.start, "end": rng.end, "shape": tuple(p.shape),
+                                 # (the last stage's copy of the tied embedding)
+                                 "copy": bool(getattr(p, "shared_embedding", False)
+                                              and getattr(p, "shared", False)),
                                  **{k: (v.detach().clone() if torch.is_tensor(v) else v)
                                     for k, v in tensors.items()}}
         return out
@@ -223,7 +226,14 @@ class MegatronEngine:
         module's state and the client state (with the LR scheduler's)."""
         path = os.path.join(root, tag)
         self.checkpoint_engine.makedirs(path, exist_ok=True)
-        self.checkpoint_engine.save({"fragments": self._fragments(), "form": "megatron"},
+        coords = {"tp": ps.get_tensor_model_parallel_rank(),
+                  "pp": ps.get_pipeline_model_parallel_rank(),
+                  "dp": ps.get_data_parallel_rank(with_context_parallel=True),
+                  "dp_size": ps.get_data_parallel_world_size(with_context_parallel=True)}
+        groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay") if k in g}
+                  for g in self.optimizer.param_groups]
+        self.checkpoint_engine.save({"fragments": self._fragments(), "form": "megatron",
+                                     "coords": coords, "param_groups": groups},
                                     os.path.join(path, STATE_FILE.format(rank=dist.get_rank())))
         if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
             self.checkpoint_engine.save(
@@ -235,8 +245,12 @@ class MegatronEngine:
 
     def load_checkpoint(self, root: str, tag: str, **_) -> tuple:
         """The same layout's files back (the module, the fragments into the optimizer, the LR
-        scheduler); returns ``(path, client_state)``."""
+        scheduler); returns ``(path, client_state)``. A universal form (``tag`` a directory with
+        ``zero/``: another layout's or DeepSpeed's checkpoint, :mod:`~setdiff_dist.train.
+        universal`): :meth:`_load_universal`."""
         path = os.path.join(root, tag)
+        if os.path.isdir(os.path.join(path, "zero")):
+            return path, self._load_universal(path)
         common = self.checkpoint_engine.load(
             os.path.join(path, MODEL_FILE.format(tp=ps.get_tensor_model_parallel_rank(),
                                                  pp=ps.get_pipeline_model_parallel_rank())),
@@ -278,6 +292,62 @@ class MegatronEngine:
             # the model's (bf16) weights from the fp32 ones, as after a step
             opt._copy_main_params_to_model_params()
         self.whole_weights()
+
+
+    @torch.no_grad()
+    def _load_universal(self, path: str) -> dict:
+        """Each parameter's shard of this rank from DeepSpeed's universal form at ``path``, cut
+        for this layout by DeepSpeed's own loader (``load_hp_checkpoint_state``: the tensor-
+        parallel slice, the vocabulary padding), then the range of it this rank's buckets give
+        it; the model's weights from the fp32 ones. Returns the client state (one model-state
+        file's: every rank's holds the same). The LR scheduler is put on this run's schedule by
+        the caller (``engine.follow_schedule``)."""
+        import glob
+        from types import SimpleNamespace
+
+        from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
+
+        from setdiff_dist.checkpoint.files import CheckpointError
+        from setdiff_dist.model.transformer import global_name
+
+        model = self.module
+        names = {p: global_name(model, n) for n, p in model.named_parameters()}
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        tp_size = ps.get_tensor_model_parallel_world_size()
+        for opt in self.optimizer.chained_optimizers:
+            opt.init_state_fn(opt.optimizer, opt.config)
+            for p in opt.model_param_gbuf_map:
+                rng = opt._get_model_param_range_map(p)["param"]
+                folder = os.path.join(path, "zero", names[p])
+                if not os.path.isfile(os.path.join(folder, "fp32.pt")):
+                    raise CheckpointError(f"{path}: no universal state for {names[p]} (a "
+                                          "checkpoint of another model?)")
+                weights = torch.empty(rng.end - rng.start, dtype=torch.float32)
+                # (what DeepSpeed's loader reads of a parameter and its fragment)
+                target = SimpleNamespace(
+                    shape=p.shape, numel=p.numel, _hp_mapping=SimpleNamespace(
+                        lp_fragment_address=SimpleNamespace(start=rng.start,
+                                                            numel=rng.end - rng.start),
+                        get_hp_fragment=lambda w=weights: w, optim_fragment={}))
+                step = load_hp_checkpoint_state(target, folder, tp_rank, tp_size)
+                moments = target._hp_mapping.optim_fragment
+                opt._set_main_param_and_optimizer_states(
+                    p, {"param": weights, "exp_avg": moments["exp_avg"],
+                        "exp_avg_sq": moments["exp_avg_sq"]})
+                if step is not None:
+                    group, order = opt.model_param_group_index_map[p]
+                    main = opt.optimizer.param_groups[group]["params"][order]
+                    opt.optimizer.state[main]["step"] = torch.tensor(float(step),
+                                                                     dtype=torch.float32)
+            opt._copy_main_params_to_model_params()
+        self.whole_weights()
+        files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
+        if not files:
+            raise CheckpointError(f"{path}: no model-state file in this universal form")
+        state = torch.load(files[0], map_location="cpu")
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self._apply_weight_decay()
+        return {k: v for k, v in state.items() if k not in ("module", "optimizer")}
 
 
 @contextlib.contextmanager

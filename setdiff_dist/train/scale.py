@@ -330,6 +330,7 @@ def ours(cfg) -> System:
     """How our training path runs ``cfg`` (what ``setdiff-train --dry-run --hardware`` predicts:
     overlap is credited only where the code overlaps)."""
     from setdiff_dist.checkpoint.manifest import optimizer_form
+    from setdiff_dist.config import zero_implementation
     from setdiff_dist.diffusion.kinds import order_of
 
     z, m = cfg.zero, cfg.model
@@ -337,7 +338,7 @@ def ours(cfg) -> System:
     bucket = z.reduce_bucket_size
     if z.stage == 3:
         dp = "zero3"
-    elif getattr(z, "implementation", "deepspeed") == "megatron":
+    elif zero_implementation(cfg) == "megatron":
         dp = "bucket_sharded"
     elif z.stage == 0 or form == "bf16_optimizer":
         dp = "allreduce"

@@ -11,6 +11,11 @@ makes it in one process, in three passes:
    joined into the whole tensor;
 3. the optimizer's common state and the model-state files are copied.
 
+A checkpoint of megatron-core's distributed optimizer (``zero.implementation=megatron``) is
+converted by the same three passes (:func:`_plan_megatron`): its ranks' fragments are written
+as DeepSpeed's extraction writes a partition's, merged by DeepSpeed's merge, and given
+DeepSpeed's common state and model-state files, so either engine reads the result.
+
 :func:`convert` runs the same passes with DeepSpeed's own functions for each piece of work,
 but shares the work of passes 1 and 2 out over the ranks of the resuming job (the partition
 files in pass 1, the parameters, largest first, in pass 2), with a check between the passes
@@ -187,6 +192,8 @@ def _plan(src: str, out: str) -> dict:
 
     from setdiff_dist.checkpoint.files import CheckpointError
 
+    if glob.glob(os.path.join(src, "megatron_dp_rank*.pt")):
+        return _plan_megatron(src, out)
     temp, merged = os.path.join(out, "tmp"), os.path.join(out, "zero")
     args = SimpleNamespace(input_folder=src, output_folder=out)
     optim_files = ds._get_optim_files(src)
@@ -244,6 +251,101 @@ def _plan(src: str, out: str) -> dict:
                                                                    temp, where),
             "params": keys, "weights": [sum(math.prod(p[k]) for p in per_tp) for k in keys],
             "merge": merge, "finish": finish}
+
+
+def _plan_megatron(src: str, out: str) -> dict:
+    """:func:`_plan` for a checkpoint of megatron-core's distributed optimizer
+    (``zero.implementation=megatron``, :mod:`setdiff_dist.train.megatron_dp`). Each rank's file
+    holds, per parameter, the fp32 weights and AdamW moments of a contiguous range of the
+    flattened tensor-parallel slice; in data-parallel rank order the ranges follow each other.
+    So pass 1 writes each range as DeepSpeed's extraction writes a ZeRO partition's fragment,
+    pass 2 is DeepSpeed's own merge of the fragments and the tensor-parallel slices, and pass 3
+    writes the common optimizer state and one model-state file per (TP, PP) rank in DeepSpeed's
+    form: the result is the universal form a DeepSpeed checkpoint has, read by either engine.
+    The tied embedding's copy on the last pipeline stage is left out (the first stage's is
+    the parameter)."""
+    import re
+
+    import deepspeed
+    from deepspeed.checkpoint import ds_to_universal as ds
+    from deepspeed.checkpoint.constants import PARAM_GROUPS, UNIVERSAL_CHECKPOINT_INFO
+
+    from setdiff_dist.checkpoint.files import CheckpointError
+    from setdiff_dist.checkpoint.format import GLOBAL_NAMES
+
+    temp, merged = os.path.join(out, "tmp"), os.path.join(out, "zero")
+    rank_files = sorted(glob.glob(os.path.join(src, "megatron_dp_rank*.pt")))
+    found = {}
+    for f in glob.glob(os.path.join(src, "megatron_dp_model_tp*_pp*.pt")):
+        m = re.fullmatch(r"megatron_dp_model_tp(\d+)_pp(\d+)\.pt", os.path.basename(f))
+        if m:
+            found[int(m.group(1)), int(m.group(2))] = f
+    tp = 1 + max((t for t, _ in found), default=-1)
+    pp = 1 + max((p for _, p in found), default=-1)
+    missing = [f"tp{t:02d}_pp{p:02d}" for t in range(tp) for p in range(pp) if (t, p) not in found]
+    if not found or missing:
+        raise CheckpointError(f"{src}: megatron_dp_model files missing for {missing or 'all'} "
+                              "ranks: an incomplete checkpoint")
+    models = {k: torch.load(f, map_location="cpu", mmap=True) for k, f in found.items()}
+    first = models[0, 0]["client_state"]
+    uc_info = first[UNIVERSAL_CHECKPOINT_INFO]
+    # each parameter's slice shape per TP rank, by global name; a stage's copy of a name an
+    # earlier stage has (the tied embedding) is not a parameter of its own
+    per_tp: dict = {}
+    for p in range(pp):
+        stage: dict = {}
+        for t in range(tp):
+            state = models[t, p]
+            names = state["client_state"][GLOBAL_NAMES]
+            for local, tensor in state["module"].items():
+                if local in names and torch.is_tensor(tensor) and names[local] not in per_tp:
+                    stage.setdefault(names[local], [None] * tp)[t] = tuple(tensor.shape)
+        per_tp.update(stage)
+    shapes = sorted(per_tp.items())
+
+    def extract(file):
+        state = torch.load(file, map_location="cpu")
+        where = state.get("coords")
+        if where is None:
+            raise CheckpointError(f"{file} was saved before megatron checkpoints recorded each "
+                                  "rank's place in the layout: it resumes at the layout and "
+                                  "zero.implementation it was saved with only")
+        for name, frag in state["fragments"].items():
+            if frag.get("copy"):
+                continue
+            numel = frag["end"] - frag["start"]
+            for key, state_name in (("param", "fp32"), ("exp_avg", "exp_avg"),
+                                    ("exp_avg_sq", "exp_avg_sq"), ("step", "step")):
+                if key in frag:
+                    ds.dump_param_fragment(temp, where["tp"], where["dp"], state_name,
+                                           frag[key].reshape(-1) if key != "step" else frag[key],
+                                           name, 0, numel)
+
+    def finish():
+        any_rank = torch.load(rank_files[0], map_location="cpu")
+        # DeepSpeed's engine pairs the saved groups with its own (weight decay, none) in order:
+        # one of each first, then the rest (it overwrites their hyperparameters with the run's)
+        groups = any_rank.get("param_groups") or [{}]
+        decay = next((g for g in groups if g.get("weight_decay", 0) > 0), groups[0])
+        groups = [decay, next((g for g in groups if not g.get("weight_decay", 0)), decay),
+                  *groups]
+        os.makedirs(merged, exist_ok=True)
+        torch.save({PARAM_GROUPS: groups, "ds_version": deepspeed.__version__},
+                   os.path.join(merged, "optimizer_state.pt"))
+        dp = any_rank["coords"]["dp_size"]
+        for (t, p), state in models.items():
+            sched = state["lr_scheduler"]
+            torch.save({"module": {k: v for k, v in state["module"].items() if torch.is_tensor(v)},
+                        "lr_scheduler": sched, "skipped_steps": state.get("skipped_steps", 0),
+                        "global_steps": sched.get("last_epoch", 0), "dp_world_size": dp,
+                        "mp_world_size": tp, "ds_version": deepspeed.__version__,
+                        **state["client_state"]},
+                       os.path.join(out, f"mp_rank_{p * tp + t:02d}_model_states.pt"))
+
+    return {"files": rank_files, "extract": extract, "params": shapes,
+            "weights": [sum(math.prod(s) for s in per) for _, per in shapes],
+            "merge": lambda item: ds.merge_tp_slices(uc_info, merged, temp, tp, item),
+            "finish": finish}
 
 
 def _open_stage12(folder: str):
