@@ -141,7 +141,8 @@ def published_rows(plans: dict) -> list[dict]:
     from setdiff_dist.train.plan import plan
     from setdiff_dist.train.scale import HARDWARE, System, predict
 
-    HARDWARE.setdefault(H100_500W[0], dataclasses.replace(HARDWARE["h100"], **H100_500W[1]))
+    # (an entry of our own: the planner's table lists the GPUs users plan for)
+    h100_500w = dataclasses.replace(HARDWARE["h100"], **H100_500W[1])
 
     out = []
     for row in PUBLISHED:
@@ -151,7 +152,7 @@ def published_rows(plans: dict) -> list[dict]:
         if key not in plans:
             plans[key] = (cfg, plan(cfg, row.gpus))
         cfg, p = plans[key]
-        hardware = "h100_500w" if row.convention == "torchtitan" else "h100"
+        hardware = h100_500w if row.convention == "torchtitan" else "h100"
         pred = predict(cfg, p, hardware, System(**row.system))
         mfu = their_flops_per_token(row) * pred.tokens / (row.gpus * 989e12 * pred.step)
         out.append({"source": row.source, "run": row.label, "gpus": row.gpus,
@@ -196,6 +197,7 @@ def our_rows() -> list[dict]:
             cfg = load_config(os.path.join(ROOT, "configs", "models", f"{model}.yaml"), [
                 "data.seq_len=2048", "data.micro_batch_size=1",
                 f"data.global_batch_size={seqs}", "train.precision=bf16", "zero.stage=1",
+                "zero.implementation=deepspeed",  # (before; the default, auto, is after)
                 *([f"parallel.tensor={tp}", "parallel.sequence_parallel=true"] if tp > 1
                   else [])])
             p = plan(cfg, world, "h100")

@@ -1,6 +1,7 @@
 """Start-up at N ranks: the process groups a training job creates and its time to the first step,
-with megatron-core's gloo copies of the data-parallel groups (as before) and without them (now),
-side by side in one run.
+side by side in one run: ``before`` (megatron-core's gloo copies of the data-parallel groups,
+DeepSpeed's ZeRO-1, the default until issue 50), ``deepspeed`` (no gloo copies, DeepSpeed's
+ZeRO-1) and ``after`` (today's default: no gloo copies, megatron-core's distributed optimizer).
 
     python benchmarks/startup_groups.py [--ranks 8] [--tensor 2] [--pipeline 2]
 
@@ -75,12 +76,13 @@ def run(variant: str, data: Path, work: Path, args) -> dict:
                STARTUP_COUNTS=str(counts),
                STARTUP_GLOO_GROUPS="1" if variant.startswith("before") else "0")
     run_dir = work / f"run-{variant}"
+    deepspeed = ["zero.implementation=deepspeed"] if not variant.startswith("after") else []
     cmd = [sys.executable, "-m", "setdiff_dist.cli.train", "--nproc-per-node", str(args.ranks),
            "--config", "configs/tiny-cpu.yaml", f"run_dir={run_dir}", f"data.train_shards={data}",
            "data.seq_len=32", "model.vocab_size=257", "train.steps=1", "train.log_interval=1",
            f"data.global_batch_size={args.ranks}", "data.micro_batch_size=1",
            "train.tensorboard=false", "checkpoint.save_at_end=false",
-           f"parallel.tensor={args.tensor}", f"parallel.pipeline={args.pipeline}"]
+           f"parallel.tensor={args.tensor}", f"parallel.pipeline={args.pipeline}", *deepspeed]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -111,11 +113,12 @@ def main() -> int:
     data = shards(work / "data")
     out = {"ranks": args.ranks, "tensor": args.tensor, "pipeline": args.pipeline}
     run("warmup", data, work, args)  # (the first launch fills caches: neither variant pays it)
+    variants = ("before", "deepspeed", "after")
     for i in range(args.repeats):
-        for variant in ("before", "after") if i % 2 == 0 else ("after", "before"):
+        for variant in variants if i % 2 == 0 else variants[::-1]:
             r = run(f"{variant}{i}", data, work, args)
             out.setdefault(variant, []).append(r)
-            print(f"{variant:6s}: {max(r['new_group_per_rank'])} process groups created per "
+            print(f"{variant:9s}: {max(r['new_group_per_rank'])} process groups created per "
                   f"rank, first step at {r['seconds_to_first_step']:.1f} s", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "startup_groups.json").write_text(json.dumps(out, indent=2) + "\n")

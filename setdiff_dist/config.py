@@ -134,7 +134,7 @@ class ZeroConfig:
     reduce_bucket_size: int = _f(40_000_000, "elements per gradient-reduction and parameter "
                                  "all-gather bucket (megatron's default: smaller buckets start "
                                  "the reduction earlier in the backward)", min=1)
-    implementation: str = _f("deepspeed", "who runs data parallelism at ZeRO-1: megatron "
+    implementation: str = _f("auto", "who runs data parallelism at ZeRO-1: megatron "
                              "(megatron-core's distributed optimizer: one reduce-scatter and one "
                              "all-gather per bucket, whatever DP is; ZeRO-1 in fp32 or bf16, no "
                              "optimizer offload), deepspeed (DeepSpeed's ZeRO optimizer: a reduce "

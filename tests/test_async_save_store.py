@@ -163,3 +163,34 @@ def test_a_rank_waiting_on_its_own_client_leaves_the_shared_one_free():
         assert any(k.endswith("/written/count") for k in ours.list_keys())
     finally:
         dist.destroy_process_group()
+
+
+def test_when_rank_0s_store_goes_away_the_others_say_so_in_one_line():
+    """The store's server lives in rank 0's process: when rank 0 ends in the middle of a save
+    (its own write failed), a waiting rank raises SaveNotAgreed (one line, no traceback), not
+    torch's network error."""
+    import gc
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    client = dist.TCPStore("127.0.0.1", server.port, 1, False,
+                           timeout=datetime.timedelta(seconds=30))
+    agree = SaveAgreement(dist.PrefixStore("default_pg", client), save_name("step_0000007"), 1,
+                          2, "checkpoint step_0000007", timeout_s=20)
+    out = {}
+
+    def rank_1():
+        try:
+            agree.decide("written", None)
+        except BaseException as exc:  # noqa: BLE001
+            out["error"] = exc
+
+    thread = threading.Thread(target=rank_1)
+    thread.start()
+    time.sleep(0.5)
+    del server  # (rank 0's process ends: its store's server with it)
+    gc.collect()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert isinstance(out.get("error"), SaveNotAgreed), out
+    assert "served by rank 0) went away during the save (written" in str(out["error"])
+    assert not out["error"].every_rank

@@ -175,14 +175,16 @@ def test_stop_and_resume_reproduces_the_uninterrupted_curve_bit_exactly(trained,
 
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_pipeline_parallel_resume_is_bit_exact_too(trained, sonnets, tmp_path, precision):
-    # bf16: DeepSpeed's BF16_Optimizer with fp32 gradient buffers filled by hooks under
-    # megatron's schedule, and the tied embedding synchronized in those buffers
+    # megatron's distributed optimizer (the ZeRO-1 default) under megatron's schedule, with the
+    # tied embedding's fp32 gradient buffers summed across the stages
+    from setdiff_dist.checkpoint.format import megatron_files, megatron_model_file
+
     layout = ("parallel.pipeline=2", f"train.precision={precision}")
     ref = trained(*layout)
-    # each pipeline stage's DeepSpeed files and weights are its own
+    # each pipeline stage's files and weights are its own
     ckpt = ref / "checkpoints" / "step_0000003"
-    assert (ckpt / "mp_rank_00_model_states.pt").exists()
-    assert (ckpt / "mp_rank_01_model_states.pt").exists()
+    assert sorted(megatron_files(str(ckpt))[1]) == [(0, 0), (0, 1)]
+    assert (ckpt / megatron_model_file(0, 1)).exists()
     assert (ckpt / "weights" / "tp00_pp01.safetensors").exists()
     run = rewound(ref, tmp_path)
     res = train(run, sonnets, *layout)

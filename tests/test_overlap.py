@@ -1,6 +1,8 @@
-"""The overlapped, sharded gradient reduction and parameter gather of the default bf16 path, and
-the phase timers and traces that show where a step's time goes, on 4 gloo ranks with
-torch.distributed's collectives wrapped by a recorder (tests/comm_record.py).
+"""The overlapped, sharded gradient reduction and parameter gather of DeepSpeed's ZeRO path
+(``zero.implementation=deepspeed``: ZeRO-2 and offload run it; ZeRO-1's default, megatron's
+distributed optimizer, is tests/test_data_parallel.py's), and the phase timers and traces that
+show where a step's time goes, on 4 gloo ranks with torch.distributed's collectives wrapped by a
+recorder (tests/comm_record.py).
 
 One spawn trains every case: DP4, TP2 x DP2 and PP2 x DP2, each with ``zero.overlap_comm`` on
 (the default) and off (the reduction after the backward, as before), in fp32 and bf16, and in
@@ -24,6 +26,7 @@ LAYOUTS = {"dp4": [], "tp2xdp2": ["parallel.tensor=2"], "pp2xdp2": ["parallel.pi
 # a bucket of a sixth of the tiny model, as a 40M-element bucket is of a 1.3B model's 240M
 # parameters per stage: the reduction starts while the backward still runs
 BUCKET = "zero.reduce_bucket_size=20000"
+DEEPSPEED = "zero.implementation=deepspeed"
 GATHER_OFF_STEPS = 8  # (of the 20: the schedule is the 20-step run's)
 PROFILED_RUN, PROFILED = "pp2xdp2-bf16-overlap_true", (2, 3)  # (a trace of steps 2-3)
 
@@ -49,13 +52,14 @@ def _train(rank, shards, root, out):
                     else []
                 cfg = train_config(f"{root}/{name}", shards, "checkpoint.save_at_end=false",
                                    f"train.precision={precision}", f"zero.overlap_comm={overlap}",
-                                   BUCKET, *overrides, *extra, steps=STEPS[precision])
+                                   BUCKET, DEEPSPEED, *overrides, *extra,
+                                   steps=STEPS[precision])
                 t = Trainer(cfg)
                 found[name] = _observe(t, recorder, ps)
                 found[name]["curve"] = curve(cfg.run_dir) if rank == 0 else None
         name = f"{layout}-bf16-gather_false"
         cfg = train_config(f"{root}/{name}", shards, "train.precision=bf16",
-                           "zero.overlap_param_gather=false", BUCKET, *overrides,
+                           "zero.overlap_param_gather=false", BUCKET, DEEPSPEED, *overrides,
                            f"train.exit_at_step={GATHER_OFF_STEPS}", steps=STEPS["bf16"])
         t = Trainer(cfg)
         found[name] = _observe(t, recorder, ps)

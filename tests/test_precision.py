@@ -45,8 +45,9 @@ def _trainer(shards, run_dir, *overrides):
 
 
 def _accumulators(rank, shards, run_root, out):
-    """Build bf16 trainers at ZeRO 1/2/3 (DP2) and PP2, with the overlapped reduction (the
-    default) and without, and report where gradients accumulate."""
+    """Build bf16 trainers at ZeRO 1/2/3 (DP2) and PP2, DeepSpeed's with the overlapped
+    reduction and without, and megatron's (the ZeRO-1 default), and report where gradients
+    accumulate."""
     from megatron.core import parallel_state as ps
 
     from setdiff_dist.model.pipeline import forward_backward
@@ -54,16 +55,25 @@ def _accumulators(rank, shards, run_root, out):
 
     found = {}
     no_overlap = "zero.overlap_comm=false"
-    for name, overrides in (("zero1", ["zero.stage=1"]), ("zero1-after", [no_overlap]),
+    ds = "zero.implementation=deepspeed"
+    for name, overrides in (("zero1", ["zero.stage=1", ds]), ("zero1-after", [no_overlap, ds]),
                             ("zero2", ["zero.stage=2"]), ("zero3", ["zero.stage=3"]),
-                            ("pp2", ["parallel.pipeline=2"]),
-                            ("pp2-after", ["parallel.pipeline=2", no_overlap])):
+                            ("pp2", ["parallel.pipeline=2", ds]),
+                            ("pp2-after", ["parallel.pipeline=2", no_overlap, ds]),
+                            # the default at ZeRO-1: megatron-core's DDP + distributed optimizer
+                            ("megatron", []), ("megatron-pp2", ["parallel.pipeline=2"])):
         t = _trainer(shards, f"{run_root}/{name}", "train.precision=bf16", *overrides)
         cfg = t.cfg
         opt = t.engine.optimizer
         weights = {p.dtype for p in t.engine.module.parameters()}
         info = {"optimizer": type(opt).__name__}
-        if info["optimizer"] == "BF16_Optimizer":
+        if name.startswith("megatron"):
+            ddp = t.engine.ddp
+            info.update(accumulator={str(p.main_grad.dtype)
+                                     for p in t.engine.module.parameters()},
+                        communication="torch.float32" if ddp.ddp_config.grad_reduce_in_fp32
+                        else "torch.bfloat16", overlap=ddp.ddp_config.overlap_grad_reduce)
+        elif info["optimizer"] == "BF16_Optimizer":
             info.update(accumulator={str(g.dtype) for g in opt.fp32_groups_gradients_flat},
                         immediate=opt.immediate_grad_update)
         elif name != "zero3":
@@ -73,7 +83,7 @@ def _accumulators(rank, shards, run_root, out):
         else:
             info["accumulator"] = {str(opt.grad_partitions_flat_buffer.dtype)}
         info["weights"] = {str(d) for d in weights}
-        if name.startswith("pp2"):
+        if name.endswith(("pp2", "pp2-after")):
             # megatron's 1F1B schedule runs the backward itself (not engine.backward): the bf16
             # gradients must still land in fp32, micro-batch by micro-batch, and (overlapped)
             # be reduced once, from the last micro-batch's backward and the tied embedding's
@@ -84,8 +94,12 @@ def _accumulators(rank, shards, run_root, out):
             t.engine.allreduce_gradients()
             info["bf16_grads_left"] = sum(p.grad is not None
                                           for p in t.engine.module.parameters())
-            fp32 = opt.fp32_groups_gradients_flat if name == "pp2-after" else \
-                [g.flat_partition for g in opt.averaged_gradients.values()]
+            if name.startswith("megatron"):
+                t.engine.ddp.finish_grad_sync()  # (the reduce-scatters the backward started)
+                fp32 = [p.main_grad for p in t.engine.module.parameters()]
+            else:
+                fp32 = opt.fp32_groups_gradients_flat if name == "pp2-after" else \
+                    [g.flat_partition for g in opt.averaged_gradients.values()]
             info["fp32_dtypes"] = {str(g.dtype) for g in fp32}
             info["fp32_grad_norm"] = float(torch.stack([g.norm() for g in fp32]).norm())
             info["stage"] = ps.get_pipeline_model_parallel_rank()
@@ -120,7 +134,10 @@ def test_bf16_gradients_accumulate_in_fp32_on_every_path(probes):
             assert found[name]["optimizer"] == "DeepSpeedZeroOptimizer", name
             assert found[name]["communication"] == "torch.float32" and found[name]["overlap"]
         assert found["zero1"]["grad_accum"]  # (stage 2 accumulates in its fp32 partitions)
-        for name in ("pp2", "pp2-after"):
+        for name in ("megatron", "megatron-pp2"):  # fp32 main_grad buffers, reduced in fp32
+            assert found[name]["optimizer"] == "ChainedOptimizer", name
+            assert found[name]["communication"] == "torch.float32" and found[name]["overlap"]
+        for name in ("pp2", "pp2-after", "megatron-pp2"):
             assert found[name]["bf16_grads_left"] == 0, name
             assert found[name]["fp32_dtypes"] == {"torch.float32"}, name
             assert found[name]["fp32_grad_norm"] > 0, name

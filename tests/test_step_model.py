@@ -69,15 +69,18 @@ def test_per_owner_collectives_grow_with_dp_and_bucket_sharded_ones_do_not(zero)
         counts["bucket_sharded", 32] == 2 * 34   # 1.34B / 40M buckets, both ways
 
 
-def test_at_1024_gpus_the_default_path_is_latency_bound_and_the_table_says_so():
-    """1.3B on 1024 H100s: ~2,080 reduces and 2,048 broadcasts per step (the count issue 50
-    counted), seconds of exposed latency; the bucket-sharded path: a handful of collectives."""
+def test_at_1024_gpus_deepspeeds_zero1_is_latency_bound_and_the_default_is_not():
+    """1.3B on 1024 H100s: DeepSpeed's ZeRO-1 (the default before issue 50) sends ~2,080
+    reduces and 2,048 broadcasts per step, seconds of exposed latency; the default now
+    (megatron's bucket-sharded distributed optimizer): a handful of collectives."""
     from setdiff_dist.train.plan import plan
 
-    cfg = _cfg("data.global_batch_size=1024")
+    cfg = _cfg("data.global_batch_size=1024", "zero.implementation=deepspeed")
     p = plan(cfg, 1024, "h100")
     before = p.predict(cfg, "h100")
-    after = p.predict(cfg, "h100", System("after", dp="bucket_sharded", bucket=40e6))
+    default = _cfg("data.global_batch_size=1024")
+    after = p.predict(default, "h100")
+    assert after.system.dp == "bucket_sharded" and after.system.bucket == 40e6
     grads = before.comm["gradient reduce-scatter"]
     assert 2000 <= grads[3] <= 2200 and before.comm["parameter all-gather"][3] == 2048
     assert before.exposed > 1.0 and after.exposed < 0.1 and after.collectives <= 8

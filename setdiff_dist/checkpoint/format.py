@@ -3,7 +3,10 @@ directory takes its file names from here.
 
 ``run_dir/checkpoints/step_NNNNNNN/`` (format ``setdiff-ckpt/1``) holds
 - DeepSpeed's files (model states per model-parallel rank, optimizer states per data-parallel
-  rank, the LR scheduler, our client state), named by DeepSpeed;
+  rank, the LR scheduler, our client state), named by DeepSpeed; or, from megatron-core's
+  distributed optimizer (``zero.implementation``), ``megatron_dp_rankRRRRR.pt`` per rank (its
+  optimizer fragments) and ``megatron_dp_model_tpTT_ppPP.pt`` per model-parallel rank (the
+  module, the LR scheduler, our client state);
 - ``weights/tpTT_ppPP.safetensors`` (+ ``tpTT_ppPP.json``, the tensor list and sharding, and
   ``tpTT_ppPP_partRR.safetensors`` for data-parallel rank ``RR``'s share) and the same under
   ``weights_ema/`` when the run keeps an EMA: each model-parallel rank's weights under their
@@ -74,3 +77,30 @@ def weights_name(tp: int, pp: int) -> str:
 def weights_part(tp: int, pp: int, part: int) -> str:
     """The file data-parallel share ``part`` of :func:`weights_name`'s tensors is written to."""
     return weights_name(tp, pp) + (f"_part{part:02d}" if part else "") + ".safetensors"
+
+
+def megatron_rank_file(rank: int) -> str:
+    """Rank ``rank``'s optimizer fragments (megatron-core's distributed optimizer)."""
+    return f"megatron_dp_rank{rank:05d}.pt"
+
+
+def megatron_model_file(tp: int, pp: int) -> str:
+    """The module and client state of tensor-parallel rank ``tp`` of stage ``pp`` (megatron-core's
+    distributed optimizer)."""
+    return f"megatron_dp_model_{weights_name(tp, pp)}.pt"
+
+
+def megatron_files(path: str) -> tuple[list, dict]:
+    """The step directory ``path``'s megatron files: the ranks' fragment files, in rank order,
+    and ``{(tp, pp): model file}``; both empty for a DeepSpeed checkpoint."""
+    import glob
+    import re
+
+    ranks = sorted(glob.glob(os.path.join(path, megatron_rank_file(0).replace("00000", "*"))))
+    pattern = re.compile(re.escape(megatron_model_file(0, 0)).replace("00", r"(\d+)"))
+    models = {}
+    for f in os.listdir(path) if os.path.isdir(path) else []:
+        m = pattern.fullmatch(f)
+        if m:
+            models[int(m.group(1)), int(m.group(2))] = os.path.join(path, f)
+    return ranks, models

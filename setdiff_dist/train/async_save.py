@@ -263,12 +263,20 @@ class SaveAgreement:
             return
         base = f"{self.name}/{stage}"
         if self.rank != 0:
-            # (the append is applied before the count's answer comes back: one connection,
-            # served in order; so when the count is complete, so are the values)
-            self.store.append(f"{base}/values", json.dumps([self.rank, value]).encode() + b"\n")
-            if self.store.add(f"{base}/count", 1) == self.world - 1:
-                self.store.set(f"{base}/all", b"")
-            self._hear(base, stage)
+            try:
+                # (the append is applied before the count's answer comes back: one connection,
+                # served in order; so when the count is complete, so are the values)
+                self.store.append(f"{base}/values",
+                                  json.dumps([self.rank, value]).encode() + b"\n")
+                if self.store.add(f"{base}/count", 1) == self.world - 1:
+                    self.store.set(f"{base}/all", b"")
+                self._hear(base, stage)
+            except dist.DistError as exc:  # (the store's server, rank 0's, is gone)
+                raise SaveNotAgreed(
+                    f"{self.what} is not complete: the job's store (served by rank 0) went "
+                    f"away during the save ({stage}: {str(exc).splitlines()[0][:120]}): rank 0 "
+                    "ended or cannot be reached. latest still points at the previous "
+                    "checkpoint", every_rank=False) from None
             return
         try:
             values = self._gather(base, stage)

@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-STATE_FILE = "megatron_dp_rank{rank:05d}.pt"   # each rank's optimizer fragments
-MODEL_FILE = "megatron_dp_model_tp{tp:02d}_pp{pp:02d}.pt"   # module and client state
+from setdiff_dist.checkpoint.format import megatron_model_file, megatron_rank_file
 
 
 def bucket_elements(cfg, dp: int) -> int:
@@ -226,22 +225,22 @@ class MegatronEngine:
         module's state and the client state (with the LR scheduler's)."""
         path = os.path.join(root, tag)
         self.checkpoint_engine.makedirs(path, exist_ok=True)
-        coords = {"tp": ps.get_tensor_model_parallel_rank(),
-                  "pp": ps.get_pipeline_model_parallel_rank(),
-                  "dp": ps.get_data_parallel_rank(with_context_parallel=True),
-                  "dp_size": ps.get_data_parallel_world_size(with_context_parallel=True)}
+        coords = {"tensor": ps.get_tensor_model_parallel_rank(),
+                  "pipeline": ps.get_pipeline_model_parallel_rank(),
+                  "data": ps.get_data_parallel_rank(with_context_parallel=True),
+                  "data_size": ps.get_data_parallel_world_size(with_context_parallel=True)}
         groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay") if k in g}
                   for g in self.optimizer.param_groups]
         self.checkpoint_engine.save({"fragments": self._fragments(), "form": "megatron",
                                      "coords": coords, "param_groups": groups},
-                                    os.path.join(path, STATE_FILE.format(rank=dist.get_rank())))
+                                    os.path.join(path, megatron_rank_file(dist.get_rank())))
         if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
             self.checkpoint_engine.save(
                 {"module": self.module.state_dict(), "client_state": client_state,
                  "lr_scheduler": self.lr_scheduler.state_dict(),
                  "skipped_steps": self.skipped_steps},
-                os.path.join(path, MODEL_FILE.format(tp=ps.get_tensor_model_parallel_rank(),
-                                                     pp=ps.get_pipeline_model_parallel_rank())))
+                os.path.join(path, megatron_model_file(ps.get_tensor_model_parallel_rank(),
+                                                       ps.get_pipeline_model_parallel_rank())))
 
     def load_checkpoint(self, root: str, tag: str, **_) -> tuple:
         """The same layout's files back (the module, the fragments into the optimizer, the LR
@@ -252,12 +251,12 @@ class MegatronEngine:
         if os.path.isdir(os.path.join(path, "zero")):
             return path, self._load_universal(path)
         common = self.checkpoint_engine.load(
-            os.path.join(path, MODEL_FILE.format(tp=ps.get_tensor_model_parallel_rank(),
-                                                 pp=ps.get_pipeline_model_parallel_rank())),
+            os.path.join(path, megatron_model_file(ps.get_tensor_model_parallel_rank(),
+                                                   ps.get_pipeline_model_parallel_rank())),
             map_location="cpu")
         self.module.load_state_dict(common["module"])
         mine = self.checkpoint_engine.load(
-            os.path.join(path, STATE_FILE.format(rank=dist.get_rank())), map_location="cpu")
+            os.path.join(path, megatron_rank_file(dist.get_rank())), map_location="cpu")
         self._load_fragments(mine["fragments"], path)
         self.lr_scheduler.load_state_dict(common["lr_scheduler"])
         self.skipped_steps = common.get("skipped_steps", 0)

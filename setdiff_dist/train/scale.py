@@ -711,15 +711,15 @@ def _nodes(cfg, group: str, size: int, world: int, gpus_per_node: int) -> int:
     return min(size, math.ceil(span / gpus_per_node))
 
 
-def predict(cfg, plan, hardware: str, system: Optional[System] = None,
+def predict(cfg, plan, hardware, system: Optional[System] = None,
             startup: Optional[dict] = None) -> StepPrediction:
     """The predicted step of ``cfg`` on the dry run's ``plan`` (its world size, micro-batches
-    and stages) on GPUs of ``hardware``, run by ``system`` (default: ours). The slowest stage
-    sets the step."""
+    and stages) on GPUs of ``hardware`` (a name of :data:`HARDWARE`, or a hardware entry of
+    one's own), run by ``system`` (default: ours). The slowest stage sets the step."""
     from setdiff_dist.diffusion.kinds import order_of
     from setdiff_dist.model.flops import training_flops_per_token
 
-    hw = HARDWARE[hardware]
+    hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     system = system or ours(cfg)
     world_size, micro = plan.world_size, plan.micro_batches
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
@@ -772,7 +772,7 @@ def startup_seconds(groups: int, memberships: list, world: int, params: int,
     communicators this rank is in (``memberships``: their sizes; NCCL creates them at their
     first collective), and DeepSpeed's start-up broadcast of each of the ``tensors`` parameter
     tensors (``params`` elements) from data-parallel rank 0."""
-    hw = HARDWARE[hardware]
+    hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     seconds = const("startup.imports")
     seconds += groups * const("startup.group")
     comms = [n for n in memberships if n > 1]

@@ -191,8 +191,9 @@ def _plan(src: str, out: str) -> dict:
     from deepspeed.checkpoint import ds_to_universal as ds
 
     from setdiff_dist.checkpoint.files import CheckpointError
+    from setdiff_dist.checkpoint.format import megatron_files
 
-    if glob.glob(os.path.join(src, "megatron_dp_rank*.pt")):
+    if megatron_files(src)[0]:
         return _plan_megatron(src, out)
     temp, merged = os.path.join(out, "tmp"), os.path.join(out, "zero")
     args = SimpleNamespace(input_folder=src, output_folder=out)
@@ -264,28 +265,22 @@ def _plan_megatron(src: str, out: str) -> dict:
     form: the result is the universal form a DeepSpeed checkpoint has, read by either engine.
     The tied embedding's copy on the last pipeline stage is left out (the first stage's is
     the parameter)."""
-    import re
-
     import deepspeed
     from deepspeed.checkpoint import ds_to_universal as ds
     from deepspeed.checkpoint.constants import PARAM_GROUPS, UNIVERSAL_CHECKPOINT_INFO
 
     from setdiff_dist.checkpoint.files import CheckpointError
-    from setdiff_dist.checkpoint.format import GLOBAL_NAMES
+    from setdiff_dist.checkpoint.format import GLOBAL_NAMES, megatron_files, megatron_model_file
 
     temp, merged = os.path.join(out, "tmp"), os.path.join(out, "zero")
-    rank_files = sorted(glob.glob(os.path.join(src, "megatron_dp_rank*.pt")))
-    found = {}
-    for f in glob.glob(os.path.join(src, "megatron_dp_model_tp*_pp*.pt")):
-        m = re.fullmatch(r"megatron_dp_model_tp(\d+)_pp(\d+)\.pt", os.path.basename(f))
-        if m:
-            found[int(m.group(1)), int(m.group(2))] = f
+    rank_files, found = megatron_files(src)
     tp = 1 + max((t for t, _ in found), default=-1)
     pp = 1 + max((p for _, p in found), default=-1)
-    missing = [f"tp{t:02d}_pp{p:02d}" for t in range(tp) for p in range(pp) if (t, p) not in found]
+    missing = [megatron_model_file(t, p) for t in range(tp) for p in range(pp)
+               if (t, p) not in found]
     if not found or missing:
-        raise CheckpointError(f"{src}: megatron_dp_model files missing for {missing or 'all'} "
-                              "ranks: an incomplete checkpoint")
+        raise CheckpointError(f"{src}: {', '.join(missing) or 'every megatron model file'} "
+                              "missing: an incomplete checkpoint")
     models = {k: torch.load(f, map_location="cpu", mmap=True) for k, f in found.items()}
     first = models[0, 0]["client_state"]
     uc_info = first[UNIVERSAL_CHECKPOINT_INFO]
@@ -317,7 +312,7 @@ def _plan_megatron(src: str, out: str) -> dict:
             for key, state_name in (("param", "fp32"), ("exp_avg", "exp_avg"),
                                     ("exp_avg_sq", "exp_avg_sq"), ("step", "step")):
                 if key in frag:
-                    ds.dump_param_fragment(temp, where["tp"], where["dp"], state_name,
+                    ds.dump_param_fragment(temp, where["tensor"], where["data"], state_name,
                                            frag[key].reshape(-1) if key != "step" else frag[key],
                                            name, 0, numel)
 
@@ -332,7 +327,7 @@ def _plan_megatron(src: str, out: str) -> dict:
         os.makedirs(merged, exist_ok=True)
         torch.save({PARAM_GROUPS: groups, "ds_version": deepspeed.__version__},
                    os.path.join(merged, "optimizer_state.pt"))
-        dp = any_rank["coords"]["dp_size"]
+        dp = any_rank["coords"]["data_size"]
         for (t, p), state in models.items():
             sched = state["lr_scheduler"]
             torch.save({"module": {k: v for k, v in state["module"].items() if torch.is_tensor(v)},
