@@ -193,15 +193,19 @@ def test_pipeline_parallel_resume_is_bit_exact_too(trained, sonnets, tmp_path, p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("resumed", [
+    pytest.param(("zero.implementation=deepspeed",), id="deepspeed-overlapped"),
+    pytest.param((), id="the-default-megatron")])
 def test_a_bf16_checkpoint_saved_before_the_overlap_default_resumes_with_it(trained, sonnets,
-                                                                           tmp_path):
-    """Saved by BF16_Optimizer (``zero.overlap_comm=false``), resumed with the overlapped ZeRO
-    optimizer (the default): the optimizer state goes through DeepSpeed's universal form and
-    the curve goes on (bf16: the same fp32 sums in another order)."""
-    before = ("train.precision=bf16", "zero.overlap_comm=false")
+                                                                           tmp_path, resumed):
+    """Saved by DeepSpeed's BF16_Optimizer (``zero.overlap_comm=false``, the bf16 ZeRO-1 of
+    before), resumed with DeepSpeed's overlapped ZeRO optimizer or with today's default
+    (megatron's distributed optimizer): the optimizer state goes through DeepSpeed's universal
+    form and the curve goes on (bf16: the same fp32 sums in another order)."""
+    before = ("train.precision=bf16", "zero.overlap_comm=false", "zero.implementation=deepspeed")
     ref = trained(*before)
     run = rewound(ref, tmp_path)
-    res = train(run, sonnets, "train.precision=bf16")
+    res = train(run, sonnets, "train.precision=bf16", *resumed)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (run / "checkpoints" / "step_0000003" / "universal" / "zero").is_dir()
     got, want = losses(run), losses(ref)
