@@ -305,13 +305,14 @@ def test_which_layout_changes_resume_and_which_are_refused():
         == []  # (in its own layout it resumes as ever)
     zero0 = layout_differences(layout(dp=2), layout(), 0, 0, "ckpt")
     assert len(zero0) == 1 and "zero.stage=0 has no ZeRO state" in zero0[0]
-    # ZeRO stages: 1 and 2 resume at 1-3 (the stage change goes through the universal form
-    # too); ZeRO-3 state loads into ZeRO-3 only, ZeRO-0 has none; ZeRO-3 at TP > 1 keeps its
-    # layout (DeepSpeed's ZeRO-3 load takes whole tensors)
-    for saved, here in ((1, 3), (2, 3), (1, 2), (2, 1)):
+    # ZeRO stages: 1-3 resume at 1-3 (the stage change goes through the universal form too;
+    # ZeRO-3 to 1/2 from TP=1), ZeRO-0 has none; ZeRO-3 at TP > 1 keeps its layout (DeepSpeed's
+    # ZeRO-3 load takes whole tensors)
+    for saved, here in ((1, 3), (2, 3), (1, 2), (2, 1), (3, 1), (3, 2)):
         assert layout_differences(layout(dp=2), layout(dp=2), saved, here, "ckpt") == []
-    assert "loads into ZeRO-3 only" in \
-        layout_differences(layout(dp=2), layout(dp=2), 3, 1, "ckpt")[0]
+    assert layout_differences(layout(dp=2), layout(tp=2), 3, 1, "ckpt") == []
+    assert "from parallel.tensor=1 only" in \
+        layout_differences(layout(tp=2), layout(dp=2), 3, 1, "ckpt")[0]
     assert "no ZeRO state" in layout_differences(layout(dp=2), layout(dp=2), 0, 1, "ckpt")[0]
     assert "resumes in its own layout" in \
         layout_differences(layout(tp=2, dp=2), layout(tp=2), 3, 3, "ckpt")[0]
@@ -867,7 +868,12 @@ MEGATRON = "zero.implementation=megatron"
     pytest.param(({"nproc": 2}, MEGATRON), ({"nproc": 2}, "zero.stage=3"),
                  id="megatron-dp2-to-zero3"),
     pytest.param(({"nproc": 2}, MEGATRON, "train.precision=bf16"),
-                 ({"nproc": 4}, MEGATRON, "train.precision=bf16"), id="megatron-bf16-dp2-to-dp4")])
+                 ({"nproc": 4}, MEGATRON, "train.precision=bf16"), id="megatron-bf16-dp2-to-dp4"),
+    # ZeRO-3 to ZeRO-1/2 (universal_zero12/): prototyped on ZeRO-3, trained on at TP + ZeRO-1
+    pytest.param(({"nproc": 2}, "zero.stage=3"), ({"nproc": 2}, "parallel.tensor=2"),
+                 id="zero3-dp2-to-tp2-default"),
+    pytest.param(({"nproc": 2}, "zero.stage=3"), ({"nproc": 1}, "zero.stage=2"),
+                 id="zero3-dp2-to-zero2-dp1")])
 def test_resume_on_any_layout_continues_the_same_curve(trained, sonnets, tmp_path, saved,
                                                        resumed):
     """A checkpoint of one pipeline x tensor x data-parallel layout and ZeRO stage resumes in
@@ -1004,7 +1010,8 @@ def test_the_fresh_start_a_refusal_suggests_asks_for_the_stage_and_layout_of_thi
     def layout(tp=1, pp=1, dp=1):
         return {"tensor": tp, "pipeline": pp, "data": dp, "context": 1, "world": tp * pp * dp}
 
-    [zero3_to_1] = layout_differences(layout(dp=2), layout(dp=2), 3, 1, "ckpt")
+    # (ZeRO-3 at TP=2 into ZeRO-1 is refused: DeepSpeed's ZeRO-3 form of TP slices)
+    [zero3_to_1] = layout_differences(layout(tp=2), layout(tp=2), 3, 1, "ckpt")
     assert "checkpoint.init_from=ckpt zero.stage=1 ..." in zero3_to_1, zero3_to_1
     [zero0] = layout_differences(layout(pp=2), layout(tp=2), 0, 0, "ckpt")
     assert "checkpoint.init_from=ckpt parallel.pipeline=1 parallel.tensor=2 ..." in zero0, zero0

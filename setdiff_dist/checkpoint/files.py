@@ -13,11 +13,10 @@ from setdiff_dist.errors import SetdiffError
 from setdiff_dist.paths import sha256_file
 
 from .format import (
+    DERIVED_FORMS,
     LATEST,
     MANIFEST,
-    UNIVERSAL,
     UNIVERSAL_LOCK,
-    UNIVERSAL_ZERO3,
     checkpoint_root,
     is_complete,
     is_step_name,
@@ -220,7 +219,7 @@ def checkpoint_files(directory: str) -> list[str]:
     """The files of a checkpoint directory, relative and sorted: everything but the manifest
     itself, temporary files and the derived universal forms (which have manifests of their
     own) and their lock."""
-    derived = {UNIVERSAL, UNIVERSAL_ZERO3, UNIVERSAL + ".tmp", UNIVERSAL_ZERO3 + ".tmp"}
+    derived = {*DERIVED_FORMS, *(form + ".tmp" for form in DERIVED_FORMS)}
     out = []
     for base, dirs, files in os.walk(directory):
         rel = os.path.relpath(base, directory)

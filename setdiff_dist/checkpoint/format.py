@@ -14,7 +14,8 @@ directory takes its file names from here.
 - ``rng_rank{r}.pt`` per rank, the tokenizer file, ``config.yaml`` and ``manifest.json``
   (written last: its presence makes the checkpoint complete);
 - ``universal/``: DeepSpeed's universal form, derived on a resume at another data-parallel size
-  (and ``universal_zero3/``, its view for a ZeRO-3 engine), each with a ``manifest.json`` of its
+  (and ``universal_zero3/``, its view for a ZeRO-3 engine, or ``universal_zero12/``, a ZeRO-3
+  checkpoint's for a ZeRO-1/2 engine), each with a ``manifest.json`` of its
   own (format :data:`DERIVED_FORMAT`: every file's size and SHA-256, every link's target),
   written last and checked at every resume that reuses it; ``universal.lock``, held while a
   job makes or checks them.
@@ -36,6 +37,12 @@ UNIVERSAL = "universal"
 # the universal form as a ZeRO-3 engine reads it, for a checkpoint of ZeRO 1-2 (links into
 # UNIVERSAL, the few files it reads otherwise: train.universal.zero3_view)
 UNIVERSAL_ZERO3 = "universal_zero3"
+# the universal form of a ZeRO-3 checkpoint as a ZeRO-1/2 engine (DeepSpeed's, megatron's
+# distributed optimizer) reads it: the tensors shaped, with the flags of a ZeRO-1/2 form
+# (train.universal.zero12_view)
+UNIVERSAL_ZERO12 = "universal_zero12"
+# every form derived from a checkpoint (each with a manifest of its own)
+DERIVED_FORMS = (UNIVERSAL, UNIVERSAL_ZERO3, UNIVERSAL_ZERO12)
 # the manifest (MANIFEST) inside a form derived from a checkpoint: universal/, universal_zero3/
 DERIVED_FORMAT = "setdiff-derived/1"
 # in the step directory: held (flock) by the job that makes or checks its universal forms

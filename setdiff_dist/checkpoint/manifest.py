@@ -15,7 +15,14 @@ from typing import Optional
 from setdiff_dist.config import resolved_model, zero_implementation
 
 from .files import CheckpointError, checkpoint_root, damaged, file_problems, pointed
-from .format import CONFIG, DERIVED_FORMAT, FORMAT, LATEST, MANIFEST, UNIVERSAL, UNIVERSAL_ZERO3
+from .format import (
+    CONFIG,
+    DERIVED_FORMAT,
+    DERIVED_FORMS,
+    FORMAT,
+    LATEST,
+    MANIFEST,
+)
 
 # the classes DeepSpeed pickles into its checkpoint files beside tensors and containers (found
 # with ``torch.serialization.get_unsafe_globals_in_checkpoint`` on ZeRO 0-3, fp32 and bf16
@@ -163,11 +170,13 @@ def layout_differences(saved: dict, here: dict, zero_saved: int, zero_here: int,
                      f" at parallel.tensor={here['tensor']} (DeepSpeed's ZeRO-3 load of the "
                      "universal form takes whole tensors, not megatron's tensor-parallel "
                      f"slices: ZeRO-3 with tensor parallelism resumes in its own layout; {fresh})")
-    if zero_saved != zero_here and not (zero_saved in (1, 2) and zero_here in (1, 2, 3)):
-        why = "no ZeRO state to re-partition" if 0 in (zero_saved, zero_here) else \
-            "DeepSpeed's universal form of ZeRO-3 state loads into ZeRO-3 only"
-        diffs.append(f"zero.stage: checkpoint {zero_saved}, this run {zero_here} ({why}; ZeRO-1 "
-                     f"and 2 checkpoints resume at ZeRO 1-3; {fresh})")
+    if zero_saved != zero_here and 0 in (zero_saved, zero_here):
+        diffs.append(f"zero.stage: checkpoint {zero_saved}, this run {zero_here} (no ZeRO state "
+                     f"to re-partition; ZeRO 1-3 checkpoints resume at ZeRO 1-3; {fresh})")
+    elif zero_saved == 3 and zero_here != 3 and saved["tensor"] > 1:
+        diffs.append(f"zero.stage: checkpoint 3 at parallel.tensor={saved['tensor']}, this run "
+                     f"{zero_here} (a ZeRO-3 checkpoint goes to ZeRO-1/2 from "
+                     f"parallel.tensor=1 only; {fresh})")
     return diffs
 
 
@@ -357,7 +366,7 @@ def check_no_code(path: str) -> None:
         except Exception as exc:
             top = os.path.relpath(file, path).split(os.sep)[0]
             fix = (f"remove {os.path.join(path, top)} (rm -r) to have it made again from the "
-                   "checkpoint") if top in (UNIVERSAL, UNIVERSAL_ZERO3) else \
+                   "checkpoint") if top in DERIVED_FORMS else \
                 "resume from an earlier checkpoint"
             raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc}); it is "
                                   f"damaged: {fix}") from None

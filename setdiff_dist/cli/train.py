@@ -390,9 +390,8 @@ def _clean_leftovers(run_dir: str) -> None:
 
     from setdiff_dist.checkpoint.files import ConversionLock
     from setdiff_dist.checkpoint.format import (
+        DERIVED_FORMS,
         LATEST,
-        UNIVERSAL,
-        UNIVERSAL_ZERO3,
         checkpoint_root,
         is_complete,
         is_step_name,
@@ -409,7 +408,7 @@ def _clean_leftovers(run_dir: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(f"{name} (an incomplete save)")
                 continue
-            junk = [j for j in (f"{UNIVERSAL}.tmp", f"{UNIVERSAL_ZERO3}.tmp",
+            junk = [j for j in (*(f"{form}.tmp" for form in DERIVED_FORMS),
                                 "latest_universal")  # (the last: DeepSpeed's)
                     if os.path.exists(os.path.join(path, j))]
             lock = ConversionLock(path)

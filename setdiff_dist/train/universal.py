@@ -439,6 +439,62 @@ def zero3_view(universal: str, out: str, padded_vocab: int) -> None:
                        os.path.join(out, f"zero_pp_rank_0_{f}"))
 
 
+def zero12_view(universal: str, out: str) -> None:
+    """``out``: the universal form ``universal`` of a ZeRO-3 checkpoint (of tensor-parallel size
+    1) as a ZeRO-1/2 engine, DeepSpeed's or megatron's distributed optimizer, reads it. DeepSpeed's
+    ZeRO-3 converter keeps each state a flat tensor with no flags; each parameter is written
+    again by DeepSpeed's own ZeRO-1/2 merge (``merge_tp_slices``, one tensor-parallel slice) from
+    that tensor as its one fragment: shaped, the vocabulary padding stripped and flagged, the
+    tensor-parallel flags of the checkpoint's universal-checkpoint info. The AdamW step (kept
+    once, in the common state) goes to every parameter's ``step.pt``; the common state gets a
+    DeepSpeed version and one parameter group for each group of a ZeRO-1/2 optimizer; the
+    model-state files the ZeRO-1/2 names (links)."""
+    from deepspeed.checkpoint import ds_to_universal as ds
+    from deepspeed.checkpoint.constants import (
+        OPTIMIZER_STATE_DICT,
+        PARAM_GROUPS,
+        UNIVERSAL_CHECKPOINT_INFO,
+    )
+
+    from setdiff_dist.checkpoint.files import CheckpointError
+    from setdiff_dist.checkpoint.manifest import no_unpickling
+
+    models = sorted(f for f in os.listdir(universal)
+                    if f.startswith("zero_pp_rank_") and f.endswith("_model_states.pt"))
+    if not models:
+        raise CheckpointError(f"{universal} holds no ZeRO-3 model-state file")
+    source, target, temp = (os.path.join(universal, "zero"), os.path.join(out, "zero"),
+                            os.path.join(out, "tmp"))
+    os.makedirs(target)
+    with no_unpickling():
+        state = torch.load(os.path.join(universal, models[0]), map_location="cpu")
+        uc_info = state[UNIVERSAL_CHECKPOINT_INFO]
+        shapes = {k: tuple(v) for group in state["param_shapes"] for k, v in group.items()}
+        common = torch.load(os.path.join(source, "optimizer_state.pt"), map_location="cpu")
+    steps = [s.get("step") for s in common[OPTIMIZER_STATE_DICT]["state"].values()]
+    for name, shape in sorted(shapes.items()):
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            with no_unpickling():
+                flat = torch.load(os.path.join(source, name, f"{key}.pt"), map_location="cpu")
+            ds.dump_param_fragment(temp, 0, 0, key, flat.reshape(-1), name, 0, flat.numel())
+        if steps and steps[0] is not None:
+            ds.dump_param_fragment(temp, 0, 0, "step", steps[0], name, 0, 1)
+        ds.merge_tp_slices(uc_info, target, temp, 1, (name, [shape]))
+        progress()
+    shutil.rmtree(temp)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in common[PARAM_GROUPS]]
+    import deepspeed
+
+    torch.save({PARAM_GROUPS: groups * 4, "ds_version": deepspeed.__version__,
+                **{k: common[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow")
+                   if k in common}},
+               os.path.join(target, "optimizer_state.pt"))
+    for f in models:  # zero_pp_rank_0_mp_rank_TT_model_states.pt -> mp_rank_TT_model_states.pt
+        if f.startswith("zero_pp_rank_0_"):
+            os.symlink(os.path.relpath(os.path.join(universal, f), out),
+                       os.path.join(out, f[len("zero_pp_rank_0_"):]))
+
+
 # ------------------------------------------------------------------ made once, checked always
 
 def _together(agree: Agree, work: Callable[[], object], what: str) -> list:
@@ -481,7 +537,7 @@ def _check(directory: str, made_from: str, rank: int, world: int, agree: Agree,
     links differs from its manifest: every rank checks its share and raises the same
     :class:`CheckpointError`, naming the files and how to have the form made again."""
     from setdiff_dist.checkpoint.files import CheckpointError
-    from setdiff_dist.checkpoint.format import UNIVERSAL
+    from setdiff_dist.checkpoint.format import UNIVERSAL, UNIVERSAL_ZERO3
     from setdiff_dist.checkpoint.manifest import derived_problems, read_derived
 
     def mine():
@@ -493,7 +549,8 @@ def _check(directory: str, made_from: str, rank: int, world: int, agree: Agree,
     problems = sorted(p for part in _together(agree, mine, f"check {directory}") for p in part)
     if problems:
         what = "DeepSpeed's universal form" if directory.endswith(UNIVERSAL) else \
-            "the ZeRO-3 view of DeepSpeed's universal form"
+            f"the {'ZeRO-3' if directory.endswith(UNIVERSAL_ZERO3) else 'ZeRO-1/2'} view of " \
+            "DeepSpeed's universal form"
         raise CheckpointError(
             f"{directory} ({what} of {made_from}, made for a resume in another layout) is "
             f"damaged: {'; '.join(problems[:3])}"
@@ -541,20 +598,22 @@ def prepare(path: str, rank: int = 0, world: int = 1, agree: Agree = _alone,
             poll_s: float = 2.0) -> str:
     """The tag (directory in the step directory ``path``) a resume in another layout loads the
     optimizer state from: ``universal``, or for a ZeRO-3 run (``zero3_rows``: its padded
-    vocabulary rows) of a ZeRO 1-2 checkpoint ``universal_zero3`` (:func:`zero3_view`). Made
+    vocabulary rows) of a ZeRO 1-2 checkpoint ``universal_zero3`` (:func:`zero3_view`), or for
+    a ZeRO-1/2 run of a ZeRO-3 checkpoint ``universal_zero12`` (:func:`zero12_view`). Made
     if missing (by the ``world`` ranks together, each its share), checked against its manifest
     if there (``hashes``: with SHA-256, else sizes), under the checkpoint's
     :class:`~setdiff_dist.checkpoint.files.ConversionLock`, held by rank 0. Every rank of the
     job calls this with an ``agree`` over them; ``say``: rank 0's notes."""
     from setdiff_dist.checkpoint.files import CheckpointError, ConversionLock
-    from setdiff_dist.checkpoint.format import UNIVERSAL, UNIVERSAL_ZERO3
+    from setdiff_dist.checkpoint.format import UNIVERSAL, UNIVERSAL_ZERO3, UNIVERSAL_ZERO12
 
     say = say or (lambda line: None)
-    out, view = os.path.join(path, UNIVERSAL), os.path.join(path, UNIVERSAL_ZERO3)
+    out = os.path.join(path, UNIVERSAL)
+    views = (os.path.join(path, UNIVERSAL_ZERO3), os.path.join(path, UNIVERSAL_ZERO12))
     lock = ConversionLock(path) if rank == 0 else None
     try:
         _take(lock, agree, say, poll_s)
-        there = _together(agree, lambda: _found(out, say, (view,)) if rank == 0 else None,
+        there = _together(agree, lambda: _found(out, say, views) if rank == 0 else None,
                           f"clean up {out}")[0]
         if there:
             _check(out, path, rank, world, agree, hashes)
@@ -562,24 +621,29 @@ def prepare(path: str, rank: int = 0, world: int = 1, agree: Agree = _alone,
             _convert_into(path, out, rank, world, agree, hashes, say)
         saved_zero3 = any(f.startswith("zero_pp_rank_") and f.endswith("_model_states.pt")
                           for f in os.listdir(path))
-        if zero3_rows is None or saved_zero3:
+        if saved_zero3 == (zero3_rows is not None):  # (ZeRO-3 from ZeRO-3, 1-2 from 1-2)
             return UNIVERSAL
+        tag = UNIVERSAL_ZERO12 if saved_zero3 else UNIVERSAL_ZERO3
+        view = os.path.join(path, tag)
         if _together(agree, lambda: _found(view, say) if rank == 0 else None,
                      f"clean up {view}")[0]:
             _check(view, out, rank, world, agree, hashes)
-            return UNIVERSAL_ZERO3
+            return tag
         tmp = view + ".tmp"
 
         def make():
             try:
-                zero3_view(out, tmp, zero3_rows)
+                if saved_zero3:
+                    zero12_view(out, tmp)
+                else:
+                    zero3_view(out, tmp, zero3_rows)
             except (OSError, CheckpointError) as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise CheckpointError(f"cannot make the ZeRO-3 view of {out}: {exc}") from None
+                raise CheckpointError(f"cannot make {tag} from {out}: {exc}") from None
         _together(agree, make if rank == 0 else lambda: None, f"make {view}")
         _seal(tmp, path, rank, world, agree, hashes)
         _together(agree, lambda: os.replace(tmp, view) if rank == 0 else None, f"make {view}")
-        return UNIVERSAL_ZERO3
+        return tag
     finally:
         if lock is not None:
             lock.release()
