@@ -155,6 +155,28 @@ def test_background_saves_create_no_process_group_and_leave_no_key_in_the_store(
         assert file_problems(saved, table, table) == []
 
 
+def test_a_failed_background_write_ends_every_rank_at_the_next_step_boundary(sonnets,
+                                                                             tmp_path):
+    """checkpoint.async_save with a checkpoint every 3 steps; rank 1's write of step 6 fails as
+    a full disk does (SETDIFF_FAULT=write_fails:6:1). The failed writer tells the others in the
+    save's first round and the stop all-reduce of every step carries it: every rank ends within
+    a step or two of the save, long before the next one (step 9; the failure used to surface
+    there, two intervals late on Slurm), with the disk's message; latest stays at step 3."""
+    run = tmp_path / "run"
+    env = dict(os.environ, SETDIFF_FAULT="write_fails:6:1")
+    res = run_train(run, sonnets, "checkpoint.async_save=true", "checkpoint.interval=3",
+                    steps=12, env=env)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "cannot save checkpoint step_0000006: the disk is full" in res.stderr, \
+        res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert 6 <= max(steps) <= 8, steps
+    assert latest(run) == "step_0000003"
+    assert not (run / "checkpoints" / "step_0000006" / "manifest.json").exists()
+
+
 @pytest.mark.parametrize("layout", [
     pytest.param(("zero.stage=2",), id="zero2"),
     # the default bf16 path: ZeRO-1, the reduction overlapped with the backward

@@ -144,10 +144,14 @@ class AsyncSaver:
         self.path: Optional[str] = None  # the save in flight (or the last one)
 
     def submit(self, path: str, write: Callable[[], None], finish: Callable[[], None],
-               on_error: Callable[[BaseException], BaseException]) -> None:
+               on_error: Callable[[BaseException], BaseException],
+               abandon: Optional[Callable[[BaseException], None]] = None) -> None:
         """Run ``write()`` then ``finish()`` in the background; an exception is kept and
         raised, through ``on_error``, by the next :meth:`wait`. (``finish`` agrees with the
-        other ranks through the store, :class:`SaveAgreement`: no process group.)"""
+        other ranks through the store, :class:`SaveAgreement`: no process group.) A failed
+        ``write`` calls ``abandon(exc)``, which tells the other ranks (their ``finish`` then
+        fails too, instead of waiting for this rank's files); :meth:`failed` says so to the
+        training thread, which tells every rank at the next step boundary."""
         self.wait()
         self.path, self._on_error = path, on_error
 
@@ -155,6 +159,13 @@ class AsyncSaver:
             _background_priority()
             try:
                 write()
+            except BaseException as exc:  # noqa: BLE001 (raised on the training thread)
+                self._error = exc
+                if abandon is not None:
+                    with contextlib.suppress(BaseException):  # (this rank's error is kept)
+                        abandon(exc)
+                return
+            try:
                 finish()
             except BaseException as exc:  # noqa: BLE001 (raised on the training thread)
                 self._error = exc
@@ -169,6 +180,12 @@ class AsyncSaver:
     @property
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def failed(self) -> bool:
+        """Whether the save in flight has ended in a failure (not yet raised by :meth:`wait`).
+        Local and cheap: the trainer asks at every step boundary."""
+        return self._thread is not None and not self._thread.is_alive() \
+            and self._error is not None
 
     def wait(self) -> None:
         """Wait for the save in flight; its failure is raised here. While the thread writes
@@ -285,7 +302,8 @@ class SaveAgreement:
         except BaseException as exc:
             with contextlib.suppress(Exception):  # (the store may be what failed)
                 self._say(base, str(exc) if isinstance(exc, SaveNotAgreed)
-                          else f"{type(exc).__name__}: {exc}")
+                          else f"{type(exc).__name__}: {exc}",
+                          getattr(exc, "exit_code", EXIT_FAILED))
                 self._forget(base)
             raise
         self._say(base, None)
@@ -312,8 +330,9 @@ class SaveAgreement:
         lines = self.store.get(f"{base}/values").decode().splitlines()
         return {rank: value for rank, value in map(json.loads, lines)}
 
-    def _say(self, base: str, error: Optional[str]) -> None:
-        self.store.set(f"{base}/word", json.dumps({"error": error}).encode())
+    def _say(self, base: str, error: Optional[str], exit_code: Optional[int] = None) -> None:
+        self.store.set(f"{base}/word",
+                       json.dumps({"error": error, "exit_code": exit_code}).encode())
 
     def _forget(self, base: str) -> None:
         for key in ("values", "count", "all"):
@@ -331,9 +350,12 @@ class SaveAgreement:
                     f"{self.what} is not complete: rank 0 never answered ({stage}) within "
                     f"{wait:g} s: it died or hangs. latest still points at the previous "
                     "checkpoint; the next start removes this one", every_rank=False) from None
-        error = json.loads(self.store.get(word))["error"]
+        heard = json.loads(self.store.get(word))
         if self.store.add(f"{base}/seen", 1) == self.world - 1:  # the last to read the word
             self.store.delete_key(word)
             self.store.delete_key(f"{base}/seen")
-        if error is not None:  # (rank 0 prints it: every_rank)
-            raise SaveNotAgreed(f"{self.what}: rank 0 could not finish it ({stage}): {error}")
+        if heard["error"] is not None:  # (rank 0 prints it: every_rank)
+            exc = SaveNotAgreed(f"{self.what}: rank 0 could not finish it ({stage}): "
+                                f"{heard['error']}")
+            exc.exit_code = heard.get("exit_code") or EXIT_FAILED  # (rank 0's, the job's)
+            raise exc

@@ -14,6 +14,7 @@ process group: :class:`setdiff_dist.train.async_save.SaveAgreement`.)
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -213,7 +214,7 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     resume on other data is refused before any model is built. ``saver``
     (:class:`~setdiff_dist.train.async_save.AsyncSaver`): capture the state now and write it in
     the background (``latest`` moves when it is all written)."""
-    from .async_save import SaveAgreement, save_name
+    from .async_save import SaveAgreement, SaveNotAgreed, save_name
 
     root = checkpoint_root(cfg.run_dir)
     tag = tag_of(step)
@@ -244,20 +245,55 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     def failed(exc: BaseException) -> BaseException:
         return save_failed(exc, root, tag, need) if write_failure(exc) else exc
 
+    world = dist.get_world_size()
+
+    def all_written(reports: list) -> None:  # (rank 0: each rank's None, or why it failed)
+        bad = [(r, report) for r, report in enumerate(reports) if report]
+        if bad:
+            ranks = [r for r, _ in bad]
+            exc = SaveNotAgreed(
+                f"checkpoint {tag} is not complete: rank{'s' if len(ranks) > 1 else ''} "
+                f"{', '.join(map(str, ranks[:16]))} could not write "
+                f"{'their' if len(ranks) > 1 else 'its'} files ({bad[0][1]['why']}); latest "
+                "still points at the previous checkpoint")
+            # (the job ends as the failed rank does: a full disk is the user's to fix, exit 2)
+            exc.exit_code = max(report["exit_code"] for _, report in bad)
+            raise exc
+
+    def abandon(exc: BaseException) -> None:
+        """This rank's write failed: the others hear it in the save's first round (their
+        :func:`finish` fails at once, rather than waiting for this rank's files)."""
+        SaveAgreement(None, name, rank, world, f"checkpoint {tag}").decide(
+            "written", {"why": f"{type(exc).__name__}: "
+                               f"{(str(exc).splitlines() or [''])[0][:300]}",
+                        # (what failed(exc) will raise here: its class's code; not called
+                        # now, it removes the step directory the others still write)
+                        "exit_code": CheckpointError.exit_code if write_failure(exc) else 1},
+            all_written)
+
     def finish(store=None):
         """This rank's files are on disk: once every rank's are, the manifest (the ranks share
         the hashing), then ``latest``, then the pruning; returns once ``latest`` has moved.
         The ranks agree through the c10d store, not a process group (``store``: a client of it;
         by default one of this save's own): :class:`~.async_save.SaveAgreement`."""
         _fault_point("after_shards", step)
-        world = dist.get_world_size()
         agree = SaveAgreement(store, name, rank, world, f"checkpoint {tag}")
-        agree.decide("written", None)  # every rank's files are on disk
-        mine = describe_files(path, checkpoint_files(path)[rank::world], cfg.checkpoint.checksums)
+        agree.decide("written", None, all_written)  # every rank's files are on disk
+        try:  # (a rank that cannot hash its share says so in the round, not by silence)
+            mine = {"files": describe_files(path, checkpoint_files(path)[rank::world],
+                                            cfg.checkpoint.checksums)}
+        except OSError as exc:
+            mine = {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
         def publish(tables):  # (rank 0, with every rank's table)
+            bad = [(r, t["error"]) for r, t in enumerate(tables) if "error" in t]
+            if bad:
+                raise SaveNotAgreed(f"checkpoint {tag} is not complete: rank {bad[0][0]} could "
+                                    f"not read back its files ({bad[0][1]}); latest still "
+                                    "points at the previous checkpoint")
             manifest = build_manifest(step, layout(), cfg, tokenizer_identity,
-                                      {k: v for t in tables for k, v in t.items()}, data)
+                                      {k: v for t in tables for k, v in t["files"].items()},
+                                      data)
             write_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=2))
             write_atomic(os.path.join(root, LATEST), tag + "\n")
             prune(root, cfg.checkpoint.keep_last, keep=tag)
@@ -308,6 +344,7 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     rng = host_copy(_rng_state())
 
     def write():
+        _fault_point("write_fails", step)
         capture.write(saver.done)
         _fault_point("async_write", step)
         for w in writes:
@@ -316,7 +353,7 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
         torch.save(rng, os.path.join(path, rng_file(rank)))
         small_files()
 
-    saver.submit(path, write, finish, failed)
+    saver.submit(path, write, finish, failed, abandon)
     return path
 
 
@@ -324,9 +361,13 @@ def _fault_point(name: str, step: int) -> None:
     """Fault injection for the crash-consistency tests: ``SETDIFF_FAULT=after_shards:STEP``
     (every file written, no manifest yet) or ``async_write:STEP`` (in the background write,
     DeepSpeed's files written, the weights not) kills this process with SIGKILL at that point
-    of the save of checkpoint STEP."""
-    if os.environ.get("SETDIFF_FAULT") == f"{name}:{step}":
+    of the save of checkpoint STEP; ``write_fails:STEP:RANK`` makes rank RANK's background
+    write of it fail at its start as a full disk does (ENOSPC)."""
+    fault = os.environ.get("SETDIFF_FAULT", "")
+    if fault == f"{name}:{step}":
         os.kill(os.getpid(), 9)
+    if fault == f"{name}:{step}:{dist.get_rank()}":
+        raise OSError(errno.ENOSPC, "No space left on device (injected: SETDIFF_FAULT)")
 
 
 def load(engine, path: str, universal: Optional[str] = None) -> dict:

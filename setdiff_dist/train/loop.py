@@ -264,10 +264,18 @@ class Trainer:
 
     def _agreed_stop(self) -> Optional[str]:
         """The stop any rank was asked for (all ranks stop at the same step boundary), or
-        None."""
-        code = torch.tensor([float(_STOP_CODE[self.stop_requested])], device=self.device)
+        None. The same all-reduce carries whether a rank's background save has failed: then
+        every rank raises its save's failure here, at the first step boundary after it (the
+        failed rank's write error; the others' save, told of it, fails too), and ``latest``
+        stays at the last complete checkpoint."""
+        failed = self.saver is not None and self.saver.failed()
+        code = torch.tensor([float(_STOP_CODE[self.stop_requested]), float(failed)],
+                            device=self.device)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        return _STOP_OF[int(code.item())]
+        stop, any_failed = code.tolist()
+        if any_failed:
+            self.saver.wait()  # (raises: every rank's save ends in the failure)
+        return _STOP_OF[int(stop)]
 
     def loader(self, start_step: int = 0) -> TokenLoader:
         d = self.cfg.data
