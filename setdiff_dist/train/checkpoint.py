@@ -214,6 +214,8 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     resume on other data is refused before any model is built. ``saver``
     (:class:`~setdiff_dist.train.async_save.AsyncSaver`): capture the state now and write it in
     the background (``latest`` moves when it is all written)."""
+    from setdiff_dist.errors import EXIT_FAILED
+
     from .async_save import SaveAgreement, SaveNotAgreed, save_name
 
     root = checkpoint_root(cfg.run_dir)
@@ -268,7 +270,8 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
                                f"{(str(exc).splitlines() or [''])[0][:300]}",
                         # (what failed(exc) will raise here: its class's code; not called
                         # now, it removes the step directory the others still write)
-                        "exit_code": CheckpointError.exit_code if write_failure(exc) else 1},
+                        "exit_code": CheckpointError.exit_code if write_failure(exc)
+                        else EXIT_FAILED},
             all_written)
 
     def finish(store=None):

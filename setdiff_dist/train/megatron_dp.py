@@ -263,83 +263,55 @@ class MegatronEngine:
         self._apply_weight_decay()
         return path, common["client_state"]
 
-    @torch.no_grad()
     def _load_fragments(self, fragments: dict, path: str) -> None:
+        """This rank's shards from its own fragment file (the same layout and buckets)."""
         from setdiff_dist.checkpoint.files import CheckpointError
-        from setdiff_dist.model.transformer import global_name
 
-        model = self.module
-        names = {p: global_name(model, n) for n, p in model.named_parameters()}
-        for opt in self.optimizer.chained_optimizers:
-            opt.init_state_fn(opt.optimizer, opt.config)  # (torch's AdamW makes it lazily)
-            step = None
-            for p in opt.model_param_gbuf_map:
-                rng = opt._get_model_param_range_map(p)["param"]
-                saved = fragments.get(names[p])
-                if saved is None or (saved["start"], saved["end"]) != (rng.start, rng.end):
-                    raise CheckpointError(
-                        f"{path}: {names[p]}'s optimizer shard on rank {dist.get_rank()} does "
-                        "not match this run's buckets (a change of zero.reduce_bucket_size or "
-                        "of the layout); resume with the checkpoint's settings")
-                opt._set_main_param_and_optimizer_states(
-                    p, {k: saved[k] for k in ("param", "exp_avg", "exp_avg_sq")})
-                step = saved.get("step", step)
-            for g in opt.optimizer.param_groups:  # AdamW's step count, one per shard
-                for q in g["params"]:
-                    if step is not None:
-                        opt.optimizer.state[q]["step"] = torch.as_tensor(step).clone()
-            # the model's (bf16) weights from the fp32 ones, as after a step
-            opt._copy_main_params_to_model_params()
-        self.whole_weights()
+        def shard(p, name, rng):
+            saved = fragments.get(name)
+            if saved is None or (saved["start"], saved["end"]) != (rng.start, rng.end):
+                raise CheckpointError(
+                    f"{path}: {name}'s optimizer shard on rank {dist.get_rank()} does not match "
+                    "this run's buckets (a change of zero.reduce_bucket_size or of the layout); "
+                    "resume with the checkpoint's settings")
+            return {k: saved[k] for k in ("param", "exp_avg", "exp_avg_sq")}, saved.get("step")
 
+        self._load_shards(shard)
 
-    @torch.no_grad()
     def _load_universal(self, path: str) -> dict:
         """Each parameter's shard of this rank from DeepSpeed's universal form at ``path``, cut
         for this layout by DeepSpeed's own loader (``load_hp_checkpoint_state``: the tensor-
         parallel slice, the vocabulary padding), then the range of it this rank's buckets give
-        it; the model's weights from the fp32 ones. Returns the client state (one model-state
-        file's: every rank's holds the same). The LR scheduler is put on this run's schedule by
-        the caller (``engine.follow_schedule``)."""
+        it. Returns the client state (one model-state file's: every rank's holds the same). The
+        LR scheduler is put on this run's schedule by the caller (``engine.follow_schedule``)."""
         import glob
         from types import SimpleNamespace
 
         from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
 
         from setdiff_dist.checkpoint.files import CheckpointError
-        from setdiff_dist.model.transformer import global_name
 
-        model = self.module
-        names = {p: global_name(model, n) for n, p in model.named_parameters()}
         tp_rank = ps.get_tensor_model_parallel_rank()
         tp_size = ps.get_tensor_model_parallel_world_size()
-        for opt in self.optimizer.chained_optimizers:
-            opt.init_state_fn(opt.optimizer, opt.config)
-            for p in opt.model_param_gbuf_map:
-                rng = opt._get_model_param_range_map(p)["param"]
-                folder = os.path.join(path, "zero", names[p])
-                if not os.path.isfile(os.path.join(folder, "fp32.pt")):
-                    raise CheckpointError(f"{path}: no universal state for {names[p]} (a "
-                                          "checkpoint of another model?)")
-                weights = torch.empty(rng.end - rng.start, dtype=torch.float32)
-                # (what DeepSpeed's loader reads of a parameter and its fragment)
-                target = SimpleNamespace(
-                    shape=p.shape, numel=p.numel, _hp_mapping=SimpleNamespace(
-                        lp_fragment_address=SimpleNamespace(start=rng.start,
-                                                            numel=rng.end - rng.start),
-                        get_hp_fragment=lambda w=weights: w, optim_fragment={}))
-                step = load_hp_checkpoint_state(target, folder, tp_rank, tp_size)
-                moments = target._hp_mapping.optim_fragment
-                opt._set_main_param_and_optimizer_states(
-                    p, {"param": weights, "exp_avg": moments["exp_avg"],
-                        "exp_avg_sq": moments["exp_avg_sq"]})
-                if step is not None:
-                    group, order = opt.model_param_group_index_map[p]
-                    main = opt.optimizer.param_groups[group]["params"][order]
-                    opt.optimizer.state[main]["step"] = torch.tensor(float(step),
-                                                                     dtype=torch.float32)
-            opt._copy_main_params_to_model_params()
-        self.whole_weights()
+
+        def shard(p, name, rng):
+            folder = os.path.join(path, "zero", name)
+            if not os.path.isfile(os.path.join(folder, "fp32.pt")):
+                raise CheckpointError(f"{path}: no universal state for {name} (a checkpoint of "
+                                      "another model?)")
+            weights = torch.empty(rng.end - rng.start, dtype=torch.float32)
+            # (what DeepSpeed's loader reads of a parameter and its fragment)
+            target = SimpleNamespace(
+                shape=p.shape, numel=p.numel, _hp_mapping=SimpleNamespace(
+                    lp_fragment_address=SimpleNamespace(start=rng.start,
+                                                        numel=rng.end - rng.start),
+                    get_hp_fragment=lambda: weights, optim_fragment={}))
+            step = load_hp_checkpoint_state(target, folder, tp_rank, tp_size)
+            moments = target._hp_mapping.optim_fragment
+            return {"param": weights, "exp_avg": moments["exp_avg"],
+                    "exp_avg_sq": moments["exp_avg_sq"]}, step
+
+        self._load_shards(shard)
         files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
         if not files:
             raise CheckpointError(f"{path}: no model-state file in this universal form")
@@ -347,6 +319,29 @@ class MegatronEngine:
         self.skipped_steps = state.get("skipped_steps", 0)
         self._apply_weight_decay()
         return {k: v for k, v in state.items() if k not in ("module", "optimizer")}
+
+    @torch.no_grad()
+    def _load_shards(self, shard) -> None:
+        """Every parameter's shard on this rank: ``shard(param, global name, its range in the
+        flattened parameter)`` gives the fp32 weights and AdamW moments of that range and the
+        AdamW step (or None); then the model's (bf16) weights from the fp32 ones, as after a
+        step, gathered whole."""
+        from setdiff_dist.model.transformer import global_name
+
+        model = self.module
+        names = {p: global_name(model, n) for n, p in model.named_parameters()}
+        for opt in self.optimizer.chained_optimizers:
+            opt.init_state_fn(opt.optimizer, opt.config)  # (torch's AdamW makes it lazily)
+            for p in opt.model_param_gbuf_map:
+                tensors, step = shard(p, names[p], opt._get_model_param_range_map(p)["param"])
+                opt._set_main_param_and_optimizer_states(p, tensors)
+                if step is not None:  # (AdamW's step count, one per shard)
+                    group, order = opt.model_param_group_index_map[p]
+                    main = opt.optimizer.param_groups[group]["params"][order]
+                    opt.optimizer.state[main]["step"] = torch.as_tensor(
+                        step, dtype=torch.float32).clone()
+            opt._copy_main_params_to_model_params()
+        self.whole_weights()
 
 
 @contextlib.contextmanager

@@ -318,14 +318,9 @@ def _plan_megatron(src: str, out: str) -> dict:
 
     def finish():
         any_rank = torch.load(rank_files[0], map_location="cpu")
-        # DeepSpeed's engine pairs the saved groups with its own (weight decay, none) in order:
-        # one of each first, then the rest (it overwrites their hyperparameters with the run's)
-        groups = any_rank.get("param_groups") or [{}]
-        decay = next((g for g in groups if g.get("weight_decay", 0) > 0), groups[0])
-        groups = [decay, next((g for g in groups if not g.get("weight_decay", 0)), decay),
-                  *groups]
         os.makedirs(merged, exist_ok=True)
-        torch.save({PARAM_GROUPS: groups, "ds_version": deepspeed.__version__},
+        torch.save({PARAM_GROUPS: _zero12_groups(any_rank.get("param_groups") or [{}]),
+                    "ds_version": deepspeed.__version__},
                    os.path.join(merged, "optimizer_state.pt"))
         dp = any_rank["coords"]["data_size"]
         for (t, p), state in models.items():
@@ -341,6 +336,15 @@ def _plan_megatron(src: str, out: str) -> dict:
             "weights": [sum(math.prod(s) for s in per) for _, per in shapes],
             "merge": lambda item: ds.merge_tp_slices(uc_info, merged, temp, tp, item),
             "finish": finish}
+
+
+def _zero12_groups(groups: list) -> list:
+    """The parameter groups of a universal form's common state, for a ZeRO-1/2 engine: DeepSpeed
+    pairs the saved groups with its own (weight decay, none) in order and loads only the groups
+    it pairs, so one of each comes first, then the rest (it overwrites their hyperparameters
+    with the run's)."""
+    decay = next((g for g in groups if g.get("weight_decay", 0) > 0), groups[0])
+    return [decay, next((g for g in groups if not g.get("weight_decay", 0)), decay), *groups]
 
 
 def _open_stage12(folder: str):
@@ -447,7 +451,7 @@ def zero12_view(universal: str, out: str) -> None:
     that tensor as its one fragment: shaped, the vocabulary padding stripped and flagged, the
     tensor-parallel flags of the checkpoint's universal-checkpoint info. The AdamW step (kept
     once, in the common state) goes to every parameter's ``step.pt``; the common state gets a
-    DeepSpeed version and one parameter group for each group of a ZeRO-1/2 optimizer; the
+    DeepSpeed version and the groups of a ZeRO-1/2 optimizer (:func:`_zero12_groups`); the
     model-state files the ZeRO-1/2 names (links)."""
     from deepspeed.checkpoint import ds_to_universal as ds
     from deepspeed.checkpoint.constants import (
@@ -485,7 +489,7 @@ def zero12_view(universal: str, out: str) -> None:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in common[PARAM_GROUPS]]
     import deepspeed
 
-    torch.save({PARAM_GROUPS: groups * 4, "ds_version": deepspeed.__version__,
+    torch.save({PARAM_GROUPS: _zero12_groups(groups), "ds_version": deepspeed.__version__,
                 **{k: common[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow")
                    if k in common}},
                os.path.join(target, "optimizer_state.pt"))
