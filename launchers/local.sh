@@ -20,6 +20,9 @@ python -c 'import setdiff_dist' 2>/dev/null || { echo "setdiff-dist is not impor
 $(command -v python || echo python): activate its environment (source .venv/bin/activate)" >&2
     exit 2; }
 if [ "${MAX_RESTARTS:-0}" -gt 0 ]; then
+    # a new rendezvous store for each start: the agent's shared one keeps the last start's
+    # keys, and the restarted ranks would fail to connect (pytorch/pytorch#135712)
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     exec torchrun --standalone --nproc-per-node="$NPROC_PER_NODE" \
         --max-restarts="$MAX_RESTARTS" -m setdiff_dist.cli.train "$@"
 fi

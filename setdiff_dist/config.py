@@ -237,8 +237,9 @@ class TrainConfig:
                                   "train.straggler_margin to be named a straggler", min=1)
     max_restarts: int = _f(0, "after a rank dies (a crash, a kill, a hang), start every rank "
                            "again from the last checkpoint, at most this many times "
-                           "(setdiff-train --nproc-per-node; under torchrun, its "
-                           "--max-restarts)", min=0)
+                           "(setdiff-train --nproc-per-node; launchers/slurm/train.sbatch "
+                           "passes it to torchrun --max-restarts: restarts inside the job, "
+                           "no requeue)", min=0)
     collective_timeout_s: float = _f(1800.0, "the process group's timeout: a collective that "
                                      "waits this long fails (torch.distributed's timeout)",
                                      min=1.0)

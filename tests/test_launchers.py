@@ -8,38 +8,54 @@ import sys
 import time
 
 import pytest
-from helpers import losses, sonnet_shards, train_command
+from helpers import losses, train_command
 
 
 @pytest.mark.parametrize("restarts", ["0", "1"], ids=["setdiff-train's launcher", "torchrun"])
-def test_the_single_node_launcher_trains_and_stops_cleanly(tmp_path, restarts):
+def test_the_single_node_launcher_trains_stops_and_restarts(trained, sonnets, tmp_path,
+                                                            restarts):
     """Without restarts local.sh starts the ranks with setdiff-train's own launcher: SIGTERM
-    checkpoints and exits 75 (a requeue); with MAX_RESTARTS torchrun starts them."""
-    shards = sonnet_shards(tmp_path / "data")
-    steps = 400 if restarts == "0" else 3
+    checkpoints and exits 75 (a requeue). With MAX_RESTARTS torchrun starts them: rank 1
+    SIGKILLed after the step-3 checkpoint, torchrun starts both ranks again, they resume from
+    it and end with the session's uninterrupted reference run's losses, bit for bit."""
+    from helpers import REFERENCE, REFERENCE_STEPS
+
+    run = tmp_path / "run"
     # the same arguments setdiff-train takes, minus its own launcher flag
-    args = train_command(tmp_path / "run", shards, "optimizer.schedule=constant",
-                         steps=steps)[5:]
+    if restarts == "0":
+        steps = 400
+        args = train_command(run, sonnets, "optimizer.schedule=constant", steps=steps)[5:]
+    else:
+        steps = REFERENCE_STEPS
+        args = train_command(run, sonnets, *REFERENCE, steps=steps)[5:]
     env = dict(os.environ, NPROC_PER_NODE="2", MAX_RESTARTS=restarts,
+               SETDIFF_TEST_SLOW_RANK="0:0.3",  # (so that the kill lands before the end)
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     proc = subprocess.Popen(["bash", "launchers/local.sh", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 240
     if restarts == "0":
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.monotonic() + 240
+        metrics = run / "metrics.jsonl"
         while time.monotonic() < deadline and not (
                 metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    status = json.loads((tmp_path / "run" / "exit_status.json").read_text())
+    else:
+        beat = run / "watchdog" / "rank1.json"
+        while time.monotonic() < deadline and proc.poll() is None and not (
+                (run / "checkpoints" / "latest").exists() and beat.exists()):
+            time.sleep(0.1)
+        os.kill(json.loads(beat.read_text())["pid"], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    status = json.loads((run / "exit_status.json").read_text())
     if restarts == "0":
         assert proc.returncode == 75, err[-3000:]
         assert status["outcome"] == "preempted" and 2 <= status["step"] < steps
     else:
         assert proc.returncode == 0, err[-3000:]
-        assert status["outcome"] == "completed" and status["step"] == 3
-        assert sorted(losses(tmp_path / "run")) == [1, 2, 3]
+        assert status["outcome"] == "completed" and status["step"] == steps
+        assert "resumed from" in out and "restart 1: step 4 done" in out, out[-3000:]
+        assert losses(run) == losses(trained())
     layout = json.loads(open(os.path.join(status["checkpoint"], "manifest.json")).read())
     assert layout["layout"]["world"] == 2
 

@@ -259,13 +259,15 @@ exit 1
 }
 
 
-@pytest.mark.parametrize("outcome,code,requeued", [("diverged", 3, False), ("invalid", 2, False),
-                                                   ("failed", 1, True), ("hung", 76, True)])
-def test_train_sbatch_requeues_only_a_failure_a_restart_may_get_past(tmp_path, outcome, code,
-                                                                    requeued):
-    """train.sbatch after its job step ended, with Slurm's commands stubbed: a failure
-    (a crash, a hang) is requeued without the node it failed on; a divergence or a refusal,
-    which would end the same way on any node, is neither requeued nor excludes a node."""
+@pytest.mark.parametrize("outcome,code,hangs_on_n1,requeued", [
+    ("diverged", 3, 0, False), ("invalid", 2, 0, False), ("failed", 1, 0, False),
+    ("hung", 76, 1, False), ("hung", 76, 2, True)])
+def test_train_sbatch_excludes_a_node_only_when_it_hung_twice(tmp_path, outcome, code,
+                                                              hangs_on_n1, requeued):
+    """train.sbatch after its job step ended with the in-job restarts spent, Slurm's commands
+    stubbed: the job is requeued without n1 only when the hang reports of this job
+    (faults.jsonl) name n1 twice; a crash, a single hang, a divergence or a refusal ends the
+    job and excludes no node."""
     from setdiff_dist.cli.train import _write_exit_status
 
     stubs = tmp_path / "bin"
@@ -275,6 +277,10 @@ def test_train_sbatch_requeues_only_a_failure_a_restart_may_get_past(tmp_path, o
         (stubs / name).chmod(0o755)
     run, log = tmp_path / "run", tmp_path / "scontrol.log"
     _write_exit_status(str(run), outcome, code, 4, None)
+    with open(run / "faults.jsonl", "w") as fh:
+        hangs = [{"job": "123", "kind": "hang", "node": "n1"}] * hangs_on_n1
+        for fault in hangs + [{"job": "99", "kind": "hang", "node": "n2"}] * 2:
+            fh.write(json.dumps(fault) + "\n")
     env = dict(os.environ, STUB_LOG=str(log), SLURM_JOB_ID="123", SLURM_JOB_NODELIST="n1",
                SLURM_NNODES="1", SETDIFF_HOME=os.getcwd(),
                PATH=os.pathsep.join([str(stubs), os.path.dirname(sys.executable),
@@ -288,10 +294,14 @@ def test_train_sbatch_requeues_only_a_failure_a_restart_may_get_past(tmp_path, o
         assert res.returncode == 0, res.stderr
         assert "requeuehold 123" in calls and "release 123" in calls, calls
         assert "update JobId=123 ExcNodeList=n1" in calls, calls
+        assert json.loads((run / "faults.jsonl").read_text().splitlines()[-1])["kind"] == \
+            "exclude-node"
     else:
         assert res.returncode != 0, res.stderr
         assert calls == ["show hostnames n1"], calls
-        assert f"not requeueing: the run ended {outcome}" in res.stderr, res.stderr
+        said = (f"not requeueing: the run ended {outcome}" if outcome in ("diverged", "invalid")
+                else "in-job restart(s) of train.max_restarts are spent and no node is to blame")
+        assert said in res.stderr, res.stderr
 
 
 def test_a_restarted_run_logs_each_step_once(tmp_path):
@@ -321,13 +331,99 @@ def test_the_exit_status_of_a_hang_has_the_trainers_step(tmp_path):
 
     from setdiff_dist.cli.train import _record_hang
 
-    trainer = SimpleNamespace(step=5)
+    trainer = SimpleNamespace(step=5, last_step_at=None)
     on_hang = _record_hang(str(tmp_path), trainer)
-    trainer.step = 9
+    trainer.step, trainer.last_step_at = 9, 1234.5
     on_hang({"rank": 1, "step": 6, "phase": "forward"})
     status = json.loads((tmp_path / "exit_status.json").read_text())
-    assert status == {"outcome": "hung", "exit_code": EXIT_HUNG, "step": 9, "checkpoint": None,
-                      "restartable": True}
+    assert {k: status[k] for k in ("outcome", "exit_code", "step", "checkpoint", "restartable",
+                                   "last_step_at")} == \
+        {"outcome": "hung", "exit_code": EXIT_HUNG, "step": 9, "checkpoint": None,
+         "restartable": True, "last_step_at": 1234.5}
+
+
+def _as_start(monkeypatch, job="7", allocation=0, restart=0):
+    """This process as a start of a job: Slurm's job id and requeue count, torch elastic's
+    restart count (none of them set where a value is None)."""
+    for key, value in (("SLURM_JOB_ID", job), ("SLURM_RESTART_COUNT", allocation),
+                       ("TORCHELASTIC_RESTART_COUNT", restart)):
+        monkeypatch.delenv(key, raising=False)
+        if value is not None:
+            monkeypatch.setenv(key, str(value))
+    for key in ("TORCHELASTIC_RUN_ID", "SETDIFF_LAUNCH_ID", "SETDIFF_RESTART"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def test_a_restart_after_a_failure_no_restart_gets_past_ends_at_once(tmp_path, monkeypatch):
+    """torch elastic restarts the ranks after any non-zero exit: a restart that finds the
+    previous start of the same allocation ended diverged (or refused, or stopped on a signal)
+    ends at once with its code; after a crash, or a record of another job or allocation, or in
+    the first start, it goes on."""
+    from setdiff_dist.cli.train import _write_exit_status, refuse_pointless_restart
+    from setdiff_dist.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED
+
+    run = str(tmp_path)
+    _as_start(monkeypatch, restart=0)
+    _write_exit_status(run, "diverged", EXIT_DIVERGED, 4, None)
+    assert refuse_pointless_restart(run) is None  # (the first start: nothing to go by)
+    _as_start(monkeypatch, restart=1)
+    assert refuse_pointless_restart(run) == EXIT_DIVERGED
+    _as_start(monkeypatch, allocation=0)
+    _write_exit_status(run, "preempted", EXIT_PREEMPTED, 4, None)
+    _as_start(monkeypatch, restart=2)
+    assert refuse_pointless_restart(run) == EXIT_PREEMPTED
+    for job, allocation in (("8", 0), ("7", 1)):  # another job; the next allocation
+        _as_start(monkeypatch, job=job, allocation=allocation, restart=1)
+        assert refuse_pointless_restart(run) is None
+    _as_start(monkeypatch)
+    _write_exit_status(run, "failed", EXIT_FAILED, 4, None)
+    _as_start(monkeypatch, restart=1)
+    assert refuse_pointless_restart(run) is None
+    _as_start(monkeypatch, job=None, restart=1)  # (no launcher's job: never refused)
+    _write_exit_status(run, "diverged", EXIT_DIVERGED, 4, None)
+    assert refuse_pointless_restart(run) is None
+
+
+def test_a_start_after_a_fault_knows_the_last_step_before_it(tmp_path, monkeypatch):
+    """What the first step of a restart or a requeue reports its lost time from: the previous
+    start's exit status when its rank 0 wrote one, else the later of rank 0's last heartbeat
+    (its step in progress) and metrics.jsonl's last line; nothing in a first start, nor from
+    another job's records."""
+    from setdiff_dist.cli.train import _write_exit_status, fault_before_this_start
+    from setdiff_dist.train.watchdog import DIRECTORY, attempt_id, heartbeat_path
+
+    run = str(tmp_path)
+    _as_start(monkeypatch)
+    _write_exit_status(run, "hung", EXIT_HUNG, 12, None, last_step_at=1000.0)
+    assert fault_before_this_start(run, 0) is None
+    _as_start(monkeypatch, restart=1)
+    assert fault_before_this_start(run, 1) == ("restart 1", 1000.0, 12)
+    # rank 0 was killed: no exit status; its heartbeat and the metrics say how far it got
+    os.remove(os.path.join(run, "exit_status.json"))
+    os.makedirs(os.path.join(run, DIRECTORY))
+    with open(heartbeat_path(run, 0), "w") as fh:
+        json.dump({"pid": -1, "attempt": attempt_id(), "step": 15, "progress_at": 1100.0}, fh)
+    with open(os.path.join(run, "metrics.jsonl"), "w") as fh:
+        fh.write(json.dumps({"step": 13, "loss": 1.0}) + "\n")
+    os.utime(os.path.join(run, "metrics.jsonl"), (1050.0, 1050.0))
+    assert fault_before_this_start(run, 1) == ("restart 1", 1100.0, 14)
+    os.utime(os.path.join(run, "metrics.jsonl"), (1200.0, 1200.0))
+    assert fault_before_this_start(run, 1) == ("restart 1", 1200.0, 13)
+    _as_start(monkeypatch, allocation=1)  # Slurm requeued the job after its node was lost
+    assert fault_before_this_start(run, 0) == ("requeue 1", 1200.0, 13)
+    _as_start(monkeypatch, job="8", allocation=1)  # another job's records: nothing
+    assert fault_before_this_start(run, 0) is None
+
+
+def test_torchrun_restarts_on_the_agents_shared_store_are_refused(monkeypatch):
+    """The agents' shared rendezvous store keeps the last start's keys (pytorch#135712): a
+    launch that would restart on it is refused before it joins, saying what to export."""
+    from setdiff_dist.parallel.state import LaunchError, init_distributed
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    with pytest.raises(LaunchError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        init_distributed("gloo")
 
 
 def test_the_phase_timers_wait_for_the_device_only_when_they_report():

@@ -1,5 +1,5 @@
 """The Slurm launchers on a real Slurm cluster: three emulated nodes on this machine (jobs take
-two; the third is where a job goes without a node that failed).
+two; the third is where a job goes when a node is lost).
 
 The cluster is the one ``launchers/slurm/cluster.sh`` starts (``.ci/run`` starts it and stops it
 on exit); without one, this module starts it itself when it can (root, apt) and stops it after.
@@ -9,6 +9,7 @@ CI), which turns that into a failure.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -222,42 +223,81 @@ def test_sharded_evaluation_and_generation_jobs(uninterrupted, cluster, tmp_path
     assert len(generated) == 1 and len(generated[0]["tokens"][0]) == 8
 
 
-@pytest.mark.slow
-def test_a_rank_killed_on_one_node_requeues_the_job_without_that_node(
-        uninterrupted, cluster, shards, tmp_path):
-    """train.max_restarts=1 on 3 emulated nodes: SIGKILL the rank on n2 after the step-10
-    checkpoint; train.sbatch requeues the job excluding n2, it runs on n1 and n3, resumes from
-    that checkpoint and ends with the uninterrupted job's losses, bit for bit."""
-    import signal
+def _victim(run, jid, env, node):
+    """The pid of the rank on ``node`` (from its heartbeat), once the run has a checkpoint."""
+    deadline = time.time() + 180
+    while True:
+        assert time.time() < deadline and _job(jid, env).get("JobState") not in DONE, \
+            "the job ended or stalled before a rank could be killed"
+        if (run / "checkpoints" / "latest").exists():
+            for name in (os.listdir(run / "watchdog") if (run / "watchdog").is_dir() else []):
+                try:
+                    beat = json.loads((run / "watchdog" / name).read_text())
+                except (OSError, ValueError):
+                    continue
+                if name.startswith("rank") and beat.get("node") == node:
+                    return beat["pid"]
+        time.sleep(0.1)
 
-    _, _, straight_job = uninterrupted
-    assert straight_job["JobState"] == "COMPLETED"
+
+def _faulted_job(cluster, shards, tmp_path, node, fault):
+    """A 2-node job with train.max_restarts=1, a checkpoint every 10 steps, and ``fault``
+    done to ``node`` after the first checkpoint: (its final record, its log)."""
     run = tmp_path / "run"
     jid = _sbatch(cluster, tmp_path / "job.out", "--nodes=2", "--ntasks-per-node=1", TRAIN,
                   *train_args(run, shards, STEPS), "train.max_restarts=1",
                   "checkpoint.interval=10")
-    deadline = time.time() + 180
-    victim = None
-    while victim is None:
-        assert time.time() < deadline and _job(jid, cluster).get("JobState") not in DONE, \
-            "the job ended or stalled before a rank could be killed"
-        beats = []
-        for name in (os.listdir(run / "watchdog") if (run / "watchdog").is_dir() else []):
-            if name.startswith("rank") and name.endswith(".json"):
-                try:
-                    beats.append(json.loads((run / "watchdog" / name).read_text()))
-                except (OSError, ValueError):
-                    pass
-        if (run / "checkpoints" / "latest").exists():
-            victim = next((b["pid"] for b in beats if b.get("node") == "n2"), None)
-        time.sleep(0.1)
-    os.kill(victim, signal.SIGKILL)
+    fault(_victim(run, jid, cluster, node))
     job = _wait(jid, cluster)
-    log = (tmp_path / "job.out").read_text()
+    return job, (tmp_path / "job.out").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("node", ["n1", "n2"], ids=["batch-node", "other-node"])
+def test_a_killed_rank_restarts_inside_the_job(uninterrupted, cluster, shards, tmp_path, node):
+    """SIGKILL one rank after the step-10 checkpoint (on n1, which also holds the batch script,
+    the rendezvous and rank 0; or on n2): torch elastic's agents restart both ranks in the same
+    allocation (the same job, never requeued, no node excluded), they resume from the
+    checkpoint, the log says how long the restart took, and the losses are the uninterrupted
+    job's, bit for bit."""
+    import signal
+
+    _, _, straight_job = uninterrupted
+    assert straight_job["JobState"] == "COMPLETED"
+    job, log = _faulted_job(cluster, shards, tmp_path, node,
+                            lambda pid: os.kill(pid, signal.SIGKILL))
     assert job["JobState"] == "COMPLETED", log[-3000:]
-    assert job["Restarts"] == "1" and job["ExcNodeList"] == "n2", (job, log[-3000:])
-    assert job["NodeList"] == "n[1,3]", job
-    assert "restart 1 of 1 (train.max_restarts), without n2" in log, log[-3000:]
+    assert job["Restarts"] == "0" and job["ExcNodeList"] == "(null)", (job, log[-3000:])
+    assert job["NodeList"] == "n[1-2]", job
     resumed = [line for line in log.splitlines() if line.startswith("resumed from")]
-    assert len(resumed) == 1 and int(resumed[0].rsplit(" ", 1)[1]) >= 10
-    assert losses(run) == losses(uninterrupted[0] / "run")
+    assert len(resumed) == 1 and int(resumed[0].rsplit(" ", 1)[1]) >= 10, log[-3000:]
+    assert re.search(r"^restart 1: step \d+ done [\d.]+ s after the previous start's last step",
+                     log, re.M), log[-3000:]
+    assert losses(tmp_path / "run") == losses(uninterrupted[0] / "run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("node", ["n1", "n2"], ids=["batch-node", "other-node"])
+def test_a_lost_node_is_requeued_by_slurm_and_resumes_exactly(uninterrupted, cluster, shards,
+                                                              tmp_path, node):
+    """The node vanishes after the step-10 checkpoint (cluster.sh kill-node: its slurmd, the
+    job's processes on it, the batch script too when it is n1): Slurm ends the job NODE_FAIL
+    and requeues it on the nodes that answer; it resumes from the checkpoint, records the
+    requeue in faults.jsonl, and ends with the uninterrupted job's losses, bit for bit."""
+    _, _, straight_job = uninterrupted
+    assert straight_job["JobState"] == "COMPLETED"
+    try:
+        job, log = _faulted_job(
+            cluster, shards, tmp_path, node,
+            lambda pid: subprocess.run(["bash", CLUSTER, "kill-node", node], check=True,
+                                       capture_output=True))
+    finally:
+        subprocess.run(["bash", CLUSTER, "revive", node], capture_output=True, env=cluster)
+    assert job["JobState"] == "COMPLETED", log[-3000:]
+    assert job["Restarts"] == "1" and node not in job["NodeList"], (job, log[-3000:])
+    faults = [json.loads(line) for line in
+              (tmp_path / "run" / "faults.jsonl").read_text().splitlines()]
+    assert [f["kind"] for f in faults] == ["requeued-by-slurm"], faults
+    assert re.search(r"^requeue 1: step \d+ done [\d.]+ s after the previous start's last step",
+                     log, re.M), log[-3000:]
+    assert losses(tmp_path / "run") == losses(uninterrupted[0] / "run")

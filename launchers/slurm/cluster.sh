@@ -6,6 +6,9 @@
 #   source <(bash launchers/slurm/cluster.sh env)  # point sbatch/srun/squeue at it
 #   bash launchers/slurm/cluster.sh status
 #   bash launchers/slurm/cluster.sh stop            # stops every daemon by its pid file
+#   bash launchers/slurm/cluster.sh kill-node n2    # the node vanishes (SIGKILL to its slurmd
+#                                                  # and to every process of its jobs)
+#   bash launchers/slurm/cluster.sh revive n2       # its slurmd starts again
 #
 # Needs root and apt (Debian's slurmctld, slurmd, slurm-client and munge: ~3 MB). Every file it
 # writes lives under $SETDIFF_SLURM_BASE (default /tmp/setdiff-slurm); the only changes outside it
@@ -86,6 +89,9 @@ SwitchType=switch/none
 ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=30
+# a node whose slurmd stops answering is DOWN after 10-20 s (the default, 300 s, is for real
+# clusters): the node-loss tests end the job NODE_FAIL and requeue it in that time
+SlurmdTimeout=10
 MinJobAge=600
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
@@ -161,6 +167,45 @@ stop() {
     log "stopped"
 }
 
+node_pids() {  # every process of emulated node $1: its slurmd, slurmstepds and their tasks
+    local pid
+    [ -s "$BASE/run/slurmd-$1.pid" ] && cat "$BASE/run/slurmd-$1.pid"
+    for pid in /proc/[0-9]*; do
+        pid=${pid#/proc/}
+        tr '\0' '\n' 2>/dev/null <"/proc/$pid/environ" | grep -qx "SLURMD_NODENAME=$1" &&
+            echo "$pid"
+    done
+    # a slurmstepd holds its node's log (and spool files) open
+    for pid in $(pgrep -f '^slurmstepd' || true); do
+        find "/proc/$pid/fd" \( -lname "$BASE/log/slurmd-$1.log" -o -lname "$BASE/state/d/$1/*" \) \
+            2>/dev/null | grep -q . && echo "$pid"
+    done
+    return 0
+}
+
+kill_node() {  # the node vanishes: SIGKILL to its slurmd and everything it runs
+    local node=$1 pids
+    grep -qx "$node" "$BASE/nodes" || die "no node $node (nodes: $(node_names | tr '\n' ' '))"
+    pids=$(node_pids "$node" | sort -u | tr '\n' ' ')
+    # stopped first, all of them, then killed: a real node's processes die at one instant, and
+    # a slurmstepd that outlived its task by a moment would report the job ended by signal 9
+    # (not NODE_FAIL, which requeues it)
+    # shellcheck disable=SC2086
+    [ -n "$pids" ] && { kill -STOP $pids 2>/dev/null; kill -9 $pids 2>/dev/null; }
+    rm -f "$BASE/run/slurmd-$node.pid"
+    log "killed $node (pids $pids); slurmctld sets it DOWN within SlurmdTimeout"
+}
+
+revive_node() {  # start the node's slurmd again; ReturnToService=2 makes it usable
+    local node=$1
+    grep -qx "$node" "$BASE/nodes" || die "no node $node"
+    alive "$BASE/run/slurmd-$node.pid" && return 0
+    (cd "$BASE" && exec setsid nohup slurmd -D -N "$node" -f "$CONF" \
+        >>"$BASE/log/slurmd-$node.out" 2>&1 </dev/null &)
+    wait_idle
+    log "$node is back"
+}
+
 case "${1:-}" in
     start) start "${2:-2}" ;;
     stop) stop ;;
@@ -168,5 +213,8 @@ case "${1:-}" in
     status)
         if alive "$BASE/run/slurmctld.pid"; then SLURM_CONF=$CONF sinfo -N
         else echo "not running"; exit 3; fi ;;
-    *) echo "usage: $0 start [NODES] | stop | status | env" >&2; exit 2 ;;
+    kill-node) kill_node "${2:?which node}" ;;
+    revive) revive_node "${2:?which node}" ;;
+    *) echo "usage: $0 start [NODES] | stop | status | env | kill-node NODE | revive NODE" >&2
+       exit 2 ;;
 esac

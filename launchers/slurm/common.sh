@@ -13,6 +13,12 @@
 #   MASTER_PORT       rendezvous port; default 20000 + job id mod 20000, so that concurrent jobs
 #                     on shared nodes do not collide and a requeued job gets the same one
 #   RDZV_TIMEOUT      seconds the agents wait for each other (default 900)
+#   MAX_RESTARTS      in-job restarts (torchrun --max-restarts; train.sbatch sets it from
+#                     train.max_restarts): after a rank dies, every node's agent stops its
+#                     ranks and starts them again in the same allocation, and they resume from
+#                     the last checkpoint (default 0: the first failure ends the step). Each
+#                     start gets a new rendezvous store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1):
+#                     the agents' shared one keeps the last start's keys (pytorch#135712)
 # NCCL / gloo (exported by you, passed through to every rank):
 #   NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME   the interface to use (e.g. ib0, eth0, ^lo,docker)
 #   NCCL_IB_HCA, NCCL_IB_DISABLE=1            InfiniBand adapters, or plain TCP
@@ -48,6 +54,7 @@ setdiff_torchrun() {
     # preemption warning sent to the job's steps reaches the ranks, which install their own
     # handler, without killing torchrun (whose default action on SIGUSR1 is to die).
     # SIGTERM likewise: torchrun would otherwise kill its ranks 30 s after it, mid-checkpoint.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # (MAX_RESTARTS above)
     srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$SLURM_NNODES" \
         --cpus-per-task="${CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}" \
         bash -c 'trap "" USR1 TERM; exec "$@"' setdiff-agent \
@@ -55,7 +62,8 @@ setdiff_torchrun() {
         --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" \
         --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d \
         --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
-        --rdzv-conf="join_timeout=${RDZV_TIMEOUT:-900}" --max-restarts=0 "$@"
+        --rdzv-conf="join_timeout=${RDZV_TIMEOUT:-900}" --max-restarts="${MAX_RESTARTS:-0}" \
+        "$@"
 }
 
 echo "[setdiff] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST:" \

@@ -42,6 +42,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 
 from setdiff_dist.cli import HelpFormatter, Once, command, count
 from setdiff_dist.config import ConfigError, load_config
@@ -183,12 +184,13 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0, max_restarts: int
         threads = {"OMP_NUM_THREADS": str(threads_per_rank(nproc))}
         print(f"setdiff-train: {threads['OMP_NUM_THREADS']} CPU thread(s) per rank "
               "(OMP_NUM_THREADS overrides)", file=sys.stderr, flush=True)
-    restart = 0
+    restart, launch_id = 0, uuid.uuid4().hex  # (the starts of one launch share its id)
     while True:
         if SIGNALS.got:  # stopped before any rank started: start none
             return 128 + SIGNALS.got[0]
         code, failed = _attempt(nproc, argv, grace_s,
-                                dict(threads, SETDIFF_RESTART=str(restart)))
+                                dict(threads, SETDIFF_RESTART=str(restart),
+                                     SETDIFF_LAUNCH_ID=launch_id))
         if failed is None or not restartable(failed[1]) or SIGNALS.got:
             return code
         how = _how(failed[1])
@@ -278,6 +280,19 @@ def restart_count() -> int:
     return 0
 
 
+def agreed_restart_count() -> int:
+    """The restart count every rank agrees on (the largest): torch elastic counts restarts per
+    agent, and an agent whose ranks were still healthy when another node's failed restarts
+    them without counting (pytorch/pytorch#135712). One all-reduce at start-up."""
+    import torch
+    import torch.distributed as dist
+
+    count = torch.tensor([restart_count()], dtype=torch.int64,
+                         device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
 def _latest_or_none(run_dir: str):
     from setdiff_dist.checkpoint.files import CheckpointError, resolve_latest
 
@@ -287,16 +302,108 @@ def _latest_or_none(run_dir: str):
         return None
 
 
-def _write_exit_status(run_dir: str, outcome: str, code: int, step, checkpoint) -> None:
+def _write_exit_status(run_dir: str, outcome: str, code: int, step, checkpoint,
+                       last_step_at=None) -> None:
     """Rank 0's record of how this attempt ended, replaced atomically; ``restartable``: whether
     it is a failure a restart may get past (:func:`setdiff_dist.errors.restartable`), which
-    the Slurm launcher reads."""
+    the Slurm launcher reads; ``attempt``: which start wrote it; ``last_step_at``: the wall
+    time of the attempt's last completed step (what a restart measures its lost time from)."""
+    import time
+
+    from setdiff_dist.train.watchdog import attempt_id
+
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, EXIT_STATUS_FILE)
     with open(path + ".tmp", "w") as fh:
         json.dump({"outcome": outcome, "exit_code": code, "step": step,
-                   "checkpoint": checkpoint, "restartable": restartable(code)}, fh)
+                   "checkpoint": checkpoint, "restartable": restartable(code),
+                   "attempt": attempt_id(), "time": time.time(),
+                   "last_step_at": last_step_at}, fh)
     os.replace(path + ".tmp", path)
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def previous_attempt(run_dir: str):
+    """How the start before this one in the same allocation ended, as its rank 0 recorded it
+    (``exit_status.json``), or None: no record, a record of another job or allocation, or a
+    process no launcher will restart (no job id)."""
+    from setdiff_dist.train.watchdog import attempt_id
+
+    status = _read_json(os.path.join(run_dir, EXIT_STATUS_FILE))
+    here = attempt_id()
+    if not isinstance(status, dict) or here["job"] is None or status.get("attempt") != here:
+        return None
+    return status
+
+
+def refuse_pointless_restart(run_dir: str):
+    """torch elastic restarts the workers after any non-zero exit, but a refusal, a
+    divergence or a stop on a signal would only end the same way again (or train past a
+    preemption): the restarted ranks end at once, with the previous attempt's exit code, before
+    they build anything. Returns that code, or None to go on."""
+    status = previous_attempt(run_dir) if restart_count() else None
+    if status is None or status.get("restartable", True):
+        return None
+    code = int(status.get("exit_code", EXIT_FAILED))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"setdiff-train: restart {restart_count()}: not starting again: the previous "
+              f"attempt ended {status.get('outcome')} (exit code {code}, "
+              f"{os.path.join(run_dir, EXIT_STATUS_FILE)}), which a restart would meet again; "
+              "ending with its code", file=sys.stderr, flush=True)
+    return code
+
+
+def fault_before_this_start(run_dir: str, restart: int):
+    """When this start follows another of the same job (an in-job restart, ``restart`` > 0,
+    or a Slurm requeue): (which, the wall time of the last step the previous start finished,
+    that step), from its rank 0's exit status or, when rank 0 died without one (a kill, a lost
+    node), the later of its last heartbeat and its last line of metrics.jsonl; else None. The
+    first step of this start reports the time lost from there (``Trainer._report_restart``)."""
+    from setdiff_dist.train.watchdog import attempt_id, heartbeat_path
+
+    here = attempt_id()
+    if here["job"] is None or not (restart or here["allocation"]):
+        return None
+    found = []
+    status = _read_json(os.path.join(run_dir, EXIT_STATUS_FILE))
+    if isinstance(status, dict) and (status.get("attempt") or {}).get("job") == here["job"] \
+            and status.get("last_step_at"):
+        found.append((status["last_step_at"], status.get("step")))
+    beat = _read_json(heartbeat_path(run_dir, 0))
+    if isinstance(beat, dict) and (beat.get("attempt") or {}).get("job") == here["job"] and \
+            beat.get("progress_at") and beat.get("pid") != os.getpid():
+        # (its step is the one in progress)
+        found.append((beat["progress_at"], max(int(beat.get("step") or 1) - 1, 0)))
+    logged = _last_logged_step(os.path.join(run_dir, "metrics.jsonl"))
+    if logged and (found or restart):  # (a requeue's metrics may be another job's)
+        found.append(logged)
+    if not found:
+        return None
+    which = f"restart {restart}" if restart else f"requeue {here['allocation']}"
+    return (which, *max(found, key=lambda f: f[0]))
+
+
+def _last_logged_step(path: str):
+    """(when ``metrics.jsonl`` was last written, the step of its last line), or None."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(os.fstat(fh.fileno()).st_size - 65536, 0))
+            at = os.fstat(fh.fileno()).st_mtime
+            for line in reversed(fh.read().splitlines()):
+                try:
+                    return at, int(json.loads(line)["step"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+    except OSError:
+        pass
+    return None
 
 
 def _record_hang(run_dir: str, trainer):
@@ -304,7 +411,7 @@ def _record_hang(run_dir: str, trainer):
     completed one, as every outcome records), not the hang report's, which is the culprit's
     last heartbeat (another rank's, written seconds before, or none)."""
     return lambda report: _write_exit_status(run_dir, "hung", EXIT_HUNG, trainer.step,
-                                             _latest_or_none(run_dir))
+                                             _latest_or_none(run_dir), trainer.last_step_at)
 
 
 _RUN_LOCK = None  # rank 0's hold on the run directory, for the life of the process
@@ -452,7 +559,7 @@ def run(cfg, force: bool = False) -> int:
 
     # idempotent; rank 0 is known before any error
     init_distributed(cfg.parallel.backend, cfg.train.collective_timeout_s)
-    restart = restart_count()
+    restart = agreed_restart_count()
     if restart and cfg.resume != "auto":
         # a restart goes on from this run's last checkpoint, not from where the first start did
         if dist.get_rank() == 0:
@@ -462,6 +569,8 @@ def run(cfg, force: bool = False) -> int:
     if problems:
         raise ConfigError(problems, "the launch")
     rank0 = dist.get_rank() == 0
+    # (read before the claim sets the previous start's heartbeats aside)
+    fault = fault_before_this_start(cfg.run_dir, restart) if rank0 else None
     verdict = [_claim_run_dir(cfg, force) if rank0 else None]
     dist.broadcast_object_list(verdict, src=0)  # every rank stops, or none
     if verdict[0] is not None:
@@ -471,6 +580,7 @@ def run(cfg, force: bool = False) -> int:
     outcome, code, trainer = "failed", EXIT_FAILED, None
     try:
         trainer = Trainer(cfg)
+        trainer.restarted_after = fault
         SIGNALS.hand_to(trainer.request_stop)
         if rank0:  # (a hang ends the process from the watch's thread: no finally runs)
             trainer.on_hang = _record_hang(cfg.run_dir, trainer)
@@ -504,7 +614,8 @@ def run(cfg, force: bool = False) -> int:
     finally:
         if rank0:
             _write_exit_status(cfg.run_dir, outcome, code, trainer.step if trainer else None,
-                               _latest_or_none(cfg.run_dir))
+                               _latest_or_none(cfg.run_dir),
+                               trainer.last_step_at if trainer else None)
         if outcome in ("completed", "paused", "preempted"):
             # no rank exits before rank 0 has recorded the outcome: under `srun
             # --kill-on-bad-exit` the first rank to exit 75 would take rank 0 down with it
@@ -537,6 +648,9 @@ def main(argv: list[str] | None = None) -> int:
                 (i == 0 or argv[i - 1] != "--nproc-per-node") and not a.startswith(
                     "--nproc-per-node=")]
         return launch(args.nproc_per_node, rest, max_restarts=cfg.train.max_restarts)
+    pointless = refuse_pointless_restart(cfg.run_dir)
+    if pointless is not None:
+        return pointless
     from setdiff_dist.parallel import destroy_model_parallel
 
     try:

@@ -104,6 +104,16 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> Launch
     le = launch_env()
     if dist.is_initialized():
         return le
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0:
+        # the agents' shared store outlives a restart with the last attempt's keys in it: the
+        # restarted ranks read their peers' old addresses and fail to connect
+        # (pytorch/pytorch#135712); launchers/local.sh and launchers/slurm set this for torchrun
+        raise LaunchError(
+            "torchrun --max-restarts with the rendezvous store shared with the ranks: a "
+            "restart would fail to connect on the previous attempt's keys; export "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (the launchers in launchers/ "
+            "do), or use setdiff-train --nproc-per-node with train.max_restarts")
     # DeepSpeed and megatron read these; under plain python or srun they are ours to set
     for key, value in (("RANK", le.rank), ("WORLD_SIZE", le.world_size),
                        ("LOCAL_RANK", le.local_rank), ("MASTER_ADDR", le.master_addr),

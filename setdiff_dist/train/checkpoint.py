@@ -365,7 +365,11 @@ def _fault_point(name: str, step: int) -> None:
     (every file written, no manifest yet) or ``async_write:STEP`` (in the background write,
     DeepSpeed's files written, the weights not) kills this process with SIGKILL at that point
     of the save of checkpoint STEP; ``write_fails:STEP:RANK`` makes rank RANK's background
-    write of it fail at its start as a full disk does (ENOSPC)."""
+    write of it fail at its start as a full disk does (ENOSPC). A fault strikes the first start
+    only: a restart (``train.max_restarts``) meets it no more, as after a transient fault."""
+    if any(os.environ.get(k, "0") != "0" for k in ("SETDIFF_RESTART",
+                                                   "TORCHELASTIC_RESTART_COUNT")):
+        return
     fault = os.environ.get("SETDIFF_FAULT", "")
     if fault == f"{name}:{step}":
         os.kill(os.getpid(), 9)

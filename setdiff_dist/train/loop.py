@@ -143,6 +143,12 @@ class Trainer:
         self.saver = AsyncSaver() if cfg.checkpoint.async_save else None
         # run by the hang watch just before this rank exits (setdiff-train records the outcome)
         self.on_hang: Optional[Callable[[dict], None]] = None
+        # the wall time of the last completed step (the exit status records it); and, when
+        # this start follows another of the job (an in-job restart, a requeue), ("restart N" or
+        # "requeue N", the wall time of the previous start's last step, that step), which
+        # setdiff-train sets for the first step to report the time lost
+        self.last_step_at: Optional[float] = None
+        self.restarted_after: Optional[tuple] = None
         self.resumed_from = self._resume()
 
     # -- set-up ------------------------------------------------------------------------------
@@ -454,6 +460,19 @@ class Trainer:
         return {"valid_loss": per_token, "valid_ppl_bound": math.exp(min(per_token, 50.0)),
                 "valid_tokens": float(total[1])}
 
+    def _report_restart(self) -> None:
+        """Rank 0, after the first step of a start that follows another (an in-job restart,
+        a requeue): the time lost, from the previous start's last step to the end of this one,
+        and the steps trained again."""
+        which, before_at, before_step = self.restarted_after
+        self.restarted_after = None
+        if self.rank != 0:
+            return
+        redone = max(int(before_step or 0) - (self.step - 1), 0)
+        print(f"{which}: step {self.step} done {self.last_step_at - before_at:.1f} s after the "
+              f"previous start's last step (step {before_step}); {redone} step(s) trained "
+              f"again from {self.resumed_from or 'the start'}", flush=True)
+
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> str:
         """Train to ``train.steps``; returns ``"completed"``, ``"paused"`` (``exit_at_step``, or
@@ -485,6 +504,9 @@ class Trainer:
                 with timers.phase("data_wait"):
                     micro_batches = next(steps)
                 record = self.train_step(micro_batches)
+                self.last_step_at = time.time()
+                if self.restarted_after is not None:
+                    self._report_restart()
                 trace = profile.after(self.step, last=self.step == cfg.train.steps)
                 if trace and self.rank == 0:
                     print(f"profiler trace of steps {profile.first}-{self.step}: "

@@ -77,6 +77,30 @@ def read_heartbeats(run_dir: str) -> dict[int, dict]:
     return found
 
 
+def attempt_id() -> dict:
+    """Which allocation of which job this process belongs to: the job (Slurm's job id, else
+    torch elastic's run id, which torchrun --standalone makes up for each launch) and Slurm's
+    requeue count. The in-job restarts of one allocation share it: a record with the same id
+    was written by an earlier start of this allocation."""
+    return {"job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+            or os.environ.get("SETDIFF_LAUNCH_ID"),
+            "allocation": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
+
+
+FAULTS = "faults.jsonl"
+
+
+def record_fault(run_dir: str, kind: str, **detail) -> None:
+    """One line of ``run_dir/faults.jsonl``, the job's history of faults: the Slurm launcher
+    excludes a node only when the hang reports of one job name it twice."""
+    line = json.dumps({"time": time.time(), **attempt_id(), "kind": kind, **detail})
+    try:
+        with open(os.path.join(run_dir, FAULTS), "a") as fh:
+            fh.write(line + "\n")
+    except OSError:
+        pass  # (a full disk must not keep a hung rank alive)
+
+
 def culprit(beats: dict[int, dict], now: float, stale_after: float) -> tuple[int, bool]:
     """The rank to blame for a hang, and whether its heartbeat stopped: a rank whose watchdog
     no longer writes (stopped, or dead) first, else the rank whose progress stopped first."""
@@ -152,7 +176,7 @@ class Watchdog:
         try:
             _write_json(heartbeat_path(self.run_dir, self.rank),
                         {"rank": self.rank, "host": self.host, "node": self.node,
-                         "pid": os.getpid(),
+                         "pid": os.getpid(), "attempt": attempt_id(),
                          "step": self._step, "phase": self._phase,
                          "progress_at": self._progress_wall, "alive_at": time.time()})
         except OSError:
@@ -206,6 +230,8 @@ class Watchdog:
             return None  # another rank reported it: it dumps its host's stacks
         with os.fdopen(fd, "w") as fh:
             json.dump(report, fh, indent=1)
+        record_fault(self.run_dir, "hang", rank=who, node=node, step=b["step"],
+                     phase=b["phase"])
         if silent:
             what = (f"stopped responding: its heartbeat stopped {now - b['alive_at']:.0f} s "
                     f"ago (at step {b['step']}, {b['phase']}), the process is stopped or gone")
