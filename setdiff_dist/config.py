@@ -257,6 +257,12 @@ class CheckpointConfig:
                           "write it (and hash it) in a background thread while training goes "
                           "on; one save in flight at most, latest moves once it is all "
                           "written; costs the checkpoint's size in host memory")
+    save_retries: int = _f(0, "a background save (checkpoint.async_save) that fails on any "
+                           "rank (a full disk, a lost file system) is known to every rank at "
+                           "the next step boundary; with retries left the ranks remove it and "
+                           "save again there, at most this many times per start (latest stays "
+                           "at the last complete checkpoint meanwhile); 0: the job ends with the "
+                           "failure's message and exit code", min=0)
     checksums: bool = _f(True, "write each file's SHA-256 into the checkpoint's manifest and "
                          "check them at resume (the ranks share the hashing, about 1 GB/s "
                          "each); false: sizes only (every other read of a checkpoint, "

@@ -177,6 +177,29 @@ def test_a_failed_background_write_ends_every_rank_at_the_next_step_boundary(son
     assert not (run / "checkpoints" / "step_0000006" / "manifest.json").exists()
 
 
+def test_a_failed_background_write_is_saved_again_with_a_retry_left(sonnets, tmp_path):
+    """The same failure (rank 1's write of step 6, ENOSPC) with checkpoint.save_retries=1:
+    every rank learns of it at a step boundary (or at the next save), the partial save goes,
+    the ranks save again at that step and train on to the end (exit 0); the retried
+    checkpoint is complete and ``latest`` moves on from step 3 as the run goes on."""
+    from setdiff_dist.checkpoint.manifest import read_manifest
+
+    run = tmp_path / "run"
+    env = dict(os.environ, SETDIFF_FAULT="write_fails:6:1")
+    res = run_train(run, sonnets, "checkpoint.async_save=true", "checkpoint.interval=3",
+                    "checkpoint.save_retries=1", "checkpoint.keep_last=0", steps=9, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = [line for line in res.stderr.splitlines() if "Saving again now, at step" in line]
+    assert len(said) == 1 and "rank 1 could not write its files" in said[0], res.stderr[-3000:]
+    retried = int(said[0].split("at step ")[1].split(" ")[0])
+    assert 6 <= retried <= 9, said  # (the boundary after the save, or the next save's)
+    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert saved == sorted({"step_0000003", f"step_{retried:07d}", "step_0000009"}), saved
+    for name in saved:
+        assert read_manifest(str(run / "checkpoints" / name))["step"] == int(name[5:])
+    assert latest(run) == "step_0000009"
+
+
 @pytest.mark.parametrize("layout", [
     pytest.param(("zero.stage=2",), id="zero2"),
     # the default bf16 path: ZeRO-1, the reduction overlapped with the backward

@@ -365,16 +365,21 @@ def _fault_point(name: str, step: int) -> None:
     (every file written, no manifest yet) or ``async_write:STEP`` (in the background write,
     DeepSpeed's files written, the weights not) kills this process with SIGKILL at that point
     of the save of checkpoint STEP; ``write_fails:STEP:RANK`` makes rank RANK's background
-    write of it fail at its start as a full disk does (ENOSPC). A fault strikes the first start
-    only: a restart (``train.max_restarts``) meets it no more, as after a transient fault."""
+    write of it fail at its start as a full disk does (ENOSPC). A fault strikes once, in the
+    first start: a retried save (``checkpoint.save_retries``) or a restart
+    (``train.max_restarts``) meets it no more, as after a transient fault."""
     if any(os.environ.get(k, "0") != "0" for k in ("SETDIFF_RESTART",
                                                    "TORCHELASTIC_RESTART_COUNT")):
         return
     fault = os.environ.get("SETDIFF_FAULT", "")
     if fault == f"{name}:{step}":
         os.kill(os.getpid(), 9)
-    if fault == f"{name}:{step}:{dist.get_rank()}":
+    if fault == f"{name}:{step}:{dist.get_rank()}" and fault not in _FIRED:
+        _FIRED.add(fault)
         raise OSError(errno.ENOSPC, "No space left on device (injected: SETDIFF_FAULT)")
+
+
+_FIRED: set = set()  # the injected faults that have struck (each strikes once)
 
 
 def load(engine, path: str, universal: Optional[str] = None) -> dict:

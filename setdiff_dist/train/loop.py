@@ -141,6 +141,7 @@ class Trainer:
         self.stop_requested: Optional[str] = None  # "paused" / "preempted", by a signal
         # checkpoint.async_save: the background writer (one save in flight at most)
         self.saver = AsyncSaver() if cfg.checkpoint.async_save else None
+        self.save_retries_left = cfg.checkpoint.save_retries
         # run by the hang watch just before this rank exits (setdiff-train records the outcome)
         self.on_hang: Optional[Callable[[dict], None]] = None
         # the wall time of the last completed step (the exit status records it); and, when
@@ -243,6 +244,8 @@ class Trainer:
             self.engine.step()
 
     def save(self) -> str:
+        if self.saver is not None:
+            self._settle_save()  # (the one in flight; a failed one is retried by this save)
         self.whole_weights()
         # one key of our own: DeepSpeed reserves names such as "skipped_steps" in client state
         stream = self.loader(self.step).state_dict()
@@ -258,8 +261,8 @@ class Trainer:
     def finish_saving(self) -> None:
         """Wait for the checkpoint still being written in the background (if any): before a
         clean exit, whatever the reason."""
-        if self.saver is not None:
-            self.saver.wait()
+        while self.saver is not None and self._settle_save():
+            self.save()  # (a failed save, retried)
 
     def request_stop(self, signum: int) -> None:
         """Stop at the next step boundary, with a checkpoint: ``"paused"`` on SIGINT,
@@ -280,8 +283,42 @@ class Trainer:
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
         stop, any_failed = code.tolist()
         if any_failed:
-            self.saver.wait()  # (raises: every rank's save ends in the failure)
+            self._failed_save()
         return _STOP_OF[int(stop)]
+
+    def _failed_save(self) -> None:
+        """Every rank, at the step boundary after a background save failed on any of them:
+        raise the failure, or save again now with a retry left."""
+        if self._settle_save():
+            with self.timers.phase("checkpoint"):
+                self.save()
+
+    def _settle_save(self) -> bool:
+        """Wait for the background save in flight (every rank: each one's save ends in the
+        failure of any). A failure with ``checkpoint.save_retries`` left: the partial save is
+        removed and True returned (the caller saves again, at this step); without: raised."""
+        import shutil
+        import sys
+
+        from setdiff_dist.checkpoint.format import MANIFEST
+        from setdiff_dist.errors import SetdiffError
+
+        try:
+            self.saver.wait()
+            return False
+        except SetdiffError as exc:
+            if self.save_retries_left <= 0:
+                raise
+            self.save_retries_left -= 1
+            failed = self.saver.path
+            dist.barrier()  # (every rank's writer has stopped)
+            if self.rank == 0:
+                if failed and not os.path.exists(os.path.join(failed, MANIFEST)):
+                    shutil.rmtree(failed, ignore_errors=True)
+                print(f"setdiff-train: warning: {exc}. Saving again now, at step {self.step} "
+                      f"(checkpoint.save_retries: {self.save_retries_left} left)",
+                      file=sys.stderr, flush=True)
+            return True
 
     def loader(self, start_step: int = 0) -> TokenLoader:
         d = self.cfg.data
