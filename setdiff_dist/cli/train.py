@@ -59,6 +59,7 @@ from setdiff_dist.errors import (
     restartable,
 )
 from setdiff_dist.train.scale import HARDWARE
+from setdiff_dist.train.watchdog import restart_count
 
 
 class PeerLost(SetdiffError):
@@ -267,17 +268,6 @@ def _attempt(nproc: int, argv: list[str], grace_s: float, extra_env: dict):
     if failed is not None:
         return (failed[1] if failed[1] > 0 else EXIT_FAILED), failed
     return next((c for c in codes if c != 0), 0), None
-
-
-def restart_count() -> int:
-    """Which restart of the job this is (0: the first start): ours (``SETDIFF_RESTART``) or
-    torchrun's elastic agent's (``TORCHELASTIC_RESTART_COUNT``)."""
-    for key in ("SETDIFF_RESTART", "TORCHELASTIC_RESTART_COUNT"):
-        try:
-            return int(os.environ[key])
-        except (KeyError, ValueError):
-            continue
-    return 0
 
 
 def agreed_restart_count() -> int:

@@ -368,8 +368,9 @@ def _fault_point(name: str, step: int) -> None:
     write of it fail at its start as a full disk does (ENOSPC). A fault strikes once, in the
     first start: a retried save (``checkpoint.save_retries``) or a restart
     (``train.max_restarts``) meets it no more, as after a transient fault."""
-    if any(os.environ.get(k, "0") != "0" for k in ("SETDIFF_RESTART",
-                                                   "TORCHELASTIC_RESTART_COUNT")):
+    from .watchdog import restart_count
+
+    if restart_count():
         return
     fault = os.environ.get("SETDIFF_FAULT", "")
     if fault == f"{name}:{step}":

@@ -77,6 +77,17 @@ def read_heartbeats(run_dir: str) -> dict[int, dict]:
     return found
 
 
+def restart_count() -> int:
+    """Which restart of the job this process is (0: the first start): ours (``SETDIFF_RESTART``) or
+    torchrun's elastic agent's (``TORCHELASTIC_RESTART_COUNT``)."""
+    for key in ("SETDIFF_RESTART", "TORCHELASTIC_RESTART_COUNT"):
+        try:
+            return int(os.environ[key])
+        except (KeyError, ValueError):
+            continue
+    return 0
+
+
 def attempt_id() -> dict:
     """Which allocation of which job this process belongs to: the job (Slurm's job id, else
     torch elastic's run id, which torchrun --standalone makes up for each launch) and Slurm's
