@@ -23,9 +23,10 @@ the Megatron rows' largest relative error smallest, and prints them (the values 
 
 Part 2, our path: for the 1.3B and 8B models at 8 / 64 / 256 / 1024 H100s, collectives per
 step, exposed communication and predicted MFU, before (DeepSpeed ZeRO-1, the default: a reduce
-per bucket and owner, a broadcast per owner and bucket) and after (``zero.implementation=
-megatron``: one reduce-scatter and one all-gather per bucket, buckets of max(40M, 1M x DP)
-elements), both with the overlap the code has.
+per bucket and owner, a broadcast per owner and bucket) and after (the default, ``auto``: at
+ZeRO-1 ``megatron``, one reduce-scatter and one all-gather per bucket, buckets of max(40M, 1M x
+DP) elements; at ZeRO-2 ``fsdp``, one all-gather per layer a step and one reduce-scatter per
+layer and micro-batch), both with the overlap the code has.
 """
 
 from __future__ import annotations
@@ -189,26 +190,27 @@ def our_rows() -> list[dict]:
     from setdiff_dist.train.scale import System, ours
 
     out = []
-    for model, tp in (("1.3b", 1), ("8b", 4)):
+    for stage, model, tp in ((1, "1.3b", 1), (1, "8b", 4), (2, "1.3b", 1), (2, "8b", 4)):
         for world in (8, 64, 256, 1024):
             seqs = max((1 << 20) // 2048, world // tp)
             from setdiff_dist.config import load_config
 
             cfg = load_config(os.path.join(ROOT, "configs", "models", f"{model}.yaml"), [
                 "data.seq_len=2048", "data.micro_batch_size=1",
-                f"data.global_batch_size={seqs}", "train.precision=bf16", "zero.stage=1",
+                f"data.global_batch_size={seqs}", "train.precision=bf16", f"zero.stage={stage}",
                 "zero.implementation=deepspeed",  # (before; the default, auto, is after)
                 *([f"parallel.tensor={tp}", "parallel.sequence_parallel=true"] if tp > 1
                   else [])])
             p = plan(cfg, world, "h100")
             before = p.predict(cfg, "h100")
-            megatron = dataclasses.replace(cfg, zero=dataclasses.replace(
-                cfg.zero, implementation="megatron"))
-            after = p.predict(megatron, "h100")
+            which = {1: ("megatron", "bucket_sharded"), 2: ("fsdp", "fsdp_zero2")}[stage]
+            default = dataclasses.replace(cfg, zero=dataclasses.replace(
+                cfg.zero, implementation=which[0]))
+            after = p.predict(default, "h100")
             assert isinstance(after.system, System) and after.system == dataclasses.replace(
-                ours(cfg), dp="bucket_sharded")
-            out.append({"model": model, "gpus": world, "layout": f"TP{p.tensor} DP{p.data} "
-                        f"x{p.micro_batches}",
+                ours(cfg), dp=which[1])
+            out.append({"zero": stage, "model": model, "gpus": world,
+                        "layout": f"TP{p.tensor} DP{p.data} x{p.micro_batches}",
                         "collectives": [before.collectives, after.collectives],
                         "exposed_ms": [before.exposed * 1e3, after.exposed * 1e3],
                         "mfu": [before.mfu, after.mfu],
@@ -243,12 +245,13 @@ def main(argv=None):
               f"{r['predicted_mfu'] * 100:>8.1f}% {r['error'] * 100:>+6.1f}% "
               f"{r['step_ms']:>7,.0f}ms {r['exposed_ms']:>6,.0f}ms  {r['source']}")
     print("\nour path, zero.implementation=deepspeed (per-owner reduces + broadcasts) / "
-          "megatron (a reduce-scatter + an all-gather per bucket):")
-    print(f"  {'model':>5} {'GPUs':>5} {'layout':>15} {'collectives':>15} {'exposed ms':>17} "
-          f"{'MFU %':>13} {'start-up':>9} {'memory':>7}")
+          "the default (ZeRO-1: megatron, a reduce-scatter + an all-gather per bucket; ZeRO-2: "
+          "fsdp, an all-gather per layer, a reduce-scatter per layer and micro-batch):")
+    print(f"  {'ZeRO':>4} {'model':>5} {'GPUs':>5} {'layout':>15} {'collectives':>15} "
+          f"{'exposed ms':>17} {'MFU %':>13} {'start-up':>9} {'memory':>7}")
     ours_ = our_rows()
     for r in ours_:
-        print(f"  {r['model']:>5} {r['gpus']:>5} {r['layout']:>15} "
+        print(f"  {r['zero']:>4} {r['model']:>5} {r['gpus']:>5} {r['layout']:>15} "
               f"{r['collectives'][0]:>7,.0f}/{r['collectives'][1]:<7,.0f} "
               f"{r['exposed_ms'][0]:>8,.0f}/{r['exposed_ms'][1]:<8,.0f} "
               f"{r['mfu'][0] * 100:>6.1f}/{r['mfu'][1] * 100:<6.1f} "

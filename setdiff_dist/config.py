@@ -134,14 +134,18 @@ class ZeroConfig:
     reduce_bucket_size: int = _f(40_000_000, "elements per gradient-reduction and parameter "
                                  "all-gather bucket (megatron's default: smaller buckets start "
                                  "the reduction earlier in the backward)", min=1)
-    implementation: str = _f("auto", "who runs data parallelism at ZeRO-1: megatron "
-                             "(megatron-core's distributed optimizer: one reduce-scatter and one "
-                             "all-gather per bucket, whatever DP is; ZeRO-1 in fp32 or bf16, no "
-                             "optimizer offload), deepspeed (DeepSpeed's ZeRO optimizer: a reduce "
-                             "per bucket and owner, a broadcast per owner and bucket, O(DP) "
-                             "collectives a step) or auto (megatron where it runs, else "
-                             "deepspeed: ZeRO-2/3, optimizer offload and fp8 are DeepSpeed's)",
-                             choices=("auto", "deepspeed", "megatron"))
+    implementation: str = _f("auto", "who runs data parallelism: megatron (ZeRO-1 on "
+                             "megatron-core's distributed optimizer: one reduce-scatter and one "
+                             "all-gather per bucket, whatever DP is; fp32 or bf16, no optimizer "
+                             "offload), fsdp (ZeRO-2 on torch's FSDP2: one all-gather per layer "
+                             "and step and one reduce-scatter per layer and micro-batch, whatever "
+                             "DP is; fp32 or bf16, no optimizer offload or pipeline parallelism), "
+                             "deepspeed (DeepSpeed's ZeRO optimizer: at ZeRO-1/2 a reduce per "
+                             "bucket and owner and a broadcast per owner and bucket, O(DP) "
+                             "collectives a step) or auto (megatron at ZeRO-1 and fsdp at ZeRO-2 "
+                             "where they run, else deepspeed: ZeRO-3, optimizer offload and fp8 "
+                             "are DeepSpeed's)",
+                             choices=("auto", "deepspeed", "megatron", "fsdp"))
     min_bucket_per_rank: int = _f(1_000_000, "zero.implementation=megatron: a bucket holds at "
                                   "least this many elements per data-parallel rank (megatron's "
                                   "rule: buckets of max(reduce_bucket_size, this x DP), so each "
@@ -335,18 +339,25 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-def zero_implementation(config) -> str:
+def zero_implementation(config, saved_before_fsdp: bool = False) -> str:
     """Who runs a config's data parallelism (``zero.implementation`` with ``auto`` resolved):
-    ``"megatron"`` or ``"deepspeed"``. ``config``: a :class:`Config` or a config as a dict (a
-    checkpoint's; one from before the key existed ran DeepSpeed's)."""
+    ``"megatron"``, ``"fsdp"`` or ``"deepspeed"``. ``config``: a :class:`Config` or a config as
+    a dict (a checkpoint's; one from before the key existed ran DeepSpeed's).
+    ``saved_before_fsdp``: the config of a checkpoint saved before ``auto`` picked FSDP for
+    ZeRO-2 (one whose manifest does not say which ran: DeepSpeed's)."""
     raw = config.to_dict() if isinstance(config, Config) else config
     zero, train = raw.get("zero", {}), raw.get("train", {})
     chosen = zero.get("implementation", "deepspeed")
     if chosen != "auto":
         return chosen
-    runs = zero.get("stage", 1) == 1 and zero.get("offload_optimizer", "none") == "none" \
+    runs = zero.get("offload_optimizer", "none") == "none" \
         and train.get("precision", "fp32") in ("fp32", "bf16")
-    return "megatron" if runs else "deepspeed"
+    if runs and zero.get("stage", 1) == 1:
+        return "megatron"
+    if runs and zero.get("stage", 1) == 2 and not saved_before_fsdp \
+            and raw.get("parallel", {}).get("pipeline", 1) == 1:
+        return "fsdp"
+    return "deepspeed"
 
 
 class ConfigError(SetdiffError, ValueError):

@@ -94,16 +94,19 @@ def validate(cfg) -> list[str]:
                  "zero.stage 0 or 1 with pipeline parallelism")
     if cfg.checkpoint.init_from and cfg.checkpoint.init_from_hf:
         p.append("checkpoint.init_from and checkpoint.init_from_hf are both set: start from one")
-    if cfg.zero.implementation == "megatron":
-        z = cfg.zero
-        why = [f"zero.stage={z.stage} (it shards the optimizer state: ZeRO-1)"
-               if z.stage != 1 else None,
+    if cfg.zero.implementation in ("megatron", "fsdp"):
+        z, impl = cfg.zero, cfg.zero.implementation
+        stage = {"megatron": (1, "it shards the optimizer state: ZeRO-1"),
+                 "fsdp": (2, "it shards the optimizer state and the gradients: ZeRO-2")}[impl]
+        why = [f"zero.stage={z.stage} ({stage[1]})" if z.stage != stage[0] else None,
                "zero.offload_optimizer=cpu" if z.offload_optimizer != "none" else None,
                f"train.precision={cfg.train.precision}"
-               if cfg.train.precision not in ("fp32", "bf16") else None]
+               if cfg.train.precision not in ("fp32", "bf16") else None,
+               f"parallel.pipeline={par.pipeline}"
+               if impl == "fsdp" and par.pipeline > 1 else None]
         why = [w for w in why if w]
         if why:
-            p.append(f"zero.implementation=megatron does not run with {', '.join(why)}; use "
+            p.append(f"zero.implementation={impl} does not run with {', '.join(why)}; use "
                      "zero.implementation=deepspeed for it")
     if cfg.zero.offload_params != "none" and cfg.zero.stage != 3:
         p.append("zero.offload_params needs zero.stage=3")

@@ -55,6 +55,9 @@ _WRAPPED = {
                                lambda a, k: a[0] if a else k["output_tensor"]),
     "_all_gather_base": ("all_gather", lambda a, k: a[0] if a else k["output_tensor"]),
     "all_gather": ("all_gather", lambda a, k: a[0] if a else k["tensor_list"]),
+    # (torch 2.13's names, which FSDP2 calls)
+    "reduce_scatter_single": ("reduce_scatter", lambda a, k: a[1] if len(a) > 1 else k["input"]),
+    "all_gather_single": ("all_gather", lambda a, k: a[0] if a else k["output_tensor"]),
     "all_to_all_single": ("all_to_all", lambda a, k: a[1] if len(a) > 1 else k["input"]),
     "send": ("send", lambda a, k: a[0] if a else k["tensor"]),
     "isend": ("send", lambda a, k: a[0] if a else k["tensor"]),

@@ -269,6 +269,7 @@ def test_a_change_of_optimizer_state_form_is_converted_or_refused(tmp_path):
         check_compatible,
         optimizer_changes,
         optimizer_form,
+        saved_form,
     )
     from setdiff_dist.config import load_config
 
@@ -302,10 +303,22 @@ def test_a_change_of_optimizer_state_form_is_converted_or_refused(tmp_path):
     # the universal form (accepted, with the change said)
     mega = load_config("configs/tiny-cpu.yaml", ["zero.implementation=auto"])  # (megatron)
     assert optimizer_form(mega.to_dict()) == "megatron"
-    for deepspeeds in (["zero.stage=2"], ["zero.offload_optimizer=cpu"],
-                       ["zero.implementation=deepspeed"]):
+    for deepspeeds in (["zero.stage=2", "zero.implementation=deepspeed"],
+                       ["zero.offload_optimizer=cpu"], ["zero.implementation=deepspeed"]):
         other = load_config("configs/tiny-cpu.yaml", deepspeeds).to_dict()
         assert optimizer_form(other) == "zero", deepspeeds
+    # ZeRO-2 is FSDP's now; a ZeRO-2 checkpoint whose manifest does not name who ran it is
+    # DeepSpeed's (auto picked it then): the change goes through the universal form
+    fsdp = load_config("configs/tiny-cpu.yaml", ["zero.stage=2"])
+    assert optimizer_form(fsdp.to_dict()) == "fsdp"
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "config.yaml").write_text(yaml.safe_dump(fsdp.to_dict()))
+    assert saved_form(str(legacy)) == "zero"
+    assert optimizer_changes(str(legacy), fsdp) == \
+        "zero.implementation: checkpoint deepspeed, this run fsdp"
+    (legacy / "manifest.json").write_text(json.dumps({"zero_implementation": "fsdp"}))
+    assert saved_form(str(legacy)) == "fsdp" and optimizer_changes(str(legacy), fsdp) is None
     assert optimizer_changes(str(tmp_path), mega) == \
         "zero.implementation: checkpoint deepspeed, this run megatron"
     saved = mega.to_dict()
@@ -604,7 +617,8 @@ def test_a_pickle_payload_in_a_checkpoint_is_not_run_on_resume(trained, sonnets,
     run = copy_run(trained("zero.stage=2"), tmp_path)
     step = run / "checkpoints" / latest(run)
     marker = tmp_path / "pwned"
-    for file in ("mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+    # (ZeRO-2 runs on FSDP: its model-state and rank-fragment files)
+    for file in ("megatron_dp_model_tp00_pp00.pt", "megatron_dp_rank00001.pt"):
         state = _plant(step, file, marker)
         with pytest.raises(CheckpointError) as err:
             check(run, sonnets, "zero.stage=2")
@@ -655,14 +669,15 @@ def test_a_damaged_checkpoint_is_named_with_the_checkpoint_to_go_back_to(trained
     root = run / "checkpoints"
     step = root / "step_0000006"
     table = json.loads((step / "manifest.json").read_text())["files"]
-    assert {"config.yaml", "mp_rank_00_model_states.pt", "rng_rank1.pt",
+    # (ZeRO-2 runs on FSDP: its model-state and rank-fragment files)
+    assert {"config.yaml", "megatron_dp_model_tp00_pp00.pt", "rng_rank1.pt",
             "weights/tp00_pp00.safetensors", "weights/tp00_pp00_part01.safetensors",
-            "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(table)
+            "megatron_dp_rank00001.pt"} <= set(table)
     assert all(v["bytes"] == os.path.getsize(step / k) and len(v["sha256"]) == 64
                for k, v in table.items())
     for file, damage, words in (
-            ("mp_rank_00_model_states.pt", _truncate, "(truncated)"),
-            ("zero_pp_rank_1_mp_rank_00_optim_states.pt", _flip,
+            ("megatron_dp_model_tp00_pp00.pt", _truncate, "(truncated)"),
+            ("megatron_dp_rank00001.pt", _flip,
              "does not match its SHA-256 checksum"),
             ("rng_rank1.pt", _truncate, "(truncated)"),
             ("weights/tp00_pp00_part01.safetensors", _flip, "does not match its SHA-256"),
@@ -783,22 +798,22 @@ def test_non_finite_weights_in_a_checkpoint_are_refused_at_resume_and_at_load(tr
 
     run = copy_run(trained("zero.stage=2"), tmp_path)
     step = run / "checkpoints" / latest(run)
-    state = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)
+    model_file = "megatron_dp_model_tp00_pp00.pt"  # (ZeRO-2 runs on FSDP)
+    state = torch.load(step / model_file, weights_only=False)
     name = next(k for k in state["module"] if k.endswith("linear_fc1.weight"))
     state["module"][name] = state["module"][name].detach().clone()
     state["module"][name][0, 0] = float("nan")
-    torch.save(state, step / "mp_rank_00_model_states.pt")
+    torch.save(state, step / model_file)
     # (as a diverged run writes them: the manifest's checksums are those of the NaNs)
-    _rehash(step, "mp_rank_00_model_states.pt")
-    # (ZeRO-2 restores the weights from its fp32 partitions: poison those too)
+    _rehash(step, model_file)
+    # (FSDP restores the weights from its fp32 shards, each rank's fragments: poison those too)
     for r in (0, 1):
-        file = step / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-        opt = torch.load(file, weights_only=False)
-        flats = opt["optimizer_state_dict"]["single_partition_of_fp32_groups"]
-        for i, flat in enumerate(flats):
-            flats[i] = flat.detach().clone()
-            flats[i][0] = float("nan")
-        torch.save(opt, file)
+        file = step / f"megatron_dp_rank{r:05d}.pt"
+        mine = torch.load(file, weights_only=False)
+        for frag in mine["fragments"].values():
+            frag["param"] = frag["param"].detach().clone()
+            frag["param"][0] = float("nan")
+        torch.save(mine, file)
         _rehash(step, file.name)
     res = train(run, sonnets, "zero.stage=2")
     assert res.returncode == 2 and "holds non-finite weights" in res.stderr, res.stderr[-2000:]
@@ -901,7 +916,12 @@ MEGATRON = "zero.implementation=megatron"
                  id="bf16-dp2-to-dp1"),
     pytest.param(({"nproc": 2},), ({"nproc": 2}, "zero.stage=3"), id="zero1-to-zero3"),
     pytest.param(({"nproc": 1},), ({"nproc": 2}, "parallel.context=2"), id="cp1-to-cp2"),
-    pytest.param(({"nproc": 2}, "zero.stage=2"), ({"nproc": 1},), id="zero2-dp2-to-zero1-dp1"),
+    # ZeRO-2 runs on FSDP (the fragments of megatron's form, cut by rows) to and from the others
+    pytest.param(({"nproc": 2}, "zero.stage=2"), ({"nproc": 1},), id="fsdp-dp2-to-zero1-dp1"),
+    pytest.param(({"nproc": 2}, "zero.stage=2"), ({"nproc": 2}, "zero.stage=3"),
+                 id="fsdp-dp2-to-zero3"),
+    pytest.param(({"nproc": 2}, MEGATRON), ({"nproc": 2}, "zero.stage=2", "parallel.tensor=2"),
+                 id="megatron-dp2-to-fsdp-tp2"),
     # megatron-core's distributed optimizer (zero.implementation=megatron) to and from
     # DeepSpeed's engines and other layouts
     pytest.param(({"nproc": 2},), ({"nproc": 2}, MEGATRON, "parallel.tensor=2"),
@@ -918,7 +938,7 @@ MEGATRON = "zero.implementation=megatron"
     pytest.param(({"nproc": 2}, "zero.stage=3"), ({"nproc": 2}, "parallel.tensor=2"),
                  id="zero3-dp2-to-tp2-default"),
     pytest.param(({"nproc": 2}, "zero.stage=3"), ({"nproc": 1}, "zero.stage=2"),
-                 id="zero3-dp2-to-zero2-dp1")])
+                 id="zero3-dp2-to-fsdp-dp1")])
 def test_resume_on_any_layout_continues_the_same_curve(trained, sonnets, tmp_path, saved,
                                                        resumed):
     """A checkpoint of one pipeline x tensor x data-parallel layout and ZeRO stage resumes in

@@ -3,8 +3,11 @@ recorded (tests/comm_record.py): DeepSpeed's ZeRO-1 (a reduce per bucket and own
 broadcast per owner and bucket: the count grows with DP) and megatron-core's distributed
 optimizer (``zero.implementation=megatron``: one reduce-scatter and one all-gather per bucket,
 the same count at every DP), at DP 2, 4 and 8 and PP2 x DP 2 and 4 with a fixed bucket size,
-counts and bytes together. The same spawns check that the megatron path follows DeepSpeed's
-fp32 losses (1e-6) on DP, TP x DP and PP x DP and resumes bit-exactly."""
+counts and bytes together; and ZeRO-2 on torch's FSDP2 (``zero.implementation=fsdp``, what
+``auto`` runs at ZeRO-2: one all-gather per layer a step, one reduce-scatter per layer and
+micro-batch, whatever DP is). The same spawns check that the megatron and FSDP paths follow
+DeepSpeed's fp32 losses (1e-6) on DP and TP x DP (megatron's also PP x DP) and resume
+bit-exactly."""
 
 import pytest
 import torch
@@ -66,30 +69,36 @@ def _train(rank, shards, root, out, world):
     runs = {f"dp-{impl}-{precision}": [f"zero.implementation={impl}",
                                        f"train.precision={precision}"]
             for impl in ("deepspeed", "megatron") for precision in ("fp32", "bf16")}
+    runs.update({f"dp-fsdp-{precision}": ["zero.stage=2", f"train.precision={precision}"]
+                 for precision in ("fp32", "bf16")})
     if world >= 4:  # PP2 x DP2, PP2 x DP4
         runs.update({f"pp2-{impl}-fp32": [f"zero.implementation={impl}", "train.precision=fp32",
                                           "parallel.pipeline=2"]
                      for impl in ("deepspeed", "megatron")})
     if world == 2:  # a checkpoint at step 2, resumed below
-        runs["megatron-saved"] = ["zero.implementation=megatron", "train.precision=fp32",
-                                  "checkpoint.interval=2"]
+        runs.update({f"{impl}-saved": [f"zero.implementation={impl}", "train.precision=fp32",
+                                       "checkpoint.interval=2"] + (["zero.stage=2"] if impl ==
+                                                                   "fsdp" else [])
+                     for impl in ("megatron", "fsdp")})
     if world == 4:
         runs.update({f"tp2-{impl}": [f"zero.implementation={impl}", "parallel.tensor=2"]
                      for impl in ("deepspeed", "megatron")})
+        runs["tp2-fsdp"] = ["zero.stage=2", "parallel.tensor=2"]
     for name, overrides in runs.items():
         cfg = train_config(f"{root}/{name}", shards, *BUCKET, "train.tensorboard=false",
                            *overrides, steps=STEPS, global_batch=16, micro_batch=1)
         found[name] = _record(Trainer(cfg), recorder)
         found[name]["curve"] = curve(cfg.run_dir)[0] if rank == 0 else None
-    if world == 2:
-        first = f"{root}/megatron-saved"
-        cfg = train_config(f"{root}/resumed", shards, *BUCKET, "train.tensorboard=false",
-                           "zero.implementation=megatron", "train.precision=fp32",
+    for impl in ("megatron", "fsdp") if world == 2 else ():
+        first = f"{root}/{impl}-saved"
+        cfg = train_config(f"{root}/{impl}-resumed", shards, *BUCKET, "train.tensorboard=false",
+                           f"zero.implementation={impl}", "train.precision=fp32",
+                           *(["zero.stage=2"] if impl == "fsdp" else []),
                            f"resume={first}/checkpoints/step_0000002", steps=STEPS,
                            global_batch=16, micro_batch=1)
         t = Trainer(cfg)
         t.fit()
-        found["resumed"] = {"curve": curve(cfg.run_dir)[0] if rank == 0 else None}
+        found[f"{impl}-resumed"] = {"curve": curve(cfg.run_dir)[0] if rank == 0 else None}
     torch.save(found, out / f"w{world}-rank{rank}.pt")
 
 
@@ -165,5 +174,51 @@ def test_megatron_follows_deepspeeds_fp32_losses_and_resumes_exactly(runs):
     for world in (2, 4, 8):
         assert runs[world][0]["dp-megatron-bf16"]["curve"] == pytest.approx(
             runs[world][0]["dp-deepspeed-bf16"]["curve"], rel=0.02)
-    resumed = runs[2][0]["resumed"]["curve"]
+    resumed = runs[2][0]["megatron-resumed"]["curve"]
     assert resumed == runs[2][0]["megatron-saved"]["curve"][2:]
+
+
+def test_fsdp_sends_the_same_collectives_at_every_dp_at_the_byte_bound(runs):
+    """FSDP (ZeRO-2): per step on the DP group, one all-gather per unit (each decoder layer and
+    the rest of the model) in the step's first forward and one reduce-scatter per unit and
+    micro-batch in the backward, whatever DP is (the micro-batches of a fixed global batch fall
+    as DP grows, as DeepSpeed's ZeRO-2 reduces every micro-batch too); their bytes within the
+    bound: the weights gathered once (in the compute dtype), the fp32 gradients reduce-scattered
+    per micro-batch. The timers never wait for the device inside a step."""
+    for precision, e in (("fp32", 4), ("bf16", 2)):
+        per_unit = set()
+        for world in (2, 4, 8):
+            micro = 16 // world
+            for found in runs[world]:
+                info = found[f"dp-fsdp-{precision}"]
+                dp, params = info["dp"], info["params"]
+                assert dp == world
+                assert info["device_waits"] and not any(info["device_waits"]), world
+                bound = params * (4 * micro + e) * (dp - 1) / dp
+                for kinds, sent, tags in info["steps"]:
+                    bulk = {k: n for k, n in kinds.items() if k != "all_reduce"}
+                    assert set(bulk) == {"reduce_scatter", "all_gather"}, kinds
+                    assert bulk["reduce_scatter"] == bulk["all_gather"] * micro, (world, kinds)
+                    per_unit.add(bulk["all_gather"])
+                    moved = sum(v for k, v in sent.items() if k != "all_reduce")
+                    # (the last ranks' shards are padded to equal sizes: a few rows more)
+                    assert bound * 0.999 <= moved <= bound * 1.05, (world, sent, bound)
+                    assert sent.get("all_reduce", 0) <= 64 * kinds.get("all_reduce", 0), sent
+                    assert {t for k, t in tags if k == "reduce_scatter"} == {"backward"}
+                    assert {t for k, t in tags if k == "all_gather"} == {"forward"}
+        print(f"\nfsdp {precision}: {per_unit} all-gathers per step at DP 2, 4, 8")
+        assert len(per_unit) == 1 and next(iter(per_unit)) >= 3  # (2 layers and the rest)
+
+
+def test_fsdp_follows_deepspeeds_fp32_losses_and_resumes_exactly(runs):
+    """FSDP's ZeRO-2 and DeepSpeed's ZeRO-1 run the same fp32 AdamW: the same losses (1e-6) on
+    DP 2, 4, 8 and TP2 x DP2; bf16 within 2%; a resume at step 2 continues bit-exactly."""
+    for world in (2, 4, 8):
+        ds = runs[world][0]["dp-deepspeed-fp32"]["curve"]
+        fs = runs[world][0]["dp-fsdp-fp32"]["curve"]
+        assert len(fs) == STEPS and fs == pytest.approx(ds, rel=1e-6, abs=1e-6), (world, ds, fs)
+        assert runs[world][0]["dp-fsdp-bf16"]["curve"] == pytest.approx(
+            runs[world][0]["dp-deepspeed-bf16"]["curve"], rel=0.02)
+    assert runs[4][0]["tp2-fsdp"]["curve"] == pytest.approx(runs[4][0]["tp2-deepspeed"]["curve"],
+                                                            rel=1e-6, abs=1e-6)
+    assert runs[2][0]["fsdp-resumed"]["curve"] == runs[2][0]["fsdp-saved"]["curve"][2:]

@@ -57,7 +57,9 @@ def _accumulators(rank, shards, run_root, out):
     no_overlap = "zero.overlap_comm=false"
     ds = "zero.implementation=deepspeed"
     for name, overrides in (("zero1", ["zero.stage=1", ds]), ("zero1-after", [no_overlap, ds]),
-                            ("zero2", ["zero.stage=2"]), ("zero3", ["zero.stage=3"]),
+                            ("zero2", ["zero.stage=2", ds]), ("zero3", ["zero.stage=3"]),
+                            # the default at ZeRO-2: torch's FSDP2
+                            ("fsdp", ["zero.stage=2"]),
                             ("pp2", ["parallel.pipeline=2", ds]),
                             ("pp2-after", ["parallel.pipeline=2", no_overlap, ds]),
                             # the default at ZeRO-1: megatron-core's DDP + distributed optimizer
@@ -67,7 +69,12 @@ def _accumulators(rank, shards, run_root, out):
         opt = t.engine.optimizer
         weights = {p.dtype for p in t.engine.module.parameters()}
         info = {"optimizer": type(opt).__name__}
-        if name.startswith("megatron"):
+        if name == "fsdp":  # fp32 shards (the master weights), computed in bf16, reduced in fp32
+            policy = t.engine.mp_policy
+            info.update(accumulator={str(policy.reduce_dtype)},
+                        communication=str(policy.reduce_dtype), masters={str(d) for d in weights})
+            weights = {policy.param_dtype}
+        elif name.startswith("megatron"):
             ddp = t.engine.ddp
             info.update(accumulator={str(p.main_grad.dtype)
                                      for p in t.engine.module.parameters()},
@@ -134,6 +141,9 @@ def test_bf16_gradients_accumulate_in_fp32_on_every_path(probes):
             assert found[name]["optimizer"] == "DeepSpeedZeroOptimizer", name
             assert found[name]["communication"] == "torch.float32" and found[name]["overlap"]
         assert found["zero1"]["grad_accum"]  # (stage 2 accumulates in its fp32 partitions)
+        fsdp = found["fsdp"]
+        assert fsdp["optimizer"] == "AdamW" and fsdp["masters"] == {"torch.float32"}
+        assert fsdp["communication"] == "torch.float32"
         for name in ("megatron", "megatron-pp2"):  # fp32 main_grad buffers, reduced in fp32
             assert found[name]["optimizer"] == "ChainedOptimizer", name
             assert found[name]["communication"] == "torch.float32" and found[name]["overlap"]

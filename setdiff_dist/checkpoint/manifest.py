@@ -80,7 +80,9 @@ def build_manifest(step: int, layout: dict, cfg, tokenizer_identity: dict, files
                 "tokenizer": tokenizer_identity, "files": dict(sorted(files.items())),
                 # DeepSpeed's optimizer state is named by the parameters' global names
                 # (train.engine.name_globally): it can change pipeline size
-                "optimizer_names": "global"}
+                "optimizer_names": "global",
+                # who ran the data parallelism ("auto" has meant other ones over time)
+                "zero_implementation": zero_implementation(cfg)}
     if data is not None:
         manifest["data"] = data
     return manifest
@@ -192,17 +194,18 @@ def needs_universal(saved: dict, here: dict, optimizer_changed: bool) -> bool:
         saved["tensor"] != here["tensor"] or zero_ranks(saved) != zero_ranks(here)
 
 
-def optimizer_form(config: dict) -> str:
+def optimizer_form(config: dict, implementation: Optional[str] = None) -> str:
     """The form of the ZeRO optimizer state a run of ``config`` (a config as a dict) saves:
     ``"megatron"`` (megatron-core's distributed optimizer, :func:`~setdiff_dist.config.
-    zero_implementation`:
-    each rank's fragments of each parameter), ``"bf16_optimizer"`` (DeepSpeed's
-    ``BF16_Optimizer``: bf16 or fp8 at ZeRO-1 without ``zero.overlap_comm`` or optimizer
-    offload) or ``"zero"`` (its ZeRO optimizer). A config
-    from before ``zero.overlap_comm`` existed ran without it."""
+    zero_implementation`: each rank's fragments of each parameter), ``"fsdp"`` (FSDP2's ZeRO-2:
+    fragments too, cut otherwise), ``"bf16_optimizer"`` (DeepSpeed's ``BF16_Optimizer``: bf16
+    or fp8 at ZeRO-1 without ``zero.overlap_comm`` or optimizer offload) or ``"zero"`` (its ZeRO
+    optimizer). A config from before ``zero.overlap_comm`` existed ran without it.
+    ``implementation``: who ran it, where a checkpoint's manifest says so."""
     zero, train = config.get("zero", {}), config.get("train", {})
-    if zero_implementation(config) == "megatron":
-        return "megatron"
+    implementation = implementation or zero_implementation(config)
+    if implementation in ("megatron", "fsdp"):
+        return implementation
     if train.get("precision", "fp32") in ("bf16", "fp8") and zero.get("stage", 1) == 1 \
             and not zero.get("overlap_comm", False) \
             and zero.get("offload_optimizer", "none") == "none":
@@ -210,20 +213,37 @@ def optimizer_form(config: dict) -> str:
     return "zero"
 
 
+def saved_form(path: str) -> str:
+    """The form of the optimizer state of the checkpoint at ``path``: by the implementation its
+    manifest names, else (saved before manifests named it, when ``auto`` meant DeepSpeed at
+    ZeRO-2) by its config."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as fh:
+            implementation = json.load(fh).get("zero_implementation")
+    except (OSError, ValueError, AttributeError):
+        implementation = None
+    saved = saved_config(path)
+    return optimizer_form(saved, implementation
+                          or zero_implementation(saved, saved_before_fsdp=True))
+
+
 def optimizer_changes(path: str, cfg) -> Optional[str]:
     """``"zero.overlap_comm: checkpoint X, this run Y"`` when the checkpoint at ``path`` keeps
     its optimizer state in another form than this run (DeepSpeed converts it through the
-    universal form), ``"zero.implementation: ..."`` between DeepSpeed's and megatron's, the
-    bucket settings that cut megatron's state otherwise; else None."""
+    universal form), ``"zero.implementation: ..."`` between DeepSpeed's, megatron's and
+    FSDP's, the bucket settings that cut megatron's state otherwise; else None."""
     saved = saved_config(path)
     if not saved:
         return None
-    forms = optimizer_form(saved), optimizer_form(cfg.to_dict())
-    if "megatron" in forms:
+    forms = saved_form(path), optimizer_form(cfg.to_dict())
+    fragments = ("megatron", "fsdp")
+    if forms[0] in fragments or forms[1] in fragments:
         zero = saved.get("zero", {})
         if forms[0] != forms[1]:
-            name = ["megatron" if f == "megatron" else "deepspeed" for f in forms]
+            name = [f if f in fragments else "deepspeed" for f in forms]
             return f"zero.implementation: checkpoint {name[0]}, this run {name[1]}"
+        if forms[0] == "fsdp":
+            return None
         # (megatron cuts its optimizer state bucket by bucket: other buckets, other shards)
         moved = [f"zero.{k}: checkpoint {zero.get(k)}, this run {getattr(cfg.zero, k)}"
                  for k in ("reduce_bucket_size", "min_bucket_per_rank")
@@ -249,11 +269,10 @@ def check_compatible(manifest: dict, path: str, cfg, tokenizer_identity: dict,
     global_names = m.get("optimizer_names") == "global"
     diffs += layout_differences(m["layout"], here, m["zero_stage"], cfg.zero.stage, path,
                                 global_names)
-    saved_form = optimizer_form(saved_config(path) or {})
-    this_form = optimizer_form(cfg.to_dict())
-    # (a change to or from megatron's distributed optimizer goes through the universal form)
-    changed = optimizer_changes(path, cfg) if "megatron" not in (saved_form, this_form) \
-        else None
+    forms = {saved_form(path), optimizer_form(cfg.to_dict())}
+    # (a change to or from megatron's distributed optimizer or FSDP goes through the universal
+    # form)
+    changed = optimizer_changes(path, cfg) if not forms & {"megatron", "fsdp"} else None
     if changed and m["layout"]["pipeline"] > 1 and not global_names:
         diffs.append(f"{changed} (bf16 ZeRO-1 keeps its optimizer state in another form with "
                      "overlap_comm; this pipeline-parallel checkpoint was saved before its "

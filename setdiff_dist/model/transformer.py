@@ -259,12 +259,19 @@ def _sum_partial_grads_over_tensor_parallel_ranks(model) -> None:
     - QK-norm weights (each rank normalizes only its own heads), whenever TP > 1;
     - with sequence parallelism, the norms that run on a rank's slice of the sequence (the
       parameters megatron and TE mark ``sequence_parallel``, and ours)."""
+    params = dict(model.named_parameters())
+    for name in partial_over_tensor_parallel(model):
+        params[name].register_hook(_all_reduce_over_tensor_parallel)
+
+
+def partial_over_tensor_parallel(model) -> list[str]:
+    """The names of the parameters whose gradient each TP rank sees only part of (see
+    :func:`_sum_partial_grads_over_tensor_parallel_ranks`); none at TP = 1."""
     if ps.get_tensor_model_parallel_world_size() == 1:
-        return
-    for name, p in model.named_parameters():
-        qk = ".q_layernorm." in name or ".k_layernorm." in name
-        if qk or (model.config.sequence_parallel and getattr(p, "sequence_parallel", False)):
-            p.register_hook(_all_reduce_over_tensor_parallel)
+        return []
+    return [name for name, p in model.named_parameters()
+            if ".q_layernorm." in name or ".k_layernorm." in name
+            or (model.config.sequence_parallel and getattr(p, "sequence_parallel", False))]
 
 
 def _all_reduce_over_tensor_parallel(grad: torch.Tensor) -> torch.Tensor:

@@ -172,7 +172,8 @@ def save_weights(engine, directory: str, zero_stage: int, ema=None, later: bool 
         seen.add(gname)
         params.append(p)
         local.append(name)
-        entries.append((gname, torch.float32 if ema is not None else p.dtype,
+        entries.append((gname, torch.float32 if ema is not None else
+                        getattr(engine, "weights_dtype", p.dtype),
                         tuple(getattr(p, "ds_shape", p.shape)),
                         {"tensor_parallel": bool(getattr(p, "tensor_model_parallel", False)),
                          "dim": int(getattr(p, "partition_dim", -1)),
@@ -189,7 +190,10 @@ def save_weights(engine, directory: str, zero_stage: int, ema=None, later: bool 
 
                 gather = deepspeed.zero.GatheredParameters([p], modifier_rank=None)
             with gather:
-                yield p.detach()
+                if hasattr(p, "full_tensor"):  # (FSDP's shards: one all-gather, every rank)
+                    yield p.detach().full_tensor().to(getattr(engine, "weights_dtype", p.dtype))
+                else:
+                    yield p.detach()
 
     parts = ps.get_data_parallel_world_size(with_context_parallel=True)
     part = ps.get_data_parallel_rank(with_context_parallel=True)
@@ -399,9 +403,12 @@ def load(engine, path: str, universal: Optional[str] = None) -> dict:
                                                 load_lr_scheduler_states=True)
     if loaded is None:
         raise CheckpointError(f"DeepSpeed could not load {path}")
-    # non-finite weights: each rank checks what it holds (its ZeRO-3 partition), all agree
+    # non-finite weights: each rank checks what it holds (its ZeRO-3 partition, its FSDP
+    # shard), all agree
+    from .ema import _held
+
     bad = [n for n, p in engine.module.named_parameters()
-           if not bool(torch.isfinite(getattr(p, "ds_tensor", p).detach().sum()))]
+           if not bool(torch.isfinite(_held(p).detach().sum()))]
     flag = torch.tensor([float(len(bad))], device=engine.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():

@@ -17,8 +17,11 @@ from megatron.core import parallel_state as ps
 
 
 def _held(p) -> torch.Tensor:
-    """What this rank holds of ``p``: its ZeRO-3 partition (flat), or the tensor itself."""
-    return p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+    """What this rank holds of ``p``: its ZeRO-3 partition (flat), its FSDP shard (rows), or
+    the tensor itself."""
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor
+    return p.to_local() if hasattr(p, "to_local") else p.data
 
 
 class EMA:
@@ -37,8 +40,14 @@ class EMA:
     @torch.no_grad()
     def tensor(self, name: str) -> torch.Tensor:
         """The average of parameter ``name`` as this rank's tensor-parallel shard of it (under
-        ZeRO-3 gathered over the data-parallel group: a collective, called by every rank)."""
+        ZeRO-3 or FSDP gathered over the data-parallel group: a collective, called by every
+        rank)."""
         p, held = self.params[name], self.shadow[name]
+        if hasattr(p, "device_mesh"):  # (FSDP's DTensor: one all-gather of the row shards)
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(held, p.device_mesh, p.placements, shape=p.shape,
+                                      stride=p.stride()).full_tensor()
         if not hasattr(p, "ds_tensor"):
             return held
         group = ps.get_data_parallel_group(with_context_parallel=True)  # (ZeRO-3's group)
@@ -49,10 +58,15 @@ class EMA:
     @torch.no_grad()
     def load(self, name: str, local: torch.Tensor) -> None:
         """Set the average of ``name`` from this rank's tensor-parallel shard ``local`` (under
-        ZeRO-3 keeping this rank's partition of it)."""
+        ZeRO-3 or FSDP keeping this rank's partition of it)."""
         p, held = self.params[name], self.shadow[name]
         flat = local.detach().float().reshape(-1)
-        if hasattr(p, "ds_tensor"):
+        if hasattr(p, "device_mesh"):  # (FSDP: this rank's torch.chunk of the rows)
+            rows = local.float().reshape(p.shape).chunk(p.device_mesh.size(), dim=0)
+            mine = p.device_mesh.get_local_rank()
+            if mine < len(rows):
+                held.copy_(rows[mine].reshape(held.shape))
+        elif hasattr(p, "ds_tensor"):
             n = held.numel()
             start = ps.get_data_parallel_rank(with_context_parallel=True) * n
             part = flat[start:start + n]

@@ -227,7 +227,7 @@ class GradientSync:
         reduction (the parameters' ``.grad`` and ``grad_accum``, ``BF16_Optimizer``'s fp32
         buffers, the ZeRO optimizer's reduced partitions)."""
         engine = self.engine
-        if self.megatron:
+        if hasattr(engine, "drop_gradients"):  # (megatron's or FSDP's engine)
             engine.drop_gradients()
             return
         for p in engine.module.parameters():
@@ -246,7 +246,7 @@ def time_gradient_reduction(engine, timers) -> None:
     """Time DeepSpeed's gradient reductions as the ``grad_reduce`` phase of ``timers``
     (:class:`setdiff_dist.train.timers.PhaseTimers`): the engine's reduction after the backward
     and, where the ZeRO optimizer reduces in its backward hooks, each bucket's."""
-    if hasattr(engine, "time_gradient_reduction"):  # (megatron_dp.MegatronEngine)
+    if hasattr(engine, "time_gradient_reduction"):  # (megatron's or FSDP's engine)
         engine.time_gradient_reduction(timers)
         return
     engine.allreduce_gradients = timers.timed("grad_reduce", engine.allreduce_gradients)
@@ -366,11 +366,17 @@ def zero_optimizer_for_bf16(wanted: bool):
 def build_engine(cfg, model, load_universal: bool = False):
     """``deepspeed.initialize`` over ``model`` with megatron's groups (with
     megatron's data parallelism, :func:`~setdiff_dist.config.zero_implementation`:
-    :class:`~setdiff_dist.train.megatron_dp.MegatronEngine`,
-    the same surface over megatron-core's distributed optimizer)."""
+    :class:`~setdiff_dist.train.megatron_dp.MegatronEngine`, the same surface over megatron-core's
+    distributed optimizer; with FSDP's, :class:`~setdiff_dist.train.fsdp_dp.FsdpEngine`)."""
     from setdiff_dist.config import zero_implementation
 
-    if zero_implementation(cfg) == "megatron":
+    implementation = zero_implementation(cfg)
+    if implementation == "fsdp":
+        from .fsdp_dp import FsdpEngine
+
+        micro = micro_batches_per_step(cfg, ps.get_data_parallel_world_size())
+        return FsdpEngine(cfg, model, micro, lr_multiplier(cfg.optimizer, cfg.train.steps))
+    if implementation == "megatron":
         from .megatron_dp import MegatronEngine
 
         # (with pipeline parallelism megatron's schedule runs the micro-batches: one backward)

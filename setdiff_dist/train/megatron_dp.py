@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from setdiff_dist.checkpoint.format import megatron_model_file, megatron_rank_file
+from .fragments import FragmentCheckpoints
 
 
 def bucket_elements(cfg, dp: int) -> int:
@@ -39,7 +37,7 @@ def bucket_elements(cfg, dp: int) -> int:
     return max(cfg.zero.reduce_bucket_size, cfg.zero.min_bucket_per_rank * dp)
 
 
-class MegatronEngine:
+class MegatronEngine(FragmentCheckpoints):
     """The trainer's engine on megatron-core's DDP + distributed optimizer (see the module's
     docstring). ``gradient_accumulation_steps``: micro-batches per optimizer step;
     ``schedule``: the LR multiplier of each optimizer step (``engine.lr_multiplier``, passed in
@@ -100,12 +98,7 @@ class MegatronEngine:
         self._micro = 0
         self._synced = False  # this step's reduction already waited for
         self._norm: Optional[float] = None
-        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
-            TorchCheckpointEngine,
-        )
-
-        self.checkpoint_engine = TorchCheckpointEngine()
-        self.checkpoint_engine.zipfile_serialization = True  # (DeepSpeed's default config's)
+        self.checkpoint_engine = self._checkpoint_engine()
 
     # -- what the trainer reads ---------------------------------------------------------------
     @property
@@ -126,6 +119,8 @@ class MegatronEngine:
         """AdamW's decay per group: megatron's ``wd_mult`` is read by its own scheduler only."""
         for g in self.optimizer.param_groups:
             g["weight_decay"] = self.cfg.optimizer.weight_decay * g.get("wd_mult", 1.0)
+
+    _after_load = _apply_weight_decay
 
     def get_global_grad_norm(self) -> Optional[float]:
         return self._norm
@@ -218,107 +213,6 @@ class MegatronEngine:
                                  **{k: (v.detach().clone() if torch.is_tensor(v) else v)
                                     for k, v in tensors.items()}}
         return out
-
-    def save_checkpoint(self, root: str, tag: str, client_state: dict,
-                        save_latest: bool = False) -> None:
-        """Each rank its fragments; the first data-parallel rank of each (TP, PP) rank the
-        module's state and the client state (with the LR scheduler's)."""
-        path = os.path.join(root, tag)
-        self.checkpoint_engine.makedirs(path, exist_ok=True)
-        coords = {"tensor": ps.get_tensor_model_parallel_rank(),
-                  "pipeline": ps.get_pipeline_model_parallel_rank(),
-                  "data": ps.get_data_parallel_rank(with_context_parallel=True),
-                  "data_size": ps.get_data_parallel_world_size(with_context_parallel=True)}
-        groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay") if k in g}
-                  for g in self.optimizer.param_groups]
-        self.checkpoint_engine.save({"fragments": self._fragments(), "form": "megatron",
-                                     "coords": coords, "param_groups": groups},
-                                    os.path.join(path, megatron_rank_file(dist.get_rank())))
-        if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
-            self.checkpoint_engine.save(
-                {"module": self.module.state_dict(), "client_state": client_state,
-                 "lr_scheduler": self.lr_scheduler.state_dict(),
-                 "skipped_steps": self.skipped_steps},
-                os.path.join(path, megatron_model_file(ps.get_tensor_model_parallel_rank(),
-                                                       ps.get_pipeline_model_parallel_rank())))
-
-    def load_checkpoint(self, root: str, tag: str, **_) -> tuple:
-        """The same layout's files back (the module, the fragments into the optimizer, the LR
-        scheduler); returns ``(path, client_state)``. A universal form (``tag`` a directory with
-        ``zero/``: another layout's or DeepSpeed's checkpoint, :mod:`~setdiff_dist.train.
-        universal`): :meth:`_load_universal`."""
-        path = os.path.join(root, tag)
-        if os.path.isdir(os.path.join(path, "zero")):
-            return path, self._load_universal(path)
-        common = self.checkpoint_engine.load(
-            os.path.join(path, megatron_model_file(ps.get_tensor_model_parallel_rank(),
-                                                   ps.get_pipeline_model_parallel_rank())),
-            map_location="cpu")
-        self.module.load_state_dict(common["module"])
-        mine = self.checkpoint_engine.load(
-            os.path.join(path, megatron_rank_file(dist.get_rank())), map_location="cpu")
-        self._load_fragments(mine["fragments"], path)
-        self.lr_scheduler.load_state_dict(common["lr_scheduler"])
-        self.skipped_steps = common.get("skipped_steps", 0)
-        self._apply_weight_decay()
-        return path, common["client_state"]
-
-    def _load_fragments(self, fragments: dict, path: str) -> None:
-        """This rank's shards from its own fragment file (the same layout and buckets)."""
-        from setdiff_dist.checkpoint.files import CheckpointError
-
-        def shard(p, name, rng):
-            saved = fragments.get(name)
-            if saved is None or (saved["start"], saved["end"]) != (rng.start, rng.end):
-                raise CheckpointError(
-                    f"{path}: {name}'s optimizer shard on rank {dist.get_rank()} does not match "
-                    "this run's buckets (a change of zero.reduce_bucket_size or of the layout); "
-                    "resume with the checkpoint's settings")
-            return {k: saved[k] for k in ("param", "exp_avg", "exp_avg_sq")}, saved.get("step")
-
-        self._load_shards(shard)
-
-    def _load_universal(self, path: str) -> dict:
-        """Each parameter's shard of this rank from DeepSpeed's universal form at ``path``, cut
-        for this layout by DeepSpeed's own loader (``load_hp_checkpoint_state``: the tensor-
-        parallel slice, the vocabulary padding), then the range of it this rank's buckets give
-        it. Returns the client state (one model-state file's: every rank's holds the same). The
-        LR scheduler is put on this run's schedule by the caller (``engine.follow_schedule``)."""
-        import glob
-        from types import SimpleNamespace
-
-        from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
-
-        from setdiff_dist.checkpoint.files import CheckpointError
-
-        tp_rank = ps.get_tensor_model_parallel_rank()
-        tp_size = ps.get_tensor_model_parallel_world_size()
-
-        def shard(p, name, rng):
-            folder = os.path.join(path, "zero", name)
-            if not os.path.isfile(os.path.join(folder, "fp32.pt")):
-                raise CheckpointError(f"{path}: no universal state for {name} (a checkpoint of "
-                                      "another model?)")
-            weights = torch.empty(rng.end - rng.start, dtype=torch.float32)
-            # (what DeepSpeed's loader reads of a parameter and its fragment)
-            target = SimpleNamespace(
-                shape=p.shape, numel=p.numel, _hp_mapping=SimpleNamespace(
-                    lp_fragment_address=SimpleNamespace(start=rng.start,
-                                                        numel=rng.end - rng.start),
-                    get_hp_fragment=lambda: weights, optim_fragment={}))
-            step = load_hp_checkpoint_state(target, folder, tp_rank, tp_size)
-            moments = target._hp_mapping.optim_fragment
-            return {"param": weights, "exp_avg": moments["exp_avg"],
-                    "exp_avg_sq": moments["exp_avg_sq"]}, step
-
-        self._load_shards(shard)
-        files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
-        if not files:
-            raise CheckpointError(f"{path}: no model-state file in this universal form")
-        state = torch.load(files[0], map_location="cpu")
-        self.skipped_steps = state.get("skipped_steps", 0)
-        self._apply_weight_decay()
-        return {k: v for k, v in state.items() if k not in ("module", "optimizer")}
 
     @torch.no_grad()
     def _load_shards(self, shard) -> None:

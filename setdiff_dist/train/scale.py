@@ -340,6 +340,8 @@ def ours(cfg) -> System:
         dp = "zero3"
     elif zero_implementation(cfg) == "megatron":
         dp = "bucket_sharded"
+    elif zero_implementation(cfg) == "fsdp":
+        dp = "fsdp_zero2"
     elif z.stage == 0 or form == "bf16_optimizer":
         dp = "allreduce"
     else:
@@ -354,7 +356,7 @@ def ours(cfg) -> System:
     else:
         attention = "dense"
     return System("setdiff-dist", dp=dp, overlap_grad=z.overlap_comm,
-                  overlap_param=z.overlap_param_gather and form in ("zero", "megatron")
+                  overlap_param=z.overlap_param_gather and form in ("zero", "megatron", "fsdp")
                   and z.stage in (1, 2),
                   fused=backend == "te", attention=attention, bucket=bucket,
                   min_bucket_per_rank=getattr(z, "min_bucket_per_rank", 1_000_000))
@@ -461,6 +463,14 @@ def _dp_flows(cfg, plan, stage: int, system: System) -> list[Flow]:
                           e * params / units, 2 * units * micro, "compute"))
         flows.append(Flow("gradient reduce-scatter", "data", zero_dp, "reduce_scatter",
                           grads / units, units * micro, "compute"))
+    elif system.dp == "fsdp_zero2":
+        # ours at ZeRO-2 (setdiff_dist.train.fsdp_dp): a unit's parameters gathered once a
+        # step (the next layer's prefetched), its gradients reduce-scattered each micro-batch
+        units = layers + 1
+        flows.append(Flow("parameter all-gather", "data", zero_dp, "all_gather",
+                          e * params / units, units, "first_forward"))
+        flows.append(Flow("gradient reduce-scatter", "data", zero_dp, "reduce_scatter",
+                          grads / units, units * micro, "backward"))
     else:
         raise ValueError(f"unknown data-parallel scheme {system.dp!r}")
     return flows
@@ -633,7 +643,7 @@ def stage_compute(cfg, plan, stage: int, hw: Hardware, system: System) -> dict:
     optimizer = shard * const("optimizer.bytes_per_param") / hbm
     if cfg.train.precision in ("bf16", "fp8") and not system.grad_accum_fused:
         optimizer += micro * params * const("grad_accum.bytes_per_param") / hbm
-    if system.dp == "fsdp":
+    if system.dp in ("fsdp", "fsdp_zero2"):  # (FSDP's copies in and out of its buffers)
         optimizer += micro * params * const("fsdp.copy_bytes_per_param") / hbm
     if cfg.zero.offload_optimizer == "cpu":
         optimizer = 0.0  # (on the host: not modelled)
