@@ -234,6 +234,14 @@ class TrainConfig:
                                "for this long (a stuck collective, a stopped process) ends the "
                                "job: its rank and host named, every rank's Python stacks in "
                                "run_dir/watchdog/, exit code 76; 0 = no watch", min=0.0)
+    startup_timeout_s: float = _f(900.0, "a rank that makes no progress in the trainer's "
+                                  "start-up (process groups, data, model and engine build, a "
+                                  "checkpoint's conversion and load) for this long ends the job, "
+                                  "named, with every rank's stacks in run_dir/watchdog/, exit "
+                                  "code 76; 0 = no watch", min=0.0)
+    save_timeout_s: float = _f(900.0, "the same for a checkpoint save (in place of "
+                               "train.hang_timeout_s while it writes and hashes its files); 0 = "
+                               "no watch of saves", min=0.0)
     straggler_margin: float = _f(0.3, "name a rank whose forward takes more than 1 + this "
                                  "times its pipeline stage's median (a throttled GPU, a noisy "
                                  "neighbour) in the log and metrics.jsonl", min=0.01)

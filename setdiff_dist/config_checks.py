@@ -54,11 +54,13 @@ def validate(cfg) -> list[str]:
     if par.sequence_parallel and par.tensor == 1:
         p.append("parallel.sequence_parallel=true needs parallel.tensor > 1")
     t = cfg.train
-    if t.hang_timeout_s and t.hang_timeout_s >= t.collective_timeout_s:
-        p.append(f"train.hang_timeout_s={t.hang_timeout_s:g} must be below "
-                 f"train.collective_timeout_s={t.collective_timeout_s:g}: a collective that "
-                 "waits on a hung rank would fail first, and nothing would name that rank "
-                 "(lower the first, raise the second, or set train.hang_timeout_s=0)")
+    for key in ("hang_timeout_s", "startup_timeout_s", "save_timeout_s"):
+        value = getattr(t, key)
+        if value and value >= t.collective_timeout_s:
+            p.append(f"train.{key}={value:g} must be below train.collective_timeout_s="
+                     f"{t.collective_timeout_s:g}: a collective that waits on a hung rank "
+                     "would fail first, and nothing would name that rank (lower the first, "
+                     f"raise the second, or set train.{key}=0)")
     # (an unknown kind is reported by its field; the rest is checked as for the default's)
     order = order_of(o.kind if o.kind in order_kinds() else "staggered")
     model_len = order.model_len(L)

@@ -38,18 +38,79 @@ WATCHED = textwrap.dedent("""
 """)
 
 
-def test_a_rank_without_progress_dumps_its_stacks_and_exits_with_the_hang_code(tmp_path):
-    """The watch alone, in a child without torch: one second without progress ends it."""
+def _hung_child(script, tmp_path):
+    """``script`` in a child: it ends with the hang code within 20 s; its result."""
     start = time.monotonic()
-    res = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path)], capture_output=True,
+    res = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == EXIT_HUNG, res.stderr
     assert time.monotonic() - start < 20
+    return res
+
+
+def test_a_rank_without_progress_dumps_its_stacks_and_exits_with_the_hang_code(tmp_path):
+    """The watch alone, in a child without torch: one second without progress ends it."""
+    res = _hung_child(WATCHED, tmp_path)
     assert "hang: rank 0 on" in res.stderr and "at step 4 in forward" in res.stderr
     stacks = (tmp_path / "watchdog" / "stacks-rank0.txt").read_text()
     assert "stuck_in_a_collective" in stacks and "Thread" in stacks
     report = json.loads((tmp_path / "watchdog" / "hang.json").read_text())
     assert report["rank"] == 0 and report["step"] == 4 and not report["heartbeat_stopped"]
+
+
+SECTIONED = textwrap.dedent("""
+    import sys, time
+    from setdiff_dist.train.watchdog import Watchdog
+    w = Watchdog(sys.argv[1], 60.0, rank=0, world=1, poll_s=0.2,
+                 limits={"checkpoint": (1.0, "train.save_timeout_s"), "eval": (0.0, "off")})
+    w.beat("eval", 3)
+    time.sleep(2.0)  # (a phase whose limit is 0 is not watched)
+    w.beat("checkpoint", 4)
+    def stuck_writing_a_checkpoint():
+        time.sleep(60)
+    stuck_writing_a_checkpoint()
+""")
+
+
+def test_a_section_ends_after_its_own_timeout_naming_its_key(tmp_path):
+    """The watch alone: a phase with a limit of its own (a save's) ends the rank after that
+    limit, not the default one, and the line and report name the section's config key."""
+    res = _hung_child(SECTIONED, tmp_path)
+    assert "at step 4 in checkpoint" in res.stderr and "train.save_timeout_s=1" in res.stderr
+    report = json.loads((tmp_path / "watchdog" / "hang.json").read_text())
+    assert report["timeout_key"] == "train.save_timeout_s" and report["phase"] == "checkpoint"
+    assert "stuck_writing_a_checkpoint" in (tmp_path / "watchdog" / "stacks-rank0.txt").read_text()
+
+
+@pytest.mark.parametrize("fault,overrides,phase,key", [
+    ("hang_startup:engine build:1", ["train.startup_timeout_s=15"], "engine build",
+     "train.startup_timeout_s=15"),
+    ("hang_save:4:1", ["train.save_timeout_s=15", "checkpoint.interval=2"], "checkpoint",
+     "train.save_timeout_s=15")], ids=["start-up", "save"])
+def test_a_hang_in_start_up_or_a_save_ends_within_its_section_timeout_naming_the_rank(
+        sonnets, tmp_path, fault, overrides, phase, key):
+    """Rank 1 of 2 stops without progress as its engine is built, or at the start of its
+    write of checkpoint 4 (SETDIFF_FAULT): the job ends with the hang code within the
+    section's timeout (15 s, the default watch's 600 s untouched) + 40 s, naming rank 1, the
+    section and its key; a save's hang leaves checkpoint 2 ``latest``."""
+    from setdiff_dist.checkpoint.files import resolve_latest
+    from setdiff_dist.checkpoint.manifest import read_manifest
+
+    run = str(tmp_path / "run")
+    start = time.monotonic()
+    res = run_train(run, sonnets, *overrides, steps=6, env={"SETDIFF_FAULT": fault})
+    took = time.monotonic() - start
+    assert res.returncode == EXIT_HUNG, res.stderr[-3000:]
+    assert "hang: rank 1 on" in res.stderr and f"in {phase}" in res.stderr, res.stderr[-3000:]
+    assert key in res.stderr
+    report = json.loads(open(os.path.join(run, "watchdog", "hang.json")).read())
+    assert report["rank"] == 1 and report["phase"] == phase
+    stacks = open(os.path.join(run, "watchdog", "stacks-rank1.txt")).read()
+    assert "hang_here" in stacks, stacks[:2000]
+    if phase == "checkpoint":
+        assert read_manifest(resolve_latest(run))["step"] == 2
+    else:
+        assert took < 15 + 90, took  # (the start of two ranks included)
 
 
 def _wait_for(predicate, proc, timeout=180):

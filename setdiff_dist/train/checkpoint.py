@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import time
 from typing import Optional
 
 import torch
@@ -51,6 +52,7 @@ from setdiff_dist.checkpoint.manifest import (
 )
 from setdiff_dist.checkpoint.manifest import needs_universal as layout_needs_universal
 from setdiff_dist.checkpoint.saving import check_space, save_failed, write_failure
+from setdiff_dist.progress import progress
 
 
 def universal_info(model, group=None) -> dict:
@@ -321,10 +323,14 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
 
     if saver is None:
         try:
+            _fault_point("hang_save", step)
             engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
+            progress()  # (the hang watch: train.save_timeout_s between files written)
             save_weights(engine, os.path.join(path, WEIGHTS), cfg.zero.stage)
+            progress()
             if ema is not None:
                 save_weights(engine, os.path.join(path, EMA_WEIGHTS), cfg.zero.stage, ema=ema)
+                progress()
             torch.save(_rng_state(), os.path.join(path, rng_file(rank)))
             small_files()
             finish()
@@ -371,7 +377,9 @@ def _fault_point(name: str, step: int) -> None:
     of the save of checkpoint STEP; ``write_fails:STEP:RANK`` makes rank RANK's background
     write of it fail at its start as a full disk does (ENOSPC). A fault strikes once, in the
     first start: a retried save (``checkpoint.save_retries``) or a restart
-    (``train.max_restarts``) meets it no more, as after a transient fault."""
+    (``train.max_restarts``) meets it no more, as after a transient fault.
+    ``hang_save:STEP:RANK`` stops rank RANK at the start of its (synchronous) write of it
+    without progress, as a stuck file system does."""
     from .watchdog import restart_count
 
     if restart_count():
@@ -381,10 +389,18 @@ def _fault_point(name: str, step: int) -> None:
         os.kill(os.getpid(), 9)
     if fault == f"{name}:{step}:{dist.get_rank()}" and fault not in _FIRED:
         _FIRED.add(fault)
+        if name.startswith("hang"):
+            hang_here()
         raise OSError(errno.ENOSPC, "No space left on device (injected: SETDIFF_FAULT)")
 
 
 _FIRED: set = set()  # the injected faults that have struck (each strikes once)
+
+
+def hang_here() -> None:
+    """An injected hang: no progress, for as long as it takes a hang watch to end it."""
+    while True:
+        time.sleep(60)
 
 
 def load(engine, path: str, universal: Optional[str] = None) -> dict:

@@ -57,7 +57,7 @@ from .engine import (
 from .metrics import MetricsLogger, check_loggers
 from .param_gather import ParamPrefetch
 from .timers import PhaseTimers, Profile, Stragglers
-from .watchdog import Watchdog
+from .watchdog import Watchdog, startup_watch
 
 # what a signal asks for, by precedence: a preemption (requeue) outranks a user's pause
 STOPS = {signal.SIGINT: "paused", signal.SIGTERM: "preempted", signal.SIGUSR1: "preempted"}
@@ -90,14 +90,50 @@ def open_data(cfg):
     return train, valid, tok
 
 
+def _fault_at_startup(phase: str) -> None:
+    """Fault injection for the start-up watch's tests: ``SETDIFF_FAULT=hang_startup:PHASE:RANK``
+    stops rank RANK (the launch's) without progress at the end of its start-up's PHASE (one of
+    :data:`~setdiff_dist.train.watchdog.STARTUP_PHASES`), in the job's first start only."""
+    from .watchdog import restart_count
+
+    fault = os.environ.get("SETDIFF_FAULT", "")
+    if fault == f"hang_startup:{phase}:{os.environ.get('RANK')}" and not restart_count():
+        checkpoint.hang_here()
+
+
 class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
         check_precision(cfg)
         check_loggers(cfg)
+        # the start-up is watched from here (train.startup_timeout_s), by the launch's rank
+        # where the process group does not exist yet
+        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        self._startup = startup_watch(cfg, int(os.environ["RANK"]),
+                                      int(os.environ["WORLD_SIZE"])) if launched else None
+        self._phase = "start-up"
+        try:
+            self._start(cfg)
+            _fault_at_startup(self._phase)
+        finally:
+            if self._startup is not None:
+                self._startup.close()
+            self._startup = None
+
+    def _starting(self, phase: str) -> None:
+        """The start-up moves on to ``phase`` (the hang watch's report names it)."""
+        _fault_at_startup(self._phase)
+        self._phase = phase
+        if self._startup is not None:
+            self._startup.beat(phase)
+
+    def _start(self, cfg) -> None:
         par = cfg.parallel
         initialize_model_parallel(par.tensor, par.pipeline, par.virtual_pipeline,
                                   seed=cfg.train.seed, backend=par.backend, context=par.context)
+        if self._startup is None and cfg.train.startup_timeout_s \
+                and dist.get_world_size() > 1:
+            self._startup = startup_watch(cfg, dist.get_rank(), dist.get_world_size())
         self.rank = dist.get_rank()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.device = torch.device("cuda", torch.cuda.current_device()) \
@@ -112,10 +148,12 @@ class Trainer:
                                     compute_dtype=compute_dtype(cfg.train.precision),
                                     recompute=cfg.train.recompute,
                                     recompute_num_layers=cfg.train.recompute_num_layers)
+        self._starting("model build")
         self.model = self._initial_model(config).to(self.device)
         # a checkpoint of another data-parallel size resumes through its universal form
         self.universal = self.resume_path is not None and \
             checkpoint.needs_universal(self.resume_path, cfg)
+        self._starting("engine build")
         self.engine = build_engine(cfg, self.model, load_universal=self.universal)
         # the EMA of the weights starts at the initial weights (or the checkpoint's, on resume)
         self.ema = EMA(self.engine.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
@@ -150,6 +188,7 @@ class Trainer:
         # setdiff-train sets for the first step to report the time lost
         self.last_step_at: Optional[float] = None
         self.restarted_after: Optional[tuple] = None
+        self._starting("checkpoint load")
         self.resumed_from = self._resume()
 
     # -- set-up ------------------------------------------------------------------------------
@@ -244,6 +283,7 @@ class Trainer:
             self.engine.step()
 
     def save(self) -> str:
+        progress("checkpoint")  # (the hang watch gives a save train.save_timeout_s)
         if self.saver is not None:
             self._settle_save()  # (the one in flight; a failed one is retried by this save)
         self.whole_weights()
@@ -529,7 +569,9 @@ class Trainer:
         timers, profile = self.timers, Profile(cfg.train.profile_steps, cfg.run_dir, self.rank,
                                                   self.whole_weights)
         watchdog = Watchdog(cfg.run_dir, cfg.train.hang_timeout_s, self.rank,
-                            dist.get_world_size(), on_hang=self.on_hang) \
+                            dist.get_world_size(), on_hang=self.on_hang,
+                            limits={"checkpoint": (cfg.train.save_timeout_s,
+                                                   "train.save_timeout_s")}) \
             if cfg.train.hang_timeout_s else None
         try:
             steps = self._steps(self.loader(self.step))

@@ -26,6 +26,12 @@ the hung rank, reach that point too), or finds the hang report another rank wrot
 3. the rank exits with :data:`EXIT_HUNG`; the launcher (ours, torchrun's agent, ``srun
    --kill-on-bad-exit``) takes the rest down. The checkpoints are untouched: a save is written
    into a new directory and ``latest`` moves only once it is complete.
+
+Sections of the work have their own time without progress (``limits``: phase -> seconds, with
+the config key that sets it): the trainer's start-up (process groups, data, the model, the
+engine, a conversion and the load: ``train.startup_timeout_s``, watched from before the process
+groups exist by a watch of its own, :func:`startup_watch`) and a checkpoint save
+(``train.save_timeout_s``); every other phase has ``hang_timeout_s``.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from typing import Callable, Optional
 
 from setdiff_dist.errors import EXIT_HUNG
 from setdiff_dist.progress import watch, watched_by
+
+# the phases of the trainer's start-up (train.startup_timeout_s)
+STARTUP_PHASES = ("start-up", "model build", "engine build", "checkpoint load")
 
 DIRECTORY = "watchdog"
 REPORT = "hang.json"
@@ -128,16 +137,22 @@ class Watchdog:
 
     def __init__(self, run_dir: str, timeout_s: float, rank: int, world: int,
                  poll_s: Optional[float] = None,
-                 on_hang: Optional[Callable[[dict], None]] = None):
+                 on_hang: Optional[Callable[[dict], None]] = None,
+                 limits: Optional[dict[str, tuple[float, str]]] = None,
+                 phase: str = "start", key: str = "train.hang_timeout_s"):
         self.run_dir, self.timeout, self.rank, self.world = run_dir, float(timeout_s), rank, world
-        self.poll = poll_s or min(5.0, max(0.2, self.timeout / 8))
+        # phase -> (seconds without progress, the config key that sets it); 0: not watched
+        self.limits = {k: (float(v), name) for k, (v, name) in (limits or {}).items()}
+        self.key = key  # (the config key of timeout_s)
+        shortest = min([self.timeout] + [v for v, _ in self.limits.values() if v > 0])
+        self.poll = poll_s or min(5.0, max(0.2, shortest / 8))
         self.stale_after = 3 * self.poll + 2.0  # a heartbeat older than this: the rank is silent
         self.host = socket.gethostname()
         # the scheduler's name of the node (Slurm's emulated nodes share one host name)
         self.node = os.environ.get("SLURMD_NODENAME") or self.host
         self.on_hang = on_hang
         os.makedirs(os.path.join(run_dir, DIRECTORY), exist_ok=True)
-        self._step, self._phase = 0, "start"
+        self._step, self._phase = 0, phase
         self._progress_mono, self._progress_wall = time.monotonic(), time.time()
         self._stacks = open(stacks_path(run_dir, rank), "w")
         self._registered = False
@@ -152,6 +167,11 @@ class Watchdog:
         watch(self.beat)  # (setdiff_dist.progress: what the loop and the layers below report)
 
     # -- the training loop's side ----------------------------------------------------------------
+    def limit(self) -> tuple[float, str]:
+        """The time without progress allowed in the current phase, and its config key (0: not
+        watched)."""
+        return self.limits.get(self._phase, (self.timeout, self.key))
+
     def beat(self, phase: Optional[str] = None, step: Optional[int] = None) -> None:
         """Progress: cheap enough for every phase of every step."""
         if phase is not None:
@@ -198,7 +218,8 @@ class Watchdog:
         while not self._stop.wait(self.poll):
             self._write_heartbeat()
             idle = time.monotonic() - self._progress_mono
-            if idle > self.timeout:
+            allowed, _ = self.limit()
+            if allowed and idle > allowed:
                 self._hang(self._report(idle))
             elif os.path.exists(report):  # another rank found the hang
                 try:
@@ -234,6 +255,8 @@ class Watchdog:
                                "heartbeat_age_s": round(now - x["alive_at"], 1)}
                             for r, x in sorted(beats.items())},
                   "ranks_without_heartbeat": missing}
+        allowed, key = self.limit()
+        report.update(timeout_s=allowed, timeout_key=key)
         path = os.path.join(self.run_dir, DIRECTORY, REPORT)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -252,7 +275,7 @@ class Watchdog:
                     "for it)")
         where = node if node == b["host"] else f"{node} (host {b['host']})"
         print(f"setdiff-train: hang: rank {who} on {where} (pid {b['pid']}) {what}; "
-              f"train.hang_timeout_s={self.timeout:g}. Every rank's "
+              f"{key}={allowed:g}. Every rank's "
               f"stacks: {os.path.join(self.run_dir, DIRECTORY)}/stacks-rank*.txt. Exiting "
               f"with code {EXIT_HUNG}; resume=auto goes on from the last checkpoint"
               + (f" (ranks {missing} never wrote a heartbeat)" if missing else ""),
@@ -269,7 +292,8 @@ class Watchdog:
         return report
 
     def _hang(self, report: Optional[dict]) -> None:
-        self._dump(f"no progress for {self.timeout:g} s (train.hang_timeout_s)")
+        allowed, key = self.limit()
+        self._dump(f"no progress for {allowed:g} s ({key}) in {self._phase}")
         if report is None:
             try:
                 with open(os.path.join(self.run_dir, DIRECTORY, REPORT)) as fh:
@@ -297,3 +321,14 @@ class Watchdog:
                 pass
         sys.stderr.flush()
         os._exit(EXIT_HUNG)
+
+
+def startup_watch(cfg, rank: int, world: int) -> Optional[Watchdog]:
+    """The watch of a trainer's start-up (:data:`STARTUP_PHASES`, ``train.startup_timeout_s``;
+    None when 0): the caller moves it through the phases with ``beat`` and closes it when the
+    start-up ends, whatever way; the training loop's own watch follows."""
+    t = cfg.train
+    if not t.startup_timeout_s:
+        return None
+    return Watchdog(cfg.run_dir, t.startup_timeout_s, rank, world, phase=STARTUP_PHASES[0],
+                    key="train.startup_timeout_s")
