@@ -113,6 +113,46 @@ def test_a_hang_in_start_up_or_a_save_ends_within_its_section_timeout_naming_the
         assert took < 15 + 90, took  # (the start of two ranks included)
 
 
+def test_at_a_hang_only_the_first_rank_reads_every_heartbeat(tmp_path, monkeypatch):
+    """Pure logic: the rank that claims the hang reads the N heartbeats and writes the report;
+    one that finds the claim reads none and takes that report; a claim whose report never
+    comes (its rank died) is reported by the next rank itself."""
+    from setdiff_dist.train import watchdog as wd
+
+    reads = []
+    real = wd.read_heartbeats
+    monkeypatch.setattr(wd, "read_heartbeats", lambda d: reads.append(d) or real(d))
+    first = wd.Watchdog(str(tmp_path), 60.0, rank=0, world=2, poll_s=0.1)
+    second = wd.Watchdog(str(tmp_path), 60.0, rank=1, world=2, poll_s=0.1)
+    for w in (first, second):  # (their threads would end this process on the report)
+        w._stop.set()
+        w._thread.join()
+    try:
+        assert first._report(61.0)["reported_by"] == 0 and len(reads) == 1
+        assert second._report(61.0) is None and len(reads) == 1  # (the claim and its report)
+        (tmp_path / wd.DIRECTORY / wd.REPORT).unlink()  # a claim without a report
+        start = time.monotonic()
+        assert second._report(61.0)["reported_by"] == 1 and len(reads) == 2
+        assert time.monotonic() - start >= second.stale_after * 0.9
+    finally:
+        for w in (second, first):
+            w.close()
+
+
+def test_nccl_records_its_collectives_into_the_run_directory(tmp_path):
+    """Pure logic: an NCCL group is made with torch's flight recorder on, dumped per rank into
+    run_dir/nccl_trace/ on a collective's timeout (the GPU path: torch's NCCL reads these);
+    a hang watch where that directory exists but no NCCL runs still ends the rank."""
+    from setdiff_dist.parallel.state import NCCL_TRACE, flight_recorder_env
+
+    env = flight_recorder_env(str(tmp_path))
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) >= 1000
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / NCCL_TRACE / "rank")
+    (tmp_path / NCCL_TRACE).mkdir()
+    _hung_child(WATCHED, tmp_path)
+
+
 def _wait_for(predicate, proc, timeout=180):
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -548,7 +548,7 @@ def run(cfg, force: bool = False) -> int:
     from setdiff_dist.train.loop import Trainer
 
     # idempotent; rank 0 is known before any error
-    init_distributed(cfg.parallel.backend, cfg.train.collective_timeout_s)
+    init_distributed(cfg.parallel.backend, cfg.train.collective_timeout_s, cfg.run_dir)
     restart = agreed_restart_count()
     if restart and cfg.resume != "auto":
         # a restart goes on from this run's last checkpoint, not from where the first start did

@@ -13,6 +13,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -98,9 +99,25 @@ def megatron_groups():
     return ps if ps is not None and ps.model_parallel_is_initialized() else None
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> LaunchEnv:
+NCCL_TRACE = "nccl_trace"  # (run_dir/nccl_trace/: NCCL's flight-recorder dumps)
+
+
+def flight_recorder_env(run_dir: str) -> dict[str, str]:
+    """The variables that turn on NCCL's flight recorder (torch's ring buffer of each rank's
+    last collectives: which one each rank was in, its sizes and state) and have it dumped, per
+    rank, to ``run_dir/nccl_trace/rank<R>`` when a collective times out: with every rank's
+    entry side by side, the one that never entered a collective is the hung one, also where a
+    stuck kernel leaves every process alive. Read by torch's NCCL process group as it is
+    made; a value already set (the user's) wins."""
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(run_dir, NCCL_TRACE, "rank")}
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 1800.0,
+                     run_dir: Optional[str] = None) -> LaunchEnv:
     """Initialize the default process group once (idempotent); a collective fails after
-    ``timeout_s`` seconds of waiting (``train.collective_timeout_s``)."""
+    ``timeout_s`` seconds of waiting (``train.collective_timeout_s``). With ``run_dir``, an
+    NCCL group records its collectives (:func:`flight_recorder_env`)."""
     le = launch_env()
     if dist.is_initialized():
         return le
@@ -136,6 +153,10 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> Launch
                               f"{torch.cuda.device_count()}; launch at most that many ranks per "
                               "node (--nproc-per-node / NPROC_PER_NODE)")
         torch.cuda.set_device(le.local_rank)
+        if run_dir:
+            os.makedirs(os.path.join(run_dir, NCCL_TRACE), exist_ok=True)
+            for key, value in flight_recorder_env(run_dir).items():
+                os.environ.setdefault(key, value)
     # env:// reads the variables set above (and reuses torchrun's store when it offers one)
     dist.init_process_group(backend=backend, init_method="env://", rank=le.rank,
                             world_size=le.world_size,

@@ -15,7 +15,9 @@ store, any of which may be the thing that hangs.
 When a rank has made no progress for ``hang_timeout_s`` (its peers, blocked in a collective on
 the hung rank, reach that point too), or finds the hang report another rank wrote:
 
-1. the first to see it writes ``run_dir/watchdog/hang.json``: the culprit is the rank whose
+1. the first to see it claims the report (``hang.claim``: it alone reads every heartbeat, the
+   others wait for its report, so a hang at N ranks costs each O(1) file reads) and writes
+   ``run_dir/watchdog/hang.json``: the culprit is the rank whose
    heartbeat stopped (the process is stopped or gone), else the one whose progress stopped
    first (the others then waited for it); it prints one line naming that rank and its host;
 2. every rank's Python stacks go to ``run_dir/watchdog/stacks-rank<R>.txt``: each watchdog
@@ -54,6 +56,7 @@ STARTUP_PHASES = ("start-up", "model build", "engine build", "checkpoint load")
 
 DIRECTORY = "watchdog"
 REPORT = "hang.json"
+CLAIM = "hang.claim"  # (the rank that writes the report, first come)
 
 
 def heartbeat_path(run_dir: str, rank: int) -> str:
@@ -139,11 +142,15 @@ class Watchdog:
                  poll_s: Optional[float] = None,
                  on_hang: Optional[Callable[[dict], None]] = None,
                  limits: Optional[dict[str, tuple[float, str]]] = None,
-                 phase: str = "start", key: str = "train.hang_timeout_s"):
+                 phase: str = "start", key: str = "train.hang_timeout_s",
+                 keep_directory: bool = False):
         self.run_dir, self.timeout, self.rank, self.world = run_dir, float(timeout_s), rank, world
         # phase -> (seconds without progress, the config key that sets it); 0: not watched
         self.limits = {k: (float(v), name) for k, (v, name) in (limits or {}).items()}
         self.key = key  # (the config key of timeout_s)
+        # (a watch that another follows, the start-up's, leaves the directory: the next one
+        # of another rank may be opening its files in it)
+        self.keep_directory = keep_directory
         shortest = min([self.timeout] + [v for v, _ in self.limits.values() if v > 0])
         self.poll = poll_s or min(5.0, max(0.2, shortest / 8))
         self.stale_after = 3 * self.poll + 2.0  # a heartbeat older than this: the rank is silent
@@ -151,10 +158,16 @@ class Watchdog:
         # the scheduler's name of the node (Slurm's emulated nodes share one host name)
         self.node = os.environ.get("SLURMD_NODENAME") or self.host
         self.on_hang = on_hang
-        os.makedirs(os.path.join(run_dir, DIRECTORY), exist_ok=True)
         self._step, self._phase = 0, phase
         self._progress_mono, self._progress_wall = time.monotonic(), time.time()
-        self._stacks = open(stacks_path(run_dir, rank), "w")
+        for attempt in range(3):  # (another rank's watch may remove it as it ends: again)
+            os.makedirs(os.path.join(run_dir, DIRECTORY), exist_ok=True)
+            try:
+                self._stacks = open(stacks_path(run_dir, rank), "w")
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         self._registered = False
         if threading.current_thread() is threading.main_thread():
             faulthandler.register(signal.SIGUSR2, file=self._stacks, all_threads=True,
@@ -197,6 +210,8 @@ class Watchdog:
                     os.remove(path)
             except OSError:
                 pass
+        if self.keep_directory:
+            return
         try:
             os.rmdir(os.path.join(self.run_dir, DIRECTORY))  # (the last rank out, if empty)
         except OSError:
@@ -233,8 +248,31 @@ class Watchdog:
                     self._dump(f"the hang rank {found.get('reported_by')} reported")
                 self._exit(found)
 
+    def _claimed_by_another(self) -> bool:
+        """Whether another rank is writing the hang report: the first rank to see the hang
+        claims it (``hang.claim``) and alone reads every heartbeat, so that at N ranks a hang
+        costs each rank O(1) file reads, not N; the others wait for its report (True), and
+        report themselves if none comes within a heartbeat's staleness (the claimer died)."""
+        directory = os.path.join(self.run_dir, DIRECTORY)
+        try:
+            os.close(os.open(os.path.join(directory, CLAIM),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            return False
+        except FileExistsError:
+            pass
+        except OSError:
+            return False
+        deadline = time.monotonic() + self.stale_after
+        while time.monotonic() < deadline:
+            if os.path.exists(os.path.join(directory, REPORT)):
+                return True
+            time.sleep(min(0.2, self.poll))
+        return False
+
     def _report(self, idle: float) -> Optional[dict]:
         """Write the hang report if no rank has (the first wins), and say it; the report."""
+        if self._claimed_by_another():
+            return None
         now = time.time()
         beats = read_heartbeats(self.run_dir)
         beats[self.rank] = dict(beats.get(self.rank, {}), rank=self.rank, host=self.host,
@@ -294,6 +332,7 @@ class Watchdog:
     def _hang(self, report: Optional[dict]) -> None:
         allowed, key = self.limit()
         self._dump(f"no progress for {allowed:g} s ({key}) in {self._phase}")
+        self._dump_nccl_trace()
         if report is None:
             try:
                 with open(os.path.join(self.run_dir, DIRECTORY, REPORT)) as fh:
@@ -311,6 +350,23 @@ class Watchdog:
             faulthandler.dump_traceback(file=self._stacks, all_threads=True)
             self._stacks.flush()
         except (OSError, ValueError):
+            pass
+
+    def _dump_nccl_trace(self) -> None:
+        """Where NCCL's flight recorder runs (``run_dir/nccl_trace/`` exists:
+        :func:`setdiff_dist.parallel.state.flight_recorder_env`), its record of this rank's
+        last collectives, beside the stacks, before the rank exits (NCCL's own dump comes only
+        when a collective times out, after ``train.collective_timeout_s``)."""
+        directory = os.path.join(self.run_dir, "nccl_trace")
+        if not os.path.isdir(directory):
+            return
+        try:
+            import torch
+
+            trace = torch._C._distributed_c10d._dump_nccl_trace()
+            with open(os.path.join(directory, f"rank{self.rank}"), "wb") as fh:
+                fh.write(trace)
+        except Exception:  # noqa: BLE001 (nothing may keep a hung rank alive)
             pass
 
     def _exit(self, report: dict) -> None:
@@ -331,4 +387,4 @@ def startup_watch(cfg, rank: int, world: int) -> Optional[Watchdog]:
     if not t.startup_timeout_s:
         return None
     return Watchdog(cfg.run_dir, t.startup_timeout_s, rank, world, phase=STARTUP_PHASES[0],
-                    key="train.startup_timeout_s")
+                    key="train.startup_timeout_s", keep_directory=True)
