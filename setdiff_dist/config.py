@@ -279,6 +279,12 @@ class CheckpointConfig:
                          "check them at resume (the ranks share the hashing, about 1 GB/s "
                          "each); false: sizes only (every other read of a checkpoint, "
                          "init_from and inference, checks the SHA-256 of what it reads)")
+    parallel_load: bool = _f(True, "resume: the data-parallel replicas of a model-parallel "
+                             "rank each read a share of the files they all load (the module's "
+                             "and the client state) and exchange the shares in one all-gather "
+                             "per file, so that each byte is read about once in all (megatron's "
+                             "fully parallel load); false: every rank reads those files whole "
+                             "(DP times the model's bytes from the file system)")
     init_from_hf: str = _f("", "a local Hugging Face Llama / Qwen3 checkpoint directory "
                            "(config.json + safetensors) whose weights start the run when there is "
                            "no checkpoint to resume (resume takes precedence); the model.* keys "

@@ -279,9 +279,40 @@ def file_problems(directory: str, table: dict, names: Iterable[str],
         if size != want["bytes"]:
             problems.append(f"{name} has {size:,} bytes, the manifest says {want['bytes']:,} "
                             f"({'truncated' if size < want['bytes'] else 'grown'})")
-        elif hashes and "sha256" in want and sha256_file(path) != want["sha256"]:
+        elif hashes and "sha256" in want and counted_hash(path) != want["sha256"]:
             problems.append(f"{name} does not match its SHA-256 checksum (damaged)")
     return problems
+
+
+def shared_problems(directory: str, table: dict, names: list, hashes: bool = True,
+                    group=None) -> list[str]:
+    """:func:`file_problems` of ``names``, the work shared by the ranks of ``group`` (a
+    torch.distributed group whose ranks all call this; each checks files of about equal bytes
+    in all) and every rank given every problem, sorted."""
+    if group is None:
+        return file_problems(directory, table, names, hashes)
+    import torch.distributed as dist
+
+    from setdiff_dist.checkpoint.reading import balance
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    owners = balance([table[n].get("bytes", 0) for n in names], world)
+    problems = file_problems(directory, table, [n for n, o in zip(names, owners) if o == rank],
+                             hashes)
+    if world == 1:
+        return problems
+    every = [None] * world
+    dist.all_gather_object(every, problems, group=group)
+    return sorted(p for mine in every for p in mine)
+
+
+def counted_hash(path: str) -> str:
+    """The SHA-256 of the file ``path``, its bytes counted as read by the checks
+    (:data:`~setdiff_dist.checkpoint.reading.TALLY`)."""
+    from setdiff_dist.checkpoint.reading import TALLY
+
+    TALLY.add("verify", os.path.getsize(path))
+    return sha256_file(path)
 
 
 def damaged(path: str, problems: list[str], reading: bool = False) -> CheckpointError:

@@ -14,7 +14,14 @@ from typing import Optional
 
 from setdiff_dist.config import resolved_model, zero_implementation
 
-from .files import CheckpointError, checkpoint_root, damaged, file_problems, pointed
+from .files import (
+    CheckpointError,
+    checkpoint_root,
+    damaged,
+    file_problems,
+    pointed,
+    shared_problems,
+)
 from .format import (
     CONFIG,
     DERIVED_FORMAT,
@@ -307,16 +314,7 @@ def verify(path: str, manifest: dict, hashes: bool = True, group=None) -> None:
     table = manifest.get("files")
     if table is None:
         return
-    rank, world = 0, 1
-    if group is not None:
-        import torch.distributed as dist
-
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-    problems = file_problems(path, table, sorted(table)[rank::world], hashes)
-    if world > 1:
-        every = [None] * world
-        dist.all_gather_object(every, problems, group=group)
-        problems = sorted(p for mine in every for p in mine)
+    problems = shared_problems(path, table, sorted(table), hashes, group)
     if problems:
         raise damaged(path, problems)
 

@@ -17,7 +17,7 @@ from setdiff_dist.config import config_from_dict
 from setdiff_dist.data.tokenizers import Tokenizer, load_shipped_tokenizer
 from setdiff_dist.errors import SetdiffError
 
-from .files import damaged, describe_files, file_problems, step_directory
+from .files import damaged, describe_files, shared_problems, step_directory
 from .format import EMA_WEIGHTS, MANIFEST, WEIGHTS, weights_name, weights_part
 from .manifest import read_manifest
 from .sharding import merge_shards, split_shard
@@ -342,18 +342,7 @@ def check_weight_files(path: str, raw: bool = False, which: Optional[str] = None
 
     for name in names:  # (a manifest names files inside its own directory)
         inside(directory, name, "the manifest's file", LoadError)
-    rank, world = 0, 1
-    if group is not None:
-        import torch.distributed as dist
-
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-    problems = file_problems(directory, table, names[rank::world], hashes=checksums)
-    if world > 1:
-        import torch.distributed as dist
-
-        every = [None] * world
-        dist.all_gather_object(every, problems, group=group)
-        problems = sorted(p for mine in every for p in mine)
+    problems = shared_problems(directory, table, list(names), checksums, group)
     if not problems:
         return
     if kind == "export":

@@ -403,20 +403,33 @@ def hang_here() -> None:
         time.sleep(60)
 
 
-def load(engine, path: str, universal: Optional[str] = None) -> dict:
+def load(engine, path: str, universal: Optional[str] = None, parallel: bool = True) -> dict:
     """Load model, optimizer, LR schedule and this rank's RNG; returns the client state. With
     ``universal`` (an engine configured to load universal checkpoints; the tag
     :func:`make_universal` returned) the optimizer state comes from ``path/<universal>``,
-    re-partitioned for this layout."""
+    re-partitioned for this layout. ``parallel`` (``checkpoint.parallel_load``): the files
+    every data-parallel replica loads are read in shares and exchanged
+    (:func:`~setdiff_dist.checkpoint.reading.parallel_load`); either way every byte read is
+    counted in :data:`~setdiff_dist.checkpoint.reading.TALLY`."""
+    from megatron.core import parallel_state as ps
+
+    from setdiff_dist.checkpoint.reading import ParallelRead, whole_load
+
     root, tag = (path, universal) if universal else os.path.split(os.path.normpath(path))
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch AdamW
     # this run's hyperparameters, which the checkpoint's optimizer state would replace (the
     # caller puts the LR back on this run's schedule: train.engine.follow_schedule)
     hyper = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g}
              for g in inner.param_groups]
-    with no_unpickling():
-        loaded, client = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+    real = engine.checkpoint_engine
+    engine.checkpoint_engine = ParallelRead(
+        real, ps.get_data_parallel_group(with_context_parallel=True) if parallel else None)
+    try:
+        with no_unpickling():
+            loaded, client = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True)
+    finally:
+        engine.checkpoint_engine = real
     if loaded is None:
         raise CheckpointError(f"DeepSpeed could not load {path}")
     # non-finite weights: each rank checks what it holds (its ZeRO-3 partition, its FSDP
@@ -447,5 +460,5 @@ def load(engine, path: str, universal: Optional[str] = None) -> dict:
                 state["step"] = state["step"].clone()
     rng = os.path.join(path, rng_file(dist.get_rank()))
     if os.path.isfile(rng):
-        _set_rng_state(torch.load(rng, weights_only=True))
+        _set_rng_state(whole_load(rng, weights_only=True))
     return client

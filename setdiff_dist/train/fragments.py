@@ -156,7 +156,7 @@ class FragmentCheckpoints:
         files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
         if not files:
             raise CheckpointError(f"{path}: no model-state file in this universal form")
-        state = torch.load(files[0], map_location="cpu")
+        state = self.checkpoint_engine.load(files[0], map_location="cpu")
         self.skipped_steps = state.get("skipped_steps", 0)
         self._after_load()
         return {k: v for k, v in state.items() if k not in ("module", "optimizer")}

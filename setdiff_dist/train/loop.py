@@ -27,6 +27,7 @@ from megatron.core import parallel_state as ps
 
 from setdiff_dist.checkpoint.files import resume_path
 from setdiff_dist.checkpoint.manifest import check_resume, saved_config
+from setdiff_dist.checkpoint.reading import TALLY, collective_device, gather_into, megabytes
 from setdiff_dist.data.blend import Blend
 from setdiff_dist.data.loader import Batch, TokenLoader, fixed_batches
 from setdiff_dist.data.shards import ShardSet
@@ -140,6 +141,7 @@ class Trainer:
             if torch.cuda.is_available() else torch.device("cpu")
         self.train_set, self.valid_set, self.tokenizer = open_data(cfg)
         self.resume_path = resume_path(cfg)  # None: a fresh run
+        TALLY.reset()  # (what the resume reads of the checkpoint: checksums and loads)
         self._check_resume()  # before any model is built: a refusal costs seconds, not minutes
         config = transformer_config(cfg.model, par.tensor, par.pipeline,
                                     sequence_parallel=par.sequence_parallel,
@@ -240,7 +242,14 @@ class Trainer:
             tag = checkpoint.make_universal(
                 path, self.model.padded_vocab if self.cfg.zero.stage == 3 else None,
                 hashes=self.cfg.checkpoint.checksums)
-        state = checkpoint.load(self.engine, path, universal=tag)["setdiff"]
+        state = checkpoint.load(self.engine, path, universal=tag,
+                                parallel=self.cfg.checkpoint.parallel_load)["setdiff"]
+        # the bytes of checkpoint files each rank read (one small all-gather, once a start)
+        device = collective_device()
+        every = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+        gather_into(every, torch.tensor([float(TALLY.total)], dtype=torch.float64,
+                                        device=device))
+        self.resume_reads = [int(b) for b in every.tolist()]
         self.step, self.samples_seen = state["step"], state["samples_seen"]
         self._follow_schedule(path)
         self.skipped_steps = state["nonfinite_skipped_steps"]
@@ -563,7 +572,11 @@ class Trainer:
                                 dist.get_world_size(), cfg.train.tensorboard, self.step,
                                 cfg.train.peak_tflops, cfg=cfg)
         if self.resumed_from and self.rank == 0:
-            print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
+            reads = self.resume_reads
+            print(f"resumed from {self.resumed_from} at step {self.step} (read "
+                  f"{megabytes(reads[0])} of checkpoint files on rank 0, "
+                  f"{megabytes(max(reads))} at most on a rank, {megabytes(sum(reads))} in all)",
+                  flush=True)
         # a resumed run already has a checkpoint of its first step
         tokens_since, saved_at, outcome = 0, self.step if self.resumed_from else None, "completed"
         timers, profile = self.timers, Profile(cfg.train.profile_steps, cfg.run_dir, self.rank,
