@@ -188,6 +188,9 @@ LAYOUTS = {
         ("bf16-pp2", ["train.precision=bf16", "parallel.pipeline=2"]),
         ("qk-tp2", [*_QK, "parallel.tensor=2"]),
         ("qk-tp2-sp", [*_QK, "parallel.tensor=2", "parallel.sequence_parallel=true"]),
+        # (the same on FSDP's ZeRO-2, whose new parameters carry none of the originals' hooks)
+        ("qk-tp2-sp-fsdp", [*_QK, "parallel.tensor=2", "parallel.sequence_parallel=true",
+                            "zero.stage=2"]),
         ("pp-diverges", [*_DIVERGE, "zero.stage=0", "parallel.pipeline=2"]),
         ("cp2", ["parallel.context=2"])],
     4: [("tp2xpp2", ["parallel.tensor=2", "parallel.pipeline=2"]),

@@ -316,15 +316,17 @@ def test_te_linears_get_tensor_parallel_attributes(tmp_path):
 def test_partial_gradients_are_summed_over_tensor_parallel_ranks(layouts):
     """QK-norm weights (each TP rank normalizes its own heads) and, under sequence parallelism,
     every norm (each rank sees its slice of the tokens) get partial gradients per TP rank; they
-    are summed over the group, as megatron's finalize_model_grads does. Without it the TP=2
-    curves drift from TP=1 in the 6th digit and the replicated copies diverge."""
+    are summed over the group, as megatron's finalize_model_grads does (under FSDP's ZeRO-2 once,
+    after the reduce-scatter). Without it the TP=2 curves drift from TP=1 in the 6th digit and
+    the replicated copies diverge."""
     from safetensors.torch import load_file
 
     found, _, root = layouts
-    curves = {name: found[f"qk-{name}"][0] for name in ("tp1", "tp2", "tp2-sp")}
-    assert curves["tp2"] == pytest.approx(curves["tp1"], rel=2e-6, abs=0)
-    assert curves["tp2-sp"] == pytest.approx(curves["tp1"], rel=2e-6, abs=0)
-    for name in ("tp2", "tp2-sp"):
+    names = ("tp2", "tp2-sp", "tp2-sp-fsdp")
+    curves = {name: found[f"qk-{name}"][0] for name in ("tp1", *names)}
+    for name in names:
+        assert curves[name] == pytest.approx(curves["tp1"], rel=2e-6, abs=0), name
+    for name in names:
         ckpt = root / f"qk-{name}" / "checkpoints"
         weights = ckpt / (ckpt / "latest").read_text().strip() / "weights"
         a, b = (load_file(weights / f"tp0{r}_pp00.safetensors") for r in (0, 1))
