@@ -283,7 +283,9 @@ def test_a_lost_node_is_requeued_by_slurm_and_resumes_exactly(uninterrupted, clu
     """The node vanishes after the step-10 checkpoint (cluster.sh kill-node: its slurmd, the
     job's processes on it, the batch script too when it is n1): Slurm ends the job NODE_FAIL
     and requeues it on the nodes that answer; it resumes from the checkpoint, records the
-    requeue in faults.jsonl, and ends with the uninterrupted job's losses, bit for bit."""
+    requeue in faults.jsonl, and ends with the uninterrupted job's losses, bit for bit. The
+    surviving agent, which waits for its lost peer, is ended at Slurm's SIGTERM, not after
+    KillWait."""
     _, _, straight_job = uninterrupted
     assert straight_job["JobState"] == "COMPLETED"
     try:
@@ -300,4 +302,6 @@ def test_a_lost_node_is_requeued_by_slurm_and_resumes_exactly(uninterrupted, clu
     assert [f["kind"] for f in faults] == ["requeued-by-slurm"], faults
     assert re.search(r"^requeue 1: step \d+ done [\d.]+ s after the previous start's last step",
                      log, re.M), log[-3000:]
+    if node == "n2":  # (the surviving agent, on the batch node, did not wait out KillWait)
+        assert "SIGTERM while no rank runs here" in log, log[-3000:]
     assert losses(tmp_path / "run") == losses(uninterrupted[0] / "run")

@@ -49,15 +49,16 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
 fi
 export MASTER_ADDR MASTER_PORT NPROC_PER_NODE
 
+SETDIFF_LAUNCHERS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
 setdiff_torchrun() {
-    # SIGUSR1 is ignored by the agents (a signal ignored before exec stays ignored), so that a
-    # preemption warning sent to the job's steps reaches the ranks, which install their own
-    # handler, without killing torchrun (whose default action on SIGUSR1 is to die).
-    # SIGTERM likewise: torchrun would otherwise kill its ranks 30 s after it, mid-checkpoint.
+    # agent.sh: the agents ignore SIGUSR1 and SIGTERM, which reach the ranks (a preemption
+    # warning, a preemption: they checkpoint); an agent with no ranks running when SIGTERM
+    # comes (it waits for a lost node in the rendezvous) is ended at once, not after KillWait
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # (MAX_RESTARTS above)
     srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$SLURM_NNODES" \
         --cpus-per-task="${CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}" \
-        bash -c 'trap "" USR1 TERM; exec "$@"' setdiff-agent \
+        bash "$SETDIFF_LAUNCHERS/agent.sh" \
         torchrun --signals-to-handle=SIGINT,SIGHUP,SIGQUIT \
         --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" \
         --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d \

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One node's torch elastic agent under srun (common.sh: setdiff_torchrun): `agent.sh torchrun
+# ARGS...` runs the agent with SIGUSR1 and SIGTERM ignored (a signal ignored before exec stays
+# ignored) and stands by it for SIGTERM:
+# - SIGUSR1 (train.sbatch's preemption warning) reaches the ranks, which install their own
+#   handler, without killing torchrun, whose default action on it is to die.
+# - SIGTERM (Slurm ending the step: a preemption, scancel, the requeue after a lost node) also
+#   reaches the ranks, which checkpoint at the next step and exit; torchrun would otherwise kill
+#   them 30 s after it, mid-checkpoint. But an agent with no ranks running is between two
+#   starts of them, waiting in the rendezvous for peers (a node is gone): it has nothing to
+#   save and would only sit out Slurm's KillWait before its SIGKILL, so it is ended at once.
+set -u
+(trap '' USR1 TERM; exec "$@") &
+agent=$!
+trap '' USR1
+
+# shellcheck disable=SC2329  # invoked by the TERM trap below
+on_term() {
+    command -v pgrep >/dev/null || return 0  # (cannot tell: the ranks may be saving)
+    if ! pgrep -P "$agent" >/dev/null; then
+        echo "[setdiff] $(date -Is) $(hostname): SIGTERM while no rank runs here (the agent" \
+             "is waiting for a peer that is gone): ending the agent now" >&2
+        kill -KILL "$agent" 2>/dev/null
+    fi
+}
+trap on_term TERM
+
+# `wait` returns early on a trap, so wait until the agent is really gone
+rc=0
+while :; do
+    wait "$agent" && rc=0 || rc=$?
+    kill -0 "$agent" 2>/dev/null || break
+done
+exit "$rc"
