@@ -265,10 +265,12 @@ class CheckpointConfig:
     save_at_end: bool = _f(True, "checkpoint when training ends (false for benchmarks and smoke "
                            "runs, which need no weights; signals and checkpoint.interval still "
                            "save)")
-    async_save: bool = _f(False, "copy the state to host memory at the step boundary and "
-                          "write it (and hash it) in a background thread while training goes "
-                          "on; one save in flight at most, latest moves once it is all "
-                          "written; costs the checkpoint's size in host memory")
+    async_save: bool = _f(False, "copy the state to host memory (shared-memory staging "
+                          "buffers, kept from save to save) at the step boundary and write it "
+                          "from a writer process per rank while training goes on (a background "
+                          "thread hashes it); one save in flight at most, latest moves once it "
+                          "is all written; costs the checkpoint's share of each rank in host "
+                          "memory, in /dev/shm")
     save_retries: int = _f(0, "a background save (checkpoint.async_save) that fails on any "
                            "rank (a full disk, a lost file system) is known to every rank at "
                            "the next step boundary; with retries left the ranks remove it and "

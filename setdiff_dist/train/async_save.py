@@ -6,9 +6,10 @@ as a blocking save does: the disk-space check, DeepSpeed's ``save_checkpoint`` (
 and barriers) with a :class:`Capture` in place of its checkpoint engine, which copies each state
 dict it is given to host memory instead of writing it, the ZeRO-3 / EMA gathers of the layout-
 free weights (each rank keeps a host copy of its share) and the RNG state. Then training goes
-on, and a background thread (:class:`AsyncSaver`) writes every file, waits for every rank's
-files to be on disk, hashes its share, and rank 0 writes the manifest, moves ``latest`` and
-prunes, as a blocking save does. So:
+on, and a background thread (:class:`AsyncSaver`) has every file written (by this rank's
+writer process, from the host buffers the state was staged in: :mod:`~setdiff_dist.train.
+writer`), waits for every rank's files to be on disk, hashes its share, and rank 0 writes
+the manifest, moves ``latest`` and prunes, as a blocking save does. So:
 
 - at most one save is in flight: the next save (and the end of training, a stop on a signal)
   first waits for the one before;
@@ -66,20 +67,23 @@ KEY_PREFIX = "setdiff/save"
 _saves = itertools.count()
 
 
-def host_copy(obj):
-    """``obj`` with every tensor copied to host memory, its containers copied, the rest deep
+def host_copy(obj, copy_tensor: Optional[Callable] = None):
+    """``obj`` with every tensor copied to host memory (by ``copy_tensor``: a save's
+    :meth:`~setdiff_dist.train.writer.Staging.copy`), its containers copied, the rest deep
     copied: nothing the training thread changes next reaches the copy."""
     if torch.is_tensor(obj):
+        if copy_tensor is not None:
+            return copy_tensor(obj)
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         out = copy.copy(obj)  # (an OrderedDict stays one)
         for k, v in obj.items():
-            out[k] = host_copy(v)
+            out[k] = host_copy(v, copy_tensor)
         return out
     if isinstance(obj, list):
-        return [host_copy(v) for v in obj]
+        return [host_copy(v, copy_tensor) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(host_copy(v) for v in obj)
+        return tuple(host_copy(v, copy_tensor) for v in obj)
     return copy.deepcopy(obj)
 
 
@@ -87,9 +91,9 @@ class Capture(CheckpointEngine):
     """DeepSpeed's checkpoint engine, as a save sees it, that keeps host copies of what it is
     asked to save (``saved``: ``[(state dict, path)]``) for ``real`` to write later."""
 
-    def __init__(self, real: CheckpointEngine):
+    def __init__(self, real: CheckpointEngine, copy_tensor: Optional[Callable] = None):
         super().__init__(None)
-        self.real = real
+        self.real, self.copy_tensor = real, copy_tensor
         self.saved: list[tuple] = []
 
     def create(self, info):
@@ -99,7 +103,7 @@ class Capture(CheckpointEngine):
         self.real.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict, path: str):
-        self.saved.append((host_copy(state_dict), path))
+        self.saved.append((host_copy(state_dict, self.copy_tensor), path))
 
     def load(self, path: str, map_location=None):
         return self.real.load(path, map_location)
@@ -116,12 +120,14 @@ class Capture(CheckpointEngine):
     def preserves_storage_sharing(self):
         return False  # (host_copy already gives every tensor its own storage)
 
-    def write(self, done: Callable[[], None]) -> None:
-        """Write what was captured, calling ``done()`` after each file."""
-        for state, path in self.saved:
-            self.real.save(state, path)
-            done()
+    def calls(self) -> list:
+        """The writes of what was captured, as the writer process takes them: torch's save,
+        as the real engine (DeepSpeed's ``TorchCheckpointEngine``, or ours) does it."""
+        zipped = getattr(self.real, "zipfile_serialization", True)
+        calls = [(torch.save, (state, path), {"_use_new_zipfile_serialization": zipped})
+                 for state, path in self.saved]
         self.saved = []
+        return calls
 
 
 def _background_priority() -> None:
@@ -137,6 +143,10 @@ class AsyncSaver:
     """The background writer of one trainer: one save in flight at most."""
 
     def __init__(self):
+        from .writer import Staging, WriterProcess
+
+        self.staging = Staging()  # (the host copies, kept from save to save)
+        self.writer = WriterProcess(self.staging)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._on_error: Optional[Callable[[BaseException], BaseException]] = None
@@ -177,15 +187,29 @@ class AsyncSaver:
         """One more file written (called by the thread)."""
         self.files_written += 1
 
+    def run(self, calls: list) -> None:
+        """(From the thread.) ``calls`` (``(function, args, kwargs)``) in the writer process,
+        :meth:`done` after each; its error raised here."""
+        self.writer.run(calls, self.done)
+
+    def close(self) -> None:
+        """End the writer process and free the host buffers: after the last save (a save in
+        flight is abandoned: its directory, without a manifest, goes at the next start)."""
+        in_flight = self.in_flight
+        self.writer.close(wait=not in_flight)
+        if not in_flight:
+            self.staging.close()
+
     @property
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def failed(self) -> bool:
-        """Whether the save in flight has ended in a failure (not yet raised by :meth:`wait`).
-        Local and cheap: the trainer asks at every step boundary."""
-        return self._thread is not None and not self._thread.is_alive() \
-            and self._error is not None
+        """Whether the save in flight has failed (not yet raised by :meth:`wait`): as soon as
+        this rank's write has failed, while the thread may still be telling the other ranks
+        (which waits for rank 0 to finish its own write). Local and cheap: the trainer asks at
+        every step boundary."""
+        return self._thread is not None and self._error is not None
 
     def wait(self) -> None:
         """Wait for the save in flight; its failure is raised here. While the thread writes

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import json
 import os
 import re
@@ -153,15 +152,17 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_weights(engine, directory: str, zero_stage: int, ema=None, later: bool = False):
+def save_weights(engine, directory: str, zero_stage: int, ema=None, later: bool = False,
+                 copy_tensor=None):
     """This model-parallel rank's weights (global names, TP-local shards), written by
     :func:`~setdiff_dist.checkpoint.weights.write_weights`: every data-parallel (x context-
     parallel) rank writes its share, one tensor at a time; under ZeRO-3 each parameter is
     gathered alone, so no rank ever holds the whole model and a writer one tensor. With ``ema``
     (:class:`~setdiff_dist.train.ema.EMA`) the averages are written instead, in fp32, under the
     same names and layout. Collective over the data-parallel group. ``later``: gather now,
-    keep a host copy of this rank's share, and return the write as a function (for a save in
-    the background)."""
+    keep a host copy of this rank's share (made by ``copy_tensor``, a save's staging), and
+    return the write as a picklable ``(function, args, kwargs)`` (for a save in the background,
+    by the writer process)."""
     from setdiff_dist.checkpoint.weights import write_weights
     from setdiff_dist.model.transformer import global_name
 
@@ -200,16 +201,15 @@ def save_weights(engine, directory: str, zero_stage: int, ema=None, later: bool 
     parts = ps.get_data_parallel_world_size(with_context_parallel=True)
     part = ps.get_data_parallel_rank(with_context_parallel=True)
     stream = values()
+    copy_tensor = copy_tensor or (lambda v: v.detach().to("cpu", copy=True))
     if later:  # (the other shares' tensors: gathered with them, not kept)
-        stream = [v.detach().to("cpu", copy=True) if i % parts == part else None
-                  for i, v in enumerate(stream)]
-    write = functools.partial(write_weights, directory, ps.get_tensor_model_parallel_rank(),
-                              ps.get_pipeline_model_parallel_rank(),
-                              ps.get_tensor_model_parallel_world_size(), parts=parts, part=part,
-                              entries=entries, values=stream)
+        stream = [copy_tensor(v) if i % parts == part else None for i, v in enumerate(stream)]
+    args = (directory, ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+    kwargs = {"parts": parts, "part": part, "entries": entries, "values": stream}
     if later:
-        return write
-    write()
+        return write_weights, args, kwargs
+    write_weights(*args, **kwargs)
 
 
 def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
@@ -344,26 +344,28 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     # collectives of this thread), write it later
     from .async_save import Capture, host_copy
 
-    capture = Capture(engine.checkpoint_engine)
+    saver.writer.start()
+    staged = saver.staging.copy
+    saver.staging.begin()
+    capture = Capture(engine.checkpoint_engine, staged)
     engine.checkpoint_engine = capture
     try:
         engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
     finally:
         engine.checkpoint_engine = capture.real
-    writes = [save_weights(engine, os.path.join(path, WEIGHTS), cfg.zero.stage, later=True)]
+    writes = [save_weights(engine, os.path.join(path, WEIGHTS), cfg.zero.stage, later=True,
+                           copy_tensor=staged)]
     if ema is not None:
         writes.append(save_weights(engine, os.path.join(path, EMA_WEIGHTS), cfg.zero.stage,
-                                   ema=ema, later=True))
-    rng = host_copy(_rng_state())
+                                   ema=ema, later=True, copy_tensor=staged))
+    writes.append((torch.save, (host_copy(_rng_state()), os.path.join(path, rng_file(rank))),
+                   {}))
 
-    def write():
+    def write():  # (in the background thread; the files by the writer process)
         _fault_point("write_fails", step)
-        capture.write(saver.done)
+        saver.run(capture.calls())
         _fault_point("async_write", step)
-        for w in writes:
-            w()
-            saver.done()
-        torch.save(rng, os.path.join(path, rng_file(rank)))
+        saver.run(writes)
         small_files()
 
     saver.submit(path, write, finish, failed, abandon)

@@ -640,6 +640,8 @@ class Trainer:
                 self.finish_saving()  # (a clean end, a stop on a signal: the save completes)
         finally:
             profile.after(self.step, last=True)  # a stop inside the window keeps its trace
+            if self.saver is not None:
+                self.saver.close()  # (the writer process and the host buffers)
             metrics.close()
             if watchdog is not None:
                 watchdog.close()
