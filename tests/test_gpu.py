@@ -191,3 +191,27 @@ def test_te_sequence_parallel_equals_tensor_parallel(byte_shards, tmp_path):
         assert res.returncode == 0, res.stderr[-3000:]
         curves[sp] = _losses(run)
     assert curves["true"] == pytest.approx(curves["false"], rel=0.02)
+
+
+def test_a_background_save_stages_cuda_tensors_in_pinned_shared_memory(tmp_path):
+    """checkpoint.async_save on a GPU: the staging segments are registered with CUDA (pinned),
+    a device tensor's copy lands in them, and the writer process writes what torch writes."""
+    from setdiff_dist.train.async_save import host_copy
+    from setdiff_dist.train.writer import Staging, WriterProcess
+
+    state = {"w": torch.randn(1024, 257, device="cuda"),
+             "h": torch.randn(333, device="cuda").half()}
+    staging = Staging()
+    writer = WriterProcess(staging)
+    try:
+        writer.start()
+        staging.begin()
+        staged = host_copy(state, staging.copy)
+        assert staging.place(staged["w"]) is not None and staged["w"].is_pinned()
+        writer.run([(torch.save, (staged, str(tmp_path / "a.pt")), {})], lambda: None)
+        got = torch.load(tmp_path / "a.pt")
+        for k, v in state.items():
+            assert torch.equal(got[k], v.cpu()), k
+    finally:
+        writer.close()
+        staging.close()

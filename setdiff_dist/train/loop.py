@@ -573,9 +573,9 @@ class Trainer:
                                 cfg.train.peak_tflops, cfg=cfg)
         if self.resumed_from and self.rank == 0:
             reads = self.resume_reads
-            print(f"resumed from {self.resumed_from} at step {self.step} (read "
-                  f"{megabytes(reads[0])} of checkpoint files on rank 0, "
-                  f"{megabytes(max(reads))} at most on a rank, {megabytes(sum(reads))} in all)",
+            print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
+            print(f"read at resume: {megabytes(reads[0])} of checkpoint files on rank 0, "
+                  f"{megabytes(max(reads))} at most on a rank, {megabytes(sum(reads))} in all",
                   flush=True)
         # a resumed run already has a checkpoint of its first step
         tokens_since, saved_at, outcome = 0, self.step if self.resumed_from else None, "completed"
