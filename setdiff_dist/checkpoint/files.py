@@ -284,6 +284,37 @@ def file_problems(directory: str, table: dict, names: Iterable[str],
     return problems
 
 
+class ReadTally:
+    """Bytes this process has read from checkpoint files since :meth:`reset`, by kind."""
+
+    def __init__(self):
+        self.by_kind: dict[str, int] = {}
+
+    def reset(self) -> None:
+        self.by_kind = {}
+
+    def add(self, kind: str, n: int) -> None:
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + int(n)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+
+TALLY = ReadTally()  # (what this process read of checkpoint files: reading.py)
+
+
+def balance(sizes: list[int], world: int) -> list[int]:
+    """An owner rank for each of ``sizes`` such that the ranks' sums are close: the largest
+    first, each to the least loaded rank (ties: the lower rank). The same on every rank."""
+    owners, load = [0] * len(sizes), [0] * world
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += sizes[i]
+    return owners
+
+
 def shared_problems(directory: str, table: dict, names: list, hashes: bool = True,
                     group=None) -> list[str]:
     """:func:`file_problems` of ``names``, the work shared by the ranks of ``group`` (a
@@ -292,8 +323,6 @@ def shared_problems(directory: str, table: dict, names: list, hashes: bool = Tru
     if group is None:
         return file_problems(directory, table, names, hashes)
     import torch.distributed as dist
-
-    from setdiff_dist.checkpoint.reading import balance
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     owners = balance([table[n].get("bytes", 0) for n in names], world)
@@ -308,9 +337,7 @@ def shared_problems(directory: str, table: dict, names: list, hashes: bool = Tru
 
 def counted_hash(path: str) -> str:
     """The SHA-256 of the file ``path``, its bytes counted as read by the checks
-    (:data:`~setdiff_dist.checkpoint.reading.TALLY`)."""
-    from setdiff_dist.checkpoint.reading import TALLY
-
+    (:data:`TALLY`)."""
     TALLY.add("verify", os.path.getsize(path))
     return sha256_file(path)
 

@@ -25,7 +25,7 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from setdiff_dist.checkpoint.files import CheckpointError
+from setdiff_dist.checkpoint.files import TALLY, CheckpointError, balance  # noqa: F401
 
 # the files every data-parallel replica of a model-parallel rank loads (the rest are one rank's)
 _SHARED = re.compile(r"^(mp_rank_\d+_model_states\.pt|layer_\d+(-model_\d+)?-model_states\.pt"
@@ -37,37 +37,6 @@ def shared_by_replicas(path: str) -> bool:
     (the module's state and the client state), rather than one rank (an optimizer shard, a
     ZeRO-3 partition, an RNG state)."""
     return bool(_SHARED.match(os.path.basename(path)))
-
-
-class ReadTally:
-    """Bytes this process has read from checkpoint files since :meth:`reset`, by kind."""
-
-    def __init__(self):
-        self.by_kind: dict[str, int] = {}
-
-    def reset(self) -> None:
-        self.by_kind = {}
-
-    def add(self, kind: str, n: int) -> None:
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + int(n)
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_kind.values())
-
-
-TALLY = ReadTally()
-
-
-def balance(sizes: list[int], world: int) -> list[int]:
-    """An owner rank for each of ``sizes`` such that the ranks' sums are close: the largest
-    first, each to the least loaded rank (ties: the lower rank). The same on every rank."""
-    owners, load = [0] * len(sizes), [0] * world
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        owners[i] = r
-        load[r] += sizes[i]
-    return owners
 
 
 def whole_load(path: str, kind: str = "load", **kwargs):
