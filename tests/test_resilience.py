@@ -170,8 +170,11 @@ def test_a_stopped_rank_ends_the_job_named_with_every_ranks_stacks(sonnets, tmp_
     from setdiff_dist.checkpoint.manifest import read_manifest
 
     run = str(tmp_path / "run")
+    # (a save every 2 steps: the stop often lands while rank 0 saves, which the hang watch
+    # gives train.save_timeout_s)
     proc = subprocess.Popen(train_command(run, sonnets, "train.eval_batches=1",
-                                          "train.hang_timeout_s=20", "checkpoint.interval=2",
+                                          "train.hang_timeout_s=20", "train.save_timeout_s=20",
+                                          "checkpoint.interval=2",
                                           "optimizer.schedule=constant", steps=100000),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
