@@ -8,20 +8,36 @@
 #   reaches the ranks, which checkpoint at the next step and exit; torchrun would otherwise kill
 #   them 30 s after it, mid-checkpoint. But an agent with no ranks running is between two
 #   starts of them, waiting in the rendezvous for peers (a node is gone): it has nothing to
-#   save and would only sit out Slurm's KillWait before its SIGKILL, so it is ended at once.
+#   save and would only sit out Slurm's KillWait before its SIGKILL, so it is ended at once;
+#   one whose ranks still run (they may be saving, or still failing on the lost peer) is
+#   ended as soon as they have exited: after SIGTERM it must not start them again, and
+#   waiting in a rendezvous for a peer that is gone only holds the node.
 set -u
 (trap '' USR1 TERM; exec "$@") &
 agent=$!
 trap '' USR1
 
+ranks_running() { pgrep -P "$agent" >/dev/null; }
+end_agent() {
+    echo "[setdiff] $(date -Is) $(hostname): SIGTERM while no rank runs here (the step is" \
+         "ending; the agent would wait for a peer that is gone or start the ranks again):" \
+         "ending the agent now" >&2
+    kill -KILL "$agent" 2>/dev/null
+}
 # shellcheck disable=SC2329  # invoked by the TERM trap below
 on_term() {
     command -v pgrep >/dev/null || return 0  # (cannot tell: the ranks may be saving)
-    if ! pgrep -P "$agent" >/dev/null; then
-        echo "[setdiff] $(date -Is) $(hostname): SIGTERM while no rank runs here (the agent" \
-             "is waiting for a peer that is gone): ending the agent now" >&2
-        kill -KILL "$agent" 2>/dev/null
+    [ -n "${watcher:-}" ] && return 0
+    if ! ranks_running; then
+        end_agent
+        return 0
     fi
+    # the ranks got the SIGTERM too: let them finish (a checkpoint) and end the agent after
+    (while kill -0 "$agent" 2>/dev/null; do
+         ranks_running || { end_agent; break; }
+         sleep 0.5
+     done) &
+    watcher=$!
 }
 trap on_term TERM
 
