@@ -83,6 +83,7 @@ setup(
             "setdiff-generate=setdiff_dist.cli.generate:main",
             "setdiff-convert=setdiff_dist.cli.convert:main",
             "setdiff-eval=setdiff_dist.cli.eval:main",
+            "setdiff-compare=setdiff_dist.cli.compare:main",
             "setdiff-serve=setdiff_dist.cli.serve:main",
             "setdiff-lm-eval=setdiff_dist.cli.lm_eval:main",
             "setdiff-prep=data_prep.prep:main",

@@ -193,6 +193,34 @@ def rocstories(path: str, middle: int = 1, size: Optional[int] = None) -> list[d
     return out
 
 
+def held_out(make, size: int, exclude: list[str]) -> list[dict]:
+    """``size`` records of ``make(n)`` (the first n of a seeded stream) whose questions are not
+    in the ``exclude`` task files and not repeated, drawing more until there are enough (a
+    generator's question space may be small: chain sums of 2 one-digit operands have 200)."""
+    seen = set()
+    for path in exclude:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                seen.update(json.loads(line)["prompt"] for line in fh if line.strip())
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CorpusError(f"--exclude {path}: not a gsm / chain task file "
+                             f"({type(exc).__name__}: {exc})") from None
+    n = size
+    while True:
+        out, taken = [], set(seen)
+        drawn = make(n)
+        for r in drawn:
+            if r["prompt"] not in taken:
+                taken.add(r["prompt"])
+                out.append(r)
+                if len(out) == size:
+                    return out
+        if n >= 64 * size + 10_000:
+            raise CorpusError(f"only {len(out)} of {n} drawn questions are not "
+                             f"in --exclude: ask for fewer than {size}, or a wider generator")
+        n *= 4
+
+
 @command("setdiff-tasks")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-tasks", description=__doc__,
@@ -209,22 +237,34 @@ def main(argv=None) -> int:
                     help="infill: five verses, or five clauses (sentence-sized; fit L = 128)")
     ap.add_argument("--terms", default="2-5", help="chain: operands per problem, LO-HI")
     ap.add_argument("--digits", type=count(), default=1, help="chain: digits per operand")
+    ap.add_argument("--exclude", metavar="JSONL", action="append", default=[],
+                    help="gsm / chain: a held-out set: drop every record whose question "
+                         "(prompt) is in this task file (the training set), and repeated "
+                         "questions, drawing more until --size are left (repeatable)")
     args = ap.parse_args(argv)
+    if args.exclude and args.task not in ("gsm", "chain"):
+        ap.error(f"--exclude is for gsm and chain (their questions repeat); {args.task} "
+                 "records are distinct by construction")
     if (args.task == "rocstories") != bool(args.input):
         ap.error("rocstories needs --input: ROCStories' CSV file" if args.task == "rocstories"
                  else f"--input is for rocstories; {args.task} makes its records itself")
     size = 2000 if args.size is None else args.size
     if args.task == "rocstories":
         records = rocstories(args.input, args.middle, args.size)
-    elif args.task == "gsm":
-        records = gsm(size, args.seed)
-    elif args.task == "chain":
-        try:
-            lo, _, hi = args.terms.partition("-")
-            terms = (int(lo), int(hi or lo))
-        except ValueError:
-            ap.error(f"--terms {args.terms!r}: give LO-HI, e.g. 2-5")
-        records = chain(size, args.seed, terms, args.digits)
+    elif args.task in ("gsm", "chain"):
+        if args.task == "chain":
+            try:
+                lo, _, hi = args.terms.partition("-")
+                terms = (int(lo), int(hi or lo))
+            except ValueError:
+                ap.error(f"--terms {args.terms!r}: give LO-HI, e.g. 2-5")
+            make = lambda n: chain(n, args.seed, terms, args.digits)  # noqa: E731
+        else:
+            make = lambda n: gsm(n, args.seed)  # noqa: E731
+        if args.exclude:
+            records = held_out(make, size, args.exclude)
+        else:
+            records = make(size)
     else:
         records = infill(size, args.seed, unit=args.unit)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

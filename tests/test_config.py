@@ -174,6 +174,7 @@ def test_the_model_widths_are_resolved_once_where_the_config_is_loaded():
 @pytest.mark.parametrize("command", ["setdiff_dist.cli.generate", "setdiff_dist.cli.eval",
                                      "setdiff_dist.cli.train", "setdiff_dist.cli.convert",
                                      "setdiff_dist.cli.config", "setdiff_dist.cli.demo",
+                                     "setdiff_dist.cli.compare",
                                      "data_prep.prep", "data_prep.corpus", "data_prep.tasks"])
 def test_help_answers_without_importing_torch(command):
     """``--help`` answers at once: the heavy stack is imported only by the work itself."""

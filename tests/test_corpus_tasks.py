@@ -64,6 +64,37 @@ def test_chain_sums_have_a_checked_running_total(tmp_path, capsys):
     assert [json.loads(x) for x in out.read_text().splitlines()] == rows  # left as it was
 
 
+def test_a_held_out_set_has_no_training_question_and_compare_checks_it(tmp_path, capsys):
+    """setdiff-tasks --exclude: distinct questions, none of the training file's, drawn further
+    when the first ones are taken; too few left is an error. setdiff-compare refuses a test set
+    with a training question in it, naming it (the main job's table says what its test set is)."""
+    import pytest
+
+    from setdiff_dist.cli import compare
+
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    assert tasks.main(["chain", "--out", str(train), "--size", "300", "--seed", "1"]) == 0
+    assert tasks.main(["chain", "--out", str(test), "--size", "40", "--seed", "1",
+                       "--exclude", str(train)]) == 0  # (the same seed: every first one taken)
+    seen = {json.loads(x)["prompt"] for x in train.read_text().splitlines()}
+    got = [json.loads(x) for x in test.read_text().splitlines()]
+    assert len(got) == 40 == len({r["prompt"] for r in got}) and not seen & {
+        r["prompt"] for r in got}
+    line = compare.test_set_line(str(test), got, str(train))
+    assert f"held out: none of their questions is among the {len(seen)}" in line
+    with pytest.raises(compare.CompareError, match="are training questions of --train"):
+        compare.test_set_line(str(train), [json.loads(x) for x in
+                                           train.read_text().splitlines()[:5]], str(train))
+    capsys.readouterr()
+    code = tasks.main(["chain", "--out", str(test), "--size", "500", "--terms", "2-2",
+                       "--exclude", str(train)])  # (2 one-digit operands: 200 questions)
+    assert code == 2 and "not in --exclude" in capsys.readouterr().err
+    assert compare._thresholds("inf,0.9,ckpt") == [float("inf"), 0.9, None]
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(Exception, match="threshold"):
+            compare._thresholds(bad)
+
+
 def test_rocstories_csv_becomes_the_papers_infill_spans(tmp_path, capsys):
     """Both ROCStories CSV schemas (Story Cloze with its right ending; the story files) become
     infill records with the reference's spans; a CSV of another schema is exit 2 and says what

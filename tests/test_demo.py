@@ -51,8 +51,10 @@ def test_demo_reports_problems_and_exits(tmp_path, shards, capsys):
 
 
 def test_the_main_job_prints_progress_bound_and_text_and_no_warnings(tmp_path):
-    """scripts/main.sh, the README's main job, with its default settings (a few steps): the
-    progress, the validation bound and the generated text, and not one library warning."""
+    """scripts/main.sh, the README's main job, with its default settings (a few steps, the
+    task stage small): the progress, the validation bound and the generated text, the task
+    table of AR next to SetDLM on held-out chain sums (printed, and as task_summary.json), and
+    not one library warning."""
     import os
     import re
     import subprocess
@@ -62,6 +64,7 @@ def test_the_main_job_prints_progress_bound_and_text_and_no_warnings(tmp_path):
 
     env = child_env()
     env.pop("SETDIFF_VERBOSE", None)
+    env.update(TASK_STEPS="4", TASK_TRAIN="300", TASK_TEST="6")
     res = subprocess.run(["bash", "scripts/main.sh", "train.steps=6", "train.log_interval=2",
                           "optimizer.warmup_steps=2", f"run_dir={tmp_path / 'run'}"],
                          capture_output=True, text=True, cwd=root, env=env, timeout=900)
@@ -74,3 +77,21 @@ def test_the_main_job_prints_progress_bound_and_text_and_no_warnings(tmp_path):
     assert re.search(r"^48 tokens in .* tokens/s", out, re.M)
     text = out.split("checkpoint ", 1)[1].splitlines()[1]  # the line after the checkpoint's
     assert len(text.split()) >= 5
+    # the task stage: both models trained (4 steps), the table printed and written
+    import json
+
+    assert re.search(r"^\| ar \| causal \(W=1\) \| - \| [\d.]+% \|", out, re.M), out[-3000:]
+    assert re.search(r"^\| setdlm \| set \(W=4\) \| 0\.9 \| [\d.]+% \|", out, re.M)
+    assert "held out: none of their questions is among the" in out
+    assert re.search(r"^  step  1: ", out, re.M)  # (the set-by-set trace, no colour in a pipe)
+    rows = json.loads((tmp_path / "run" / "task_summary.json").read_text())
+    assert [(r["model"], r["tau"]) for r in rows] == [("ar", None), ("setdlm", "inf"),
+                                                      ("setdlm", 0.9)]
+    for r in rows:
+        assert 0 <= r["accuracy"] <= 1 and r["problems"] == 6, r
+        assert r["tokens_per_step"] > 0 and r["tokens_per_s"] > 0, r
+    test = [json.loads(line)["prompt"] for line in
+            open(os.path.join(root, "data", "chain-300", "test-6.jsonl"))]
+    train = {json.loads(line)["prompt"] for line in
+             open(os.path.join(root, "data", "chain-300", "train.jsonl"))}
+    assert len(test) == len(set(test)) == 6 and not set(test) & train
