@@ -1,16 +1,27 @@
-"""Load on ``setdiff-serve``: 64 requests of mixed prompt and output lengths (seeded), streamed
-from 127.0.0.1 at concurrency 1, 4 and 16 (OpenAI's wire format, httpx on one event loop), for a
-set-diffusion checkpoint and a causal checkpoint of the same shape, side by side in one run.
+"""Load on ``setdiff-serve``: requests streamed from 127.0.0.1 at concurrency 1, 4 and 16 (OpenAI's
+wire format, httpx on one event loop), for a set-diffusion checkpoint and a causal checkpoint,
+side by side in one run.
 
-    python benchmarks/serve_load.py [--checkpoint runs/tiny-cpu --causal-checkpoint DIR]
+    python benchmarks/serve_load.py                      # the main job's task checkpoints
+    python benchmarks/serve_load.py --checkpoint RUN --causal-checkpoint RUN [--workload text]
 
-Without checkpoints it trains both on the main job's data (``data/tiny-cpu``, made by
-``scripts/main.sh``) with ``configs/tiny-cpu.yaml``, the causal one with ``order.kind=causal``.
+By default it serves the two checkpoints the main job trains on chain sums
+(``runs/tiny-cpu/task/setdlm`` and ``task/ar``, from ``scripts/main.sh``) with the main job's
+held-out problems as requests (``--workload task``: the question as prompt, up to 48 new tokens,
+ended by the model's end-of-text as a client would let it); set serving runs at the
+checkpoint's own threshold (``decode.threshold``: 0.9) unless ``--threshold`` is given.
+``--workload text``: 64 requests of 4-40 corpus words and 16-96 new tokens (seeded), decoded to
+their length (``ignore_eos``); without checkpoints and without the main job's task runs, both
+are trained on the main job's corpus shards (``data/tiny-cpu``) with ``configs/tiny-cpu.yaml``,
+the causal one with ``order.kind=causal``.
+
 Each request streams, so the time to its first token is measured where a client sees it. Per
 model and concurrency: output tokens/s over the whole level, p50 / p99 latency and time to
-first token, tokens per forward step; and the ratio of tokens/s to concurrency 1. Every level is
-bounded in time (``--level-seconds``): requests not started by then are counted as skipped.
-Results go to ``benchmarks/results/serve_load.json`` and a plot to ``serve_load.png``.
+first token, tokens per forward step; the ratio of tokens/s to concurrency 1, and set serving's
+tokens/s over causal serving's at each concurrency. Every level is bounded in time
+(``--level-seconds``): requests not started by then are counted as skipped. Results go to
+``benchmarks/results/serve_load.json`` and a plot to ``serve_load.png`` (throughput, latency,
+tokens per step).
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+TASK_RUNS = ROOT / "runs" / "tiny-cpu" / "task"  # (scripts/main.sh, step 5)
+TASK_TEST = ROOT / "data" / "chain-20000" / "test-200.jsonl"
 
 
 def train(run_dir: Path, steps: int, *overrides) -> Path:
@@ -83,6 +96,14 @@ def workload(n: int, seed: int, context: int, text: str) -> list:
     return out
 
 
+def task_workload(path: Path, n: int) -> list:
+    """The first ``n`` held-out problems of ``path``: the question as the prompt, up to 48 new
+    tokens, ended at end-of-text (a worked solution is 8-40 tokens)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:n]
+    return [{"prompt": r["prompt"], "max_tokens": 48, "seed": 0, "ignore_eos": False,
+             "temperature": 0.0} for r in rows]  # (greedy, as setdiff-compare decodes)
+
+
 def run_level(url: str, requests: list, concurrency: int, seconds: float,
               extra: dict = None) -> dict:
     """Send ``requests`` with ``concurrency`` clients at a time (one asyncio loop and httpx, as
@@ -103,7 +124,9 @@ async def _level(url, requests, concurrency, seconds, extra):
         first, usage, steps = None, None, None
         body = {"model": "bench", "prompt": req["prompt"], "max_tokens": req["max_tokens"],
                 "seed": req["seed"], "stream": True, "stream_options": {"include_usage": True},
-                "ignore_eos": True, **extra}
+                "ignore_eos": req.get("ignore_eos", True), **extra}
+        if "temperature" in req:
+            body["temperature"] = req["temperature"]
         async with client.stream("POST", f"{url}/completions", json=body) as res:
             if res.status_code != 200:
                 raise RuntimeError(f"{res.status_code}: {(await res.aread())[:300]!r}")
@@ -150,7 +173,7 @@ def plot(table: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a, b, t) = plt.subplots(1, 3, figsize=(14, 3.8))
     for name, rows in table.items():
         c = [r["concurrency"] for r in rows]
         line, = a.plot(c, [r["tokens_per_s"] for r in rows], "o-", label=name)
@@ -158,7 +181,11 @@ def plot(table: dict, path: Path) -> None:
                label=f"{name} latency p50")
         b.plot(c, [r["ttft_p50"] for r in rows], "x--", color=line.get_color(),
                label=f"{name} TTFT p50")
-    for ax, label in ((a, "output tokens/s"), (b, "seconds")):
+        t.plot(c, [r["tokens_per_step"] for r in rows], "o-", color=line.get_color(),
+               label=name)
+    t.axhline(1.0, color="grey", lw=0.8, ls=":")
+    t.set_title("tokens per forward step")
+    for ax, label in ((a, "output tokens/s"), (b, "seconds"), (t, "tokens / step")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(label)
@@ -172,8 +199,17 @@ def plot(table: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=None, help="a set-diffusion run or checkpoint")
-    ap.add_argument("--causal-checkpoint", default=None, help="a causal one of the same shape")
+    ap.add_argument("--checkpoint", default=None,
+                    help="a set-diffusion run or checkpoint (default: the main job's "
+                         "runs/tiny-cpu/task/setdlm when it exists)")
+    ap.add_argument("--causal-checkpoint", default=None,
+                    help="a causal one (default: the main job's runs/tiny-cpu/task/ar)")
+    ap.add_argument("--workload", choices=["task", "text"], default=None,
+                    help="task: the main job's held-out chain sums (--task-data); text: "
+                         "corpus prompts decoded to a fixed length (default: task when the "
+                         "main job's task checkpoints are served)")
+    ap.add_argument("--task-data", default=str(TASK_TEST),
+                    help="the task workload's problems (a setdiff-tasks gsm / chain file)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "serve_load"),
                     help="where trained checkpoints and server logs go")
     ap.add_argument("--train-steps", type=int, default=300)
@@ -191,6 +227,11 @@ def main() -> None:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    task_runs = all((TASK_RUNS / m / "checkpoints" / "latest").exists() for m in ("setdlm", "ar"))
+    if args.checkpoint is None and args.causal_checkpoint is None and task_runs:
+        args.checkpoint, args.causal_checkpoint = TASK_RUNS / "setdlm", TASK_RUNS / "ar"
+        args.workload = args.workload or "task"
+    args.workload = args.workload or "text"
     models = {
         "set": Path(args.checkpoint) if args.checkpoint else
         train(work / "set", args.train_steps),
@@ -199,10 +240,17 @@ def main() -> None:
     }
     from setdiff_dist.data import sample_text
 
-    requests = workload(args.requests, args.seed, 128, sample_text())
-    print(f"{args.requests} requests (prompts of 4-40 words, 16-96 new tokens, seed "
-          f"{args.seed}), --max-batch-size {args.max_batch_size}, {os.cpu_count()} CPUs",
-          flush=True)
+    if args.workload == "task":
+        if not Path(args.task_data).exists():
+            sys.exit(f"--task-data {args.task_data}: no such file (scripts/main.sh makes it)")
+        requests = task_workload(Path(args.task_data), args.requests)
+        what = f"{len(requests)} held-out problems of {args.task_data}, up to 48 new tokens"
+    else:
+        requests = workload(args.requests, args.seed, 128, sample_text())
+        what = f"{args.requests} requests (prompts of 4-40 words, 16-96 new tokens, seed " \
+               f"{args.seed})"
+    print(f"{what}; set: {models['set']}, causal: {models['causal']}; --max-batch-size "
+          f"{args.max_batch_size}, {os.cpu_count()} CPUs", flush=True)
     table = {}
     for name, ckpt in models.items():
         if args.only and name != args.only:
@@ -225,10 +273,18 @@ def main() -> None:
         finally:
             code = server.stop()
         print(f"  ({name}: the server drained and exited {code})")
+    ratios = {}
+    if "set" in table and "causal" in table:
+        for s_row, c_row in zip(table["set"], table["causal"]):
+            ratios[s_row["concurrency"]] = s_row["tokens_per_s"] / c_row["tokens_per_s"]
+            print(f"  set / causal tokens/s at c={s_row['concurrency']}: "
+                  f"{ratios[s_row['concurrency']]:.2f}x")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"requests": args.requests, "seed": args.seed,
-                                          "threshold": args.threshold, "table": table},
-                                         indent=1))
+    Path(args.out).write_text(json.dumps({"requests": len(requests), "seed": args.seed,
+                                          "workload": args.workload,
+                                          "checkpoints": {k: str(v) for k, v in models.items()},
+                                          "threshold": args.threshold, "table": table,
+                                          "set_vs_causal": ratios}, indent=1))
     plot(table, Path(args.out).with_suffix(".png"))
     print(f"-> {args.out}, {Path(args.out).with_suffix('.png')}")
 
