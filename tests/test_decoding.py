@@ -473,3 +473,24 @@ def test_a_draw_follows_the_distribution_and_a_row_draws_alike_alone_or_in_a_bat
     chi2 = (((drawn - probs * n) ** 2) / (probs * n))[big].sum().item()
     dof = int(big.sum()) - 1
     assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)  # ~ the 99.9999th percentile
+
+
+def test_packing_is_decided_by_measuring_both_kernels_once_per_shape(monkeypatch):
+    """pack="auto" packs a weight for oneDNN only where that measured faster for a step's rows
+    on this CPU (issue 52: on some CPUs the packed kernel made a small model's W=4 set step
+    1.5x a causal step); the choice is measured once per shape and kept; a bad pack is refused."""
+    from setdiff_dist.inference import lean as engine
+
+    monkeypatch.setattr(engine, "_PACK_CHOICES", {})
+    calls = []
+    real = engine._median_us
+    monkeypatch.setattr(engine, "_median_us", lambda fn, rounds=7: calls.append(1) or real(
+        fn, rounds=2))
+    w = torch.randn(512, 256)
+    first = engine.packing_pays(w, 5, wide=True)
+    assert isinstance(first, bool) and len(calls) == 2  # (MKL's GEMM and oneDNN's, once each)
+    assert engine.packing_pays(torch.randn(512, 256), 5, wide=True) is first and len(calls) == 2
+    engine.packing_pays(w, 9, wide=True)  # another row count is measured on its own
+    assert len(calls) == 4 and len(engine._PACK_CHOICES) == 2
+    with pytest.raises(ValueError, match="pack='yes'"):
+        engine.LeanTransformer.from_state_dict(None, {}, pack="yes")

@@ -26,8 +26,10 @@ runs on it unchanged.
 
 from __future__ import annotations
 
+import statistics
+import time
 import types
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -43,19 +45,54 @@ from setdiff_dist.model.dims import padded_vocab_size, rotary_inv_freq
 # 50k x 256 head takes 1.8 ms for 4-5 rows, 2.8 ms for 8, against 0.9 ms for one row), the
 # transposed one about once (1.0 ms, 1.1 ms); narrow weights (proj, fc2) are faster as they are.
 _WIDE = ("qkv", "fc1", "head")
-# With ``pack=True`` (on the CPU, in fp32), matmul weights of at least this many elements go to
-# oneDNN's blocked layout, straight from the checkpoint's tensors (no second copy). MKL's GEMM
-# on the dense layout costs about twice as much for the 4-8 rows of a set-decoding step (W
-# queries and a commit) or of a batch as for one row; oneDNN's packed kernel stays near the
-# one-row cost (measured in a decoding loop, 110m shape: a W=4 set step 39 -> 27 ms) but costs
-# ~10% more for a single row, and adds ~15 us per call. Small weights repay it too for the 5
-# rows of a W=4 step (2 quiet Xeon cores, us per call, MKL against oneDNN: 256 x 768 qkv 51 /
-# 28, 256 x 2048 fc1 134 / 52, 1024 x 256 fc2 72 / 32, a 2048-row head 124 / 45); only the
-# smallest (256 x 256 proj: 17 / 22) do not. At 4 x 256 with a 2,048 vocabulary, packing from
-# 1M elements left every weight on MKL and a set step cost 1.5x a causal step; from 128k it
-# costs about the same (benchmarks/decode_vs_hf.py, shape small-2k).
+# With ``pack`` (on the CPU, in fp32), matmul weights of at least this many elements may go to
+# oneDNN's blocked layout, straight from the checkpoint's tensors (no second copy). Whether that
+# pays depends on the CPU and its MKL: oneDNN's packed kernel stays near its one-row cost for the
+# 4-8 rows of a set-decoding step (W queries and a commit) or of a batch, where MKL's GEMM on the
+# dense layout may cost twice its one-row time, but it adds a fixed cost per call. Measured on
+# one 2-core Xeon (us per call, 5 rows, MKL against oneDNN): the 110m shape's 768 x 2304 qkv
+# 253 / 163 and 768 x 2048 fc1 214 / 141, a 50k x 256 head 1,196 / 1,067 (oneDNN ahead); the
+# 4 x 256 shape's 256 x 768 qkv 12 / 27, 1024 x 256 fc2 16 / 28, a 2,048-row head 24 / 40 (MKL
+# ahead: packing them made a W=4 set step 1.5x a causal step). An earlier machine had MKL 2-4x
+# slower on the small ones, and oneDNN ahead there. So ``pack="auto"`` measures both kernels on
+# each weight shape at the step's row count when the model loads (:func:`packing_pays`, once
+# per shape per process) and packs where oneDNN is clearly faster; ``pack=True`` packs every
+# weight from this size on (tests, to cover the packed kernel).
 _PACK_MIN = 1 << 17
 _MATMULS = ("qkv", "proj", "fc1", "fc2", "head")
+_PACK_CHOICES: dict = {}  # (shape, rows, wide, threads) -> oneDNN measured faster
+
+
+def _median_us(fn, rounds: int = 7) -> float:
+    fn()
+    start = time.perf_counter()
+    fn()
+    calls = max(2, int(1e-3 / max(time.perf_counter() - start, 1e-7)))  # ~1 ms a round
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times) * 1e6
+
+
+def packing_pays(w: torch.Tensor, rows: int, wide: bool) -> bool:
+    """Whether oneDNN's packed kernel runs ``rows`` rows through the fp32 weight ``w``
+    (``[out, in]``) at least 10% faster than MKL's GEMM on the layout :class:`LeanTransformer`
+    stores otherwise (transposed when ``wide``), measured on this CPU, in this process's
+    threads; decided once per shape (a tie keeps MKL: no second layout, no per-call cost)."""
+    key = (tuple(w.shape), rows, wide, torch.get_num_threads())
+    if key not in _PACK_CHOICES:
+        with torch.inference_mode():
+            x = torch.randn(1, rows, w.shape[1])
+            dense = w.t().contiguous() if wide else w
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 8)
+            mkl = _median_us((lambda: x @ dense) if wide else (lambda: F.linear(x, dense)))
+            dnn = _median_us(lambda: torch.ops.mkldnn._linear_pointwise(
+                x, packed, None, "none", [], ""))
+        _PACK_CHOICES[key] = dnn < 0.9 * mkl
+    return _PACK_CHOICES[key]
 
 
 class LeanError(SetdiffError, ValueError):
@@ -90,21 +127,29 @@ class LeanTransformer(nn.Module):
         # kept in fp32 whatever the weights' dtype (not a buffer, so .to(dtype) leaves it)
         self._inv_freq = rotary_inv_freq(m, self.head_dim)
         self._first_unreal = m.vocab_size  # local logit columns past the real vocabulary
-        self._packed: dict = {}  # weight key -> oneDNN-packed weight (pack=True)
+        self._packed: dict = {}  # weight key -> oneDNN-packed weight (pack)
+        self._pack_rows = 5  # the rows of a step that pack="auto" measures (from_state_dict)
 
     # -- weights ---------------------------------------------------------------------------------
     @classmethod
     def from_state_dict(cls, model_cfg, state: dict, tp_rank: int = 0, tp_size: int = 1,
-                        tp_group=None, pack: bool = False, device=None,
-                        dtype: Optional[torch.dtype] = None) -> "LeanTransformer":
+                        tp_group=None, pack: Union[bool, str] = False, device=None,
+                        dtype: Optional[torch.dtype] = None,
+                        pack_rows: int = 5) -> "LeanTransformer":
         """This rank's slices of the full tensors ``state`` (global names, vocabulary tensors with
         their ``vocab_size + 1`` real rows). ``pack``: on the CPU, hand the large fp32 matmul
-        weights to oneDNN (see :data:`_PACK_MIN`); the model must then stay on the CPU in
-        fp32 (a tied head keeps a dense copy of the table for the embedding lookups). With
+        weights to oneDNN (see :data:`_PACK_MIN`): True every one, "auto" those whose shape
+        runs a step of ``pack_rows`` rows faster packed (:func:`packing_pays`); the model must
+        then stay on the CPU in fp32 (a tied head keeps a dense copy of the table for the
+        embedding lookups). With
         ``device`` / ``dtype`` each tensor is moved and cast as it is read, so the host never
         holds more than one full tensor in the checkpoint's dtype."""
+        if pack not in (True, False, "auto"):
+            raise ValueError(f"pack={pack!r}: True, False or 'auto'")
         model = cls(model_cfg, tp_rank, tp_size, tp_group)
-        model._load(state, pack and torch.backends.mkldnn.is_available(), device, dtype)
+        model._pack_rows = pack_rows
+        model._load(state, pack if torch.backends.mkldnn.is_available() else False, device,
+                    dtype)
         return model
 
     @staticmethod
@@ -168,7 +213,8 @@ class LeanTransformer(nn.Module):
         head = w["embedding"] if m.tie_embeddings else get("output_layer.weight", [rows, h])
         if self.tp_size == 1:
             w["head"] = head
-            if m.tie_embeddings and not self._packs(pack, head):  # one table, stored once
+            if m.tie_embeddings and not self._packs(pack, head[:m.vocab_size], True):
+                # one table, stored once
                 del w["embedding"]  # ([h, rows], see _WIDE; the lookups read its columns)
         else:  # this rank's rows of the TP-padded table (padding rows are zero)
             per = self.padded_vocab // self.tp_size
@@ -207,20 +253,22 @@ class LeanTransformer(nn.Module):
         # place of them: no second copy
         for k, v in w.items():
             v = v.detach()
-            if k.rsplit(".", 1)[-1] in _MATMULS and self._packs(pack, v):
-                if k == "head" and self.tp_size == 1:
-                    v = v[:m.vocab_size]  # the real vocabulary only (a view: no copy)
-                self._packed[k] = torch.ops.mkldnn._reorder_linear_weight(v.contiguous(), 8)
+            kind = k.rsplit(".", 1)[-1]
+            # the real vocabulary only (a view: no copy)
+            real = v[:m.vocab_size] if k == "head" and self.tp_size == 1 else v
+            if kind in _MATMULS and self._packs(pack, real, kind in _WIDE):
+                self._packed[k] = torch.ops.mkldnn._reorder_linear_weight(real.contiguous(), 8)
                 v = v.new_empty(0)
             elif k.rsplit(".", 1)[-1] in _WIDE:
                 v = v.t().contiguous()
             self.register_buffer("w_" + k.replace(".", "_"), v.contiguous(), persistent=False)
             w[k] = None  # (the full tensor can go as soon as the caller drops it)
 
-    @staticmethod
-    def _packs(pack: bool, t: torch.Tensor) -> bool:
-        return pack and t.device.type == "cpu" and t.dtype == torch.float32 \
-            and t.numel() >= _PACK_MIN
+    def _packs(self, pack, t: torch.Tensor, wide: bool) -> bool:
+        if not (pack and t.device.type == "cpu" and t.dtype == torch.float32
+                and t.numel() >= _PACK_MIN):
+            return False
+        return pack is True or packing_pays(t, self._pack_rows, wide)
 
     def _w(self, key: str) -> torch.Tensor:
         return getattr(self, "w_" + key.replace(".", "_"))

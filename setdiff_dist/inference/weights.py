@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -107,15 +107,18 @@ def export(path: str, out: str, raw: bool = False) -> dict:
 
 
 def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = None,
-                          dtype: torch.dtype = torch.float32, pack: Optional[bool] = None,
+                          dtype: torch.dtype = torch.float32,
+                          pack: Union[bool, str, None] = None,
                           raw: bool = False, what: str = "--checkpoint"):
     """``(model, config, tokenizer)``: the decode-time model
     (:class:`setdiff_dist.inference.lean.LeanTransformer`) of a checkpoint or export, at
     tensor-parallel size ``tensor`` (the process group must already hold ``tensor`` ranks); each
-    rank reads only the tensors it needs, one at a time. On the CPU in fp32, ``pack`` (default:
-    for set-diffusion models, whose steps carry several rows) hands the large weights to oneDNN
-    (see :data:`setdiff_dist.inference.lean._PACK_MIN`). Errors name ``path`` as ``what``
-    (:func:`named`: the flag, the Python argument or the key it was given as)."""
+    rank reads only the tensors it needs, one at a time. On the CPU in fp32, ``pack`` hands the
+    large weights to oneDNN (see :data:`setdiff_dist.inference.lean._PACK_MIN`): True all of
+    them, "auto" (the default for set-diffusion models, whose steps carry several rows: the
+    window's queries and a commit) those measured faster so at the checkpoint's window. Errors
+    name ``path`` as ``what`` (:func:`named`: the flag, the Python argument or the key it was
+    given as)."""
     import torch.distributed as dist
 
     from setdiff_dist.parallel.state import init_distributed
@@ -145,14 +148,21 @@ def build_inference_model(path: str, tensor: int = 1, device: Optional[str] = No
     cfg.model.attention_backend = "sdpa"
     cfg.model.attention_dropout = cfg.model.hidden_dropout = 0.0
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = 1
     if pack is None:
         from setdiff_dist.diffusion.kinds import order_of
 
-        pack = not order_of(cfg.order).causal_lm
-    pack = pack and device.type == "cpu" and dtype == torch.float32
+        pack = "auto" if not order_of(cfg.order).causal_lm else False
+    if pack == "auto":  # a step's rows: the window's queries and a commit
+        from setdiff_dist.inference.settings import default_window
+
+        rows = (cfg.decode.window or default_window(cfg.order) or 8) + 1
+    if device.type != "cpu" or dtype != torch.float32:
+        pack = False
     try:
         model = LeanTransformer.from_state_dict(cfg.model, state, tp_rank, tensor, tp_group,
-                                                pack=pack, device=device, dtype=dtype)
+                                                pack=pack, device=device, dtype=dtype,
+                                                pack_rows=rows)
     except LeanError as exc:
         raise LoadError(f"{path}: {exc}") from None
     return model.to(device=device, dtype=dtype).eval(), cfg, tok
