@@ -7,7 +7,7 @@ side by side in one run.
 
 By default it serves the two checkpoints the main job trains on chain sums
 (``runs/tiny-cpu/task/setdlm`` and ``task/ar``, from ``scripts/main.sh``) with the main job's
-held-out problems as requests (``--workload task``: the question as prompt, up to 48 new tokens,
+held-out problems as requests (``--workload task``: the question as prompt, up to 40 new tokens,
 ended by the model's end-of-text as a client would let it); set serving runs at the
 checkpoint's own threshold (``decode.threshold``: 0.9) unless ``--threshold`` is given.
 ``--workload text``: 64 requests of 4-40 corpus words and 16-96 new tokens (seeded), decoded to
@@ -97,10 +97,10 @@ def workload(n: int, seed: int, context: int, text: str) -> list:
 
 
 def task_workload(path: Path, n: int) -> list:
-    """The first ``n`` held-out problems of ``path``: the question as the prompt, up to 48 new
+    """The first ``n`` held-out problems of ``path``: the question as the prompt, up to 40 new
     tokens, ended at end-of-text (a worked solution is 8-40 tokens)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:n]
-    return [{"prompt": r["prompt"], "max_tokens": 48, "seed": 0, "ignore_eos": False,
+    return [{"prompt": r["prompt"], "max_tokens": 40, "seed": 0, "ignore_eos": False,
              "temperature": 0.0} for r in rows]  # (greedy, as setdiff-compare decodes)
 
 
@@ -244,7 +244,7 @@ def main() -> None:
         if not Path(args.task_data).exists():
             sys.exit(f"--task-data {args.task_data}: no such file (scripts/main.sh makes it)")
         requests = task_workload(Path(args.task_data), args.requests)
-        what = f"{len(requests)} held-out problems of {args.task_data}, up to 48 new tokens"
+        what = f"{len(requests)} held-out problems of {args.task_data}, up to 40 new tokens"
     else:
         requests = workload(args.requests, args.seed, 128, sample_text())
         what = f"{args.requests} requests (prompts of 4-40 words, 16-96 new tokens, seed " \
