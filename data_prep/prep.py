@@ -14,7 +14,10 @@ Modes: ``packed`` (documents joined with end-of-text tokens and cut into sequenc
 the incomplete tail is dropped and counted) and ``padded`` (one document per sequence, padded, for
 task data; with ``--prompt-field`` the prompt tokens come first and are marked as context).
 
-Every ``--valid-every``-th document goes to the validation split (deterministic). Tokenization runs
+Every ``--valid-every``-th document goes to the validation split (deterministic); ``--split
+valid`` puts every document there (a held-out test set, which ``setdiff-eval --task ppl --shards``
+and a run's ``data.valid_shards`` read: prepare it with the training shards' tokenizer, given as
+their directory). Tokenization runs
 in ``--workers`` processes, results in input order, so the same input and options give
 byte-identical shards. Everything is written to a temporary directory next to ``--out`` and
 renamed only when complete: an error leaves no partial output.
@@ -299,8 +302,12 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
             split_paragraphs: bool = False, valid_every: int = 100, samples_per_shard: int = 4096,
             workers: int = 0, truncate: bool = False, overwrite: bool = False,
             progress: bool = True, chunk_bos: bool = False,
-            detokenize: Optional[str] = None, max_prompt_tokens: Optional[int] = None) -> dict:
-    """Run setdiff-prep; returns the manifest. See the module docstring."""
+            detokenize: Optional[str] = None, max_prompt_tokens: Optional[int] = None,
+            split: Optional[str] = None) -> dict:
+    """Run setdiff-prep; returns the manifest. See the module docstring. ``split``: every
+    document goes to this split ("train" or "valid"; a held-out test set is prepared with
+    "valid", which ``setdiff-eval --task ppl`` and ``data.valid_shards`` read), and
+    ``valid_every`` is not used."""
     if detokenize is not None and detokenize not in DETOKENIZERS:
         raise PrepError(f"--detokenize {detokenize}: expected one of {', '.join(DETOKENIZERS)}")
     if seq_len < 2:
@@ -314,6 +321,8 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
                         "tokens in --mode padded, N at least 1 and below --seq-len")
     if valid_every < 0 or valid_every == 1:
         raise PrepError("--valid-every must be 0 (no validation split) or at least 2")
+    if split not in (None, "train", "valid"):
+        raise PrepError(f"--split {split}: train or valid")
     out = os.path.abspath(out)
     if os.path.exists(out) and not overwrite and (not os.path.isdir(out) or os.listdir(out)):
         raise PrepError(f"{out} already exists; pass --overwrite to replace it")
@@ -326,7 +335,7 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
         manifest = _prepare_into(tmp, files, tokenizer, seq_len, mode, text_field, prompt_field,
                                  split_paragraphs, valid_every, samples_per_shard, workers,
                                  truncate, progress, chunk_bos, detokenize,
-                                 max_prompt_tokens)
+                                 max_prompt_tokens, split)
         if os.path.exists(out):
             old = out + f".old-{os.getpid()}"
             os.replace(out, old)
@@ -341,7 +350,7 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
 
 def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, split_paragraphs,
                   valid_every, samples_per_shard, workers, truncate, progress,
-                  chunk_bos=False, detokenize=None, max_prompt=None) -> dict:
+                  chunk_bos=False, detokenize=None, max_prompt=None, only=None) -> dict:
     undo = DETOKENIZERS[detokenize] if detokenize else None
 
     def documents():
@@ -372,11 +381,11 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
         if bos is None:
             raise PrepError(f"--chunk-bos: the tokenizer {spec} has no beginning-of-sequence "
                             "token (wordpiece:VOCAB has [CLS])")
-    splits = {"train": _Split(tmp, "train", seq_len, mode, tok.eos_id, samples_per_shard, truncate,
-                              bos, max_prompt)}
-    if valid_every:
-        splits["valid"] = _Split(tmp, "valid", seq_len, mode, tok.eos_id, samples_per_shard,
-                                 truncate, bos, max_prompt)
+    if only:
+        valid_every = 0
+    splits = {name: _Split(tmp, name, seq_len, mode, tok.eos_id, samples_per_shard, truncate,
+                           bos, max_prompt)
+              for name in ([only] if only else ["train"] + (["valid"] if valid_every else []))}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -395,8 +404,8 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
         for encoded in pool.imap(_encode, payloads()):
             chunk = sent.popleft()
             for doc, (prompt_ids, text_ids) in zip(chunk, encoded):
-                name = "valid" if valid_every and ordinal % valid_every == valid_every - 1 \
-                    else "train"
+                name = only or ("valid" if valid_every and
+                                ordinal % valid_every == valid_every - 1 else "train")
                 splits[name].add(prompt_ids, text_ids, doc.where)
                 n_tokens += len(prompt_ids) + len(text_ids) + 1
                 ordinal += 1
@@ -411,7 +420,8 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
         if s["samples"] == 0:
             raise PrepError(f"the {name} split is empty: {ordinal} documents of "
                             f"{n_tokens} tokens are too few for --seq-len {seq_len}"
-                            + (f" and --valid-every {valid_every}" if name == "valid" else "")
+                            + (f" and --valid-every {valid_every}"
+                               if name == "valid" and valid_every else "")
                             + "; use more text, a shorter --seq-len, or --valid-every 0")
     identity = tok.identity()
     identity["file"] = shipped
@@ -423,6 +433,7 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
         "options": {"text_field": text_field, "prompt_field": prompt_field,
                     "detokenize": detokenize, "max_prompt_tokens": max_prompt,
                     "split_paragraphs": split_paragraphs, "valid_every": valid_every,
+                    "split": only,
                     "samples_per_shard": samples_per_shard, "truncate": truncate},
     }
     with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as fh:
@@ -468,8 +479,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "as context)")
     ap.add_argument("--split-paragraphs", action="store_true",
                     help=".txt: one document per blank-line paragraph")
-    ap.add_argument("--valid-every", type=count(0), default=100,
-                    help="every N-th document goes to the validation split (0 = none)")
+    ap.add_argument("--valid-every", type=count(0), default=None,
+                    help="every N-th document goes to the validation split (0 = none; "
+                         "default 100)")
+    ap.add_argument("--split", choices=("train", "valid"), default=None,
+                    help="every document goes to this split: a held-out test file is prepared "
+                         "as --split valid (what setdiff-eval --task ppl --shards and "
+                         "data.valid_shards read), with the training shards' tokenizer")
     ap.add_argument("--samples-per-shard", type=count(), default=4096)
     ap.add_argument("--workers", type=count(0), default=0, help="tokenizer processes (0 = cores)")
     ap.add_argument("--chunk-bos", action="store_true",
@@ -492,9 +508,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                if getattr(args, k) is None]
     if missing:
         ap.error(f"the following arguments are required: {', '.join(missing)}")
+    if args.split and args.valid_every is not None:
+        ap.error(f"--split {args.split} puts every document in one split: --valid-every "
+                 "does not apply")
     m = prepare(args.input, args.tokenizer, args.seq_len, args.out, mode=args.mode,
                 text_field=args.text_field, prompt_field=args.prompt_field,
-                split_paragraphs=args.split_paragraphs, valid_every=args.valid_every,
+                split_paragraphs=args.split_paragraphs,
+                valid_every=100 if args.valid_every is None else args.valid_every,
+                split=args.split,
                 samples_per_shard=args.samples_per_shard, workers=args.workers,
                 truncate=args.truncate, overwrite=args.overwrite, progress=not args.quiet,
                 chunk_bos=args.chunk_bos, detokenize=args.detokenize,

@@ -400,3 +400,27 @@ def test_lm1b_detokenizer_undoes_the_corpus_spacing_before_tokenizing(tmp_path):
     assert b"it's here, he said." in stream and b"it 's" not in stream
     with pytest.raises(PrepError, match="--detokenize"):
         prepare([str(src)], "bytes", 8, str(tmp_path / "x"), detokenize="owt", progress=False)
+
+
+def test_a_held_out_test_file_is_prepared_as_a_validation_split(sonnets, tmp_path, capsys):
+    """--split valid: every document in the valid split, the one setdiff-eval --task ppl and a
+    run's data.valid_shards read (the LM1B recipe prepared its test set with --valid-every 0, a
+    train split only, and its evaluation found no 'valid' samples); with the training shards'
+    tokenizer the tokens are the ones a train split of the same text holds. --valid-every with
+    --split is refused."""
+    train = tmp_path / "train"
+    m = prepare([sonnets], "bpe:300", 32, str(train), valid_every=0, workers=1, progress=False)
+    test = tmp_path / "test"
+    t = prepare([sonnets], str(train), 32, str(test), split="valid", workers=1, progress=False)
+    assert set(t["splits"]) == {"valid"} and t["options"]["split"] == "valid"
+    assert t["splits"]["valid"]["samples"] == m["splits"]["train"]["samples"]
+    tok = load_shipped_tokenizer(str(test), t["tokenizer"])
+    assert tok.sha256 == load_shipped_tokenizer(str(train), m["tokenizer"]).sha256
+    s = ShardSet(str(test), "valid", seq_len=32, tokenizer_sha256=tok.sha256)
+    ref = ShardSet(str(train), "train", seq_len=32, tokenizer_sha256=tok.sha256)
+    assert (all_tokens(s) == all_tokens(ref)).all()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        prep_main(["--input", sonnets, "--tokenizer", "bytes", "--seq-len", "32", "--out",
+              str(tmp_path / "x"), "--split", "valid", "--valid-every", "5"])
+    assert exc.value.code == 2 and "--valid-every does not apply" in capsys.readouterr().err

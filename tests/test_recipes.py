@@ -56,23 +56,34 @@ def rocstories(tmp_path):
 
 
 def test_lm1b_row_from_records_to_the_bound(tmp_path):
-    """LM1B: sentences as records, BERT WordPiece from a vocab.txt with a BOS per chunk, the
-    SetDLM row's config, the perplexity bound."""
-    from data_prep.prep import prepare
-
+    """LM1B as docs/recipes.md runs it: sentences as records, BERT WordPiece from a vocab.txt
+    with a BOS per chunk, the training file with no validation split and the test file as a
+    validation split of its own (``--split valid``, the training shards' tokenizer), the SetDLM
+    row's config validated on the test set, and the recipe's perplexity command on it."""
+    lines = [s.strip() for s in sample_text().splitlines() if s.strip()]
     words = sorted({w.strip(",.;:?!'").lower() for w in sample_text().split()} - {""})
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ",", ".", "'",
                                 "?", "!", ";", ":"] + words[:500]) + "\n")
-    src = tmp_path / "lm1b.jsonl"
-    src.write_text("".join(json.dumps({"text": s.strip()}) + "\n"
-                           for s in sample_text().splitlines() if s.strip()))
-    m = prepare([str(src)], f"wordpiece:{vocab}", 32, str(tmp_path / "data"), chunk_bos=True,
-                valid_every=4, progress=False)
+    for name, part in (("train", lines[:-20]), ("test", lines[-20:])):
+        (tmp_path / "lm1b" / name).mkdir(parents=True)
+        (tmp_path / "lm1b" / name / "part.jsonl").write_text(
+            "".join(json.dumps({"text": s}) + "\n" for s in part))
+    data, test = tmp_path / "data" / "lm1b", tmp_path / "data" / "lm1b-test"
+    for args in ([tmp_path / "lm1b" / "train", "--tokenizer", f"wordpiece:{vocab}",
+                  "--valid-every", "0", "--out", data],
+                 [tmp_path / "lm1b" / "test", "--tokenizer", data, "--split", "valid",
+                  "--out", test]):
+        res = run_cli("data_prep.prep", "--input", args[0], "--text-field", "text",
+                      "--seq-len", "32", "--chunk-bos", "--detokenize", "lm1b", "--quiet",
+                      *args[1:])
+        assert res.returncode == 0, res.stderr[-2000:]
+    vocab_size = json.load(open(data / "manifest.json"))["tokenizer"]["vocab_size"]
     run = tmp_path / "run"
-    train("configs/paper/lm1b-110m-setdlm-s8.yaml", tmp_path / "data", run,
-          m["tokenizer"]["vocab_size"])
-    out = evaluate("--checkpoint", run, "--task", "ppl", "--batches", "2", "--batch-size", "2")
+    train("configs/paper/lm1b-110m-setdlm-s8.yaml", data, run, vocab_size,
+          f"data.valid_shards={test}")
+    out = evaluate("--checkpoint", run, "--task", "ppl", "--shards", test, "--batches", "2",
+                   "--batch-size", "2")
     assert out["ppl_bound"] > 1 and out["exact"] is False
     # ROCStories infilling by a set-diffusion checkpoint: the middle between both contexts
     roc = evaluate("--checkpoint", run, "--task", "infill", "--data", rocstories(tmp_path),

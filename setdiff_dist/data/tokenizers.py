@@ -239,6 +239,12 @@ def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Tokenizer:
     if spec.startswith("bpe:"):
         raise TokenizerError("bpe:N tokenizers are trained by setdiff-prep on its input; load "
                              "the trained one from the shard directory instead")
+    if os.path.isdir(spec) and eos_token is None and \
+            os.path.isfile(os.path.join(spec, "manifest.json")):
+        # a shard directory: the tokenizer its manifest names, exactly (its end-of-text token,
+        # a WordPiece's [SEP] and [CLS] too), so that a held-out split is tokenized as the
+        # training shards were
+        return load_shipped_tokenizer(spec, _manifest_tokenizer(spec))
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
     if os.path.isfile(path) and path.endswith(".json"):
         return _tokenizer_json(path, spec, eos_token)
@@ -292,6 +298,21 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     tok.train_from_iterator(texts, trainer=trainer)
     sha = hashlib.sha256(tok.to_str().encode()).hexdigest()
     return HFTokenizer(tok, "bpe", f"bpe:{vocab_size}", sha)
+
+
+def _manifest_tokenizer(directory: str) -> dict:
+    import json
+
+    path = os.path.join(directory, "manifest.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            identity = json.load(fh)["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TokenizerError(f"{path}: not a setdiff-prep manifest with a tokenizer "
+                             f"({type(exc).__name__}: {exc})") from None
+    if not isinstance(identity, dict) or "sha256" not in identity:
+        raise TokenizerError(f"{path}: its tokenizer entry is not a tokenizer's identity")
+    return identity
 
 
 def load_shipped_tokenizer(directory: str, identity: dict) -> Tokenizer:
