@@ -146,3 +146,20 @@ def test_an_unterminated_quote_in_a_rocstories_csv_names_its_line(tmp_path, caps
         == 2
     err = capsys.readouterr().err
     assert f"{src} line 3: a quoted field opens here and its quote never closes" in err, err
+
+
+def test_task_evaluations_score_the_whole_test_set_by_default(tmp_path):
+    """setdiff-eval scores every record unless --limit cuts them (it scored the first 100:
+    GSM8K on 100 of its 1,319 problems, about +-5 points); the records are read in order."""
+    import subprocess
+    import sys
+
+    from setdiff_dist.eval.tasks import _records
+
+    path = tmp_path / "chain.jsonl"
+    assert tasks.main(["chain", "--out", str(path), "--size", "150", "--seed", "2"]) == 0
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert _records(str(path), None, "gsm") == rows and _records(str(path), 7, "gsm") == rows[:7]
+    res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.eval", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert "default: all of them, the whole test set" in " ".join(res.stdout.split())

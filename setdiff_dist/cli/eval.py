@@ -78,8 +78,12 @@ def main(argv=None) -> int:
     ap.add_argument("--output-path", metavar="DIR",
                     help="harness: also write each task's results and samples in lm-eval's "
                          "own layout here (what its tooling reads)")
+    ap.add_argument("--rouge-stemmer", action="store_true",
+                    help="summarize: ROUGE with the Porter stemmer (the paper's reference scores "
+                         "without it, as evaluate's ROUGE does by default)")
     ap.add_argument("--limit", type=count(), default=None,
-                    help="records to evaluate (default 100; harness: per task, default all)")
+                    help="the first N records (default: all of them, the whole test set, as the "
+                         "paper scores it; harness: per task)")
     ap.add_argument("--batches", type=count(), default=16, help="ppl: validation batches")
     ap.add_argument("--batch-size", type=count(), default=8)
     add_decode_arguments(ap)
@@ -115,7 +119,7 @@ def main(argv=None) -> int:
         raise tasks.EvalError("give --threshold or --thresholds, not both")
     for text in args.prompt or []:
         check_text("--prompt", text)
-    limit = args.limit if args.limit is not None or args.task == "harness" else 100
+    limit = args.limit  # (None: every record)
     harness_flags = [f for f, v in (("--harness-tasks", args.harness_tasks),
                                     ("--gen-kwargs", args.gen_kwargs),
                                     ("--output-path", args.output_path),
@@ -127,6 +131,8 @@ def main(argv=None) -> int:
                               f"{args.task}: remove them, or run --task harness")
     if args.template is not None and args.task != "summarize":
         raise tasks.EvalError("--template goes with --task summarize")
+    if args.rouge_stemmer and args.task != "summarize":
+        raise tasks.EvalError("--rouge-stemmer goes with --task summarize")
     if args.task == "summarize":
         tasks.rouge_scorer()  # (installed: said before the model loads)
     genppl_flags = [f for f, v in (("--scorer", args.scorer),
@@ -219,7 +225,7 @@ def main(argv=None) -> int:
     elif args.task == "summarize":
         result = tasks.summarize(decoder, tok, args.data, limit, d["max_new_tokens"],
                                  d["window"], d["threshold"], sampling,
-                                 args.template or tasks.SUMMARY_TEMPLATE)
+                                 args.template or tasks.SUMMARY_TEMPLATE, args.rouge_stemmer)
     elif args.task == "gsm" and thresholds:
         result = tasks.gsm_sweep(decoder, tok, args.data, limit, d["max_new_tokens"],
                                  d["window"], thresholds, sampling)
