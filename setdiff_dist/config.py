@@ -160,11 +160,27 @@ class OptimizerConfig:
     min_lr: float = _f(0.0, "floor of the cosine / linear decay", min=0.0)
     betas: list[float] = _f(default_factory=lambda: [0.9, 0.999], help="Adam betas")
     eps: float = _f(1e-8, "Adam epsilon", min=0.0)
-    weight_decay: float = _f(0.0, "decoupled weight decay", min=0.0)
+    weight_decay: float = _f(0.0, "decoupled weight decay: AdamW's (each step multiplies the "
+                             "matrices by 1 - lr x weight_decay), or with "
+                             "optimizer.lr_free_weight_decay the reference's", min=0.0)
+    lr_free_weight_decay: bool = _f(False, "weight decay as composer's DecoupledAdamW applies it "
+                                    "(the paper's CNN/DailyMail and GSM8K reference): each step "
+                                    "multiplies the matrices by 1 - (lr / optimizer.lr) x "
+                                    "weight_decay, a decay the peak LR does not scale (run as "
+                                    "AdamW with weight_decay / optimizer.lr)")
     schedule: str = _f("constant", "LR schedule after warm-up",
                        choices=("constant", "cosine", "linear"))
     warmup_steps: int = _f(0, "linear warm-up steps", min=0)
     grad_clip: float = _f(1.0, "global gradient-norm clip; 0 = off", min=0.0)
+
+    @property
+    def adamw_weight_decay(self) -> float:
+        """The weight decay AdamW (torch's, DeepSpeed's, megatron's: decay = lr x wd) is given:
+        with ``lr_free_weight_decay`` composer's (lr / peak lr) x wd is the same decay at every
+        step of the schedule as AdamW's lr x (wd / peak lr)."""
+        if self.lr_free_weight_decay and self.lr > 0:
+            return self.weight_decay / self.lr
+        return self.weight_decay
 
 
 @dataclass

@@ -220,3 +220,32 @@ def test_command_line_rough_edges(tmp_path):
     res = subprocess.run(f"{sys.executable} -m setdiff_dist.cli.config --keys | head -1",
                          shell=True, capture_output=True, text=True)
     assert res.returncode == 0 and "Traceback" not in res.stderr and res.stdout.strip()
+
+
+def test_lr_free_weight_decay_is_composers_decoupled_adamw_through_adamw():
+    """optimizer.lr_free_weight_decay (the paper's CNN/DailyMail and GSM8K reference: composer's
+    DecoupledAdamW, which multiplies the weights by 1 - (lr / peak lr) x wd each step) gives
+    AdamW weight_decay / peak lr, the same decay at every step of the schedule: measured on
+    torch's AdamW with a zero gradient (the step is the decay alone); without it, AdamW's
+    lr x wd (1e-5 at lr 1e-6: nothing)."""
+    import torch
+
+    peak, wd = 1e-6, 1e-5
+    cfg = load_config("configs/tiny-cpu.yaml", [f"optimizer.lr={peak}", "optimizer.min_lr=0",
+                                                f"optimizer.weight_decay={wd}",
+                                                "optimizer.lr_free_weight_decay=true"])
+    assert cfg.optimizer.adamw_weight_decay == wd / peak
+    for scale in (1.0, 0.5, 0.1):  # (warm-up, a cosine's tail)
+        p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+        opt = torch.optim.AdamW([p], lr=peak * scale,
+                                weight_decay=cfg.optimizer.adamw_weight_decay)
+        p.grad = torch.zeros_like(p)
+        opt.step()
+        assert torch.allclose(p.detach(), torch.full((3,), 1 - scale * wd, dtype=torch.float64),
+                              rtol=0, atol=1e-15)
+    plain = load_config("configs/tiny-cpu.yaml", [f"optimizer.weight_decay={wd}"])
+    assert plain.optimizer.adamw_weight_decay == wd
+    for path in ("configs/paper/cnndm-qwen3s-setdlm-s32.yaml",
+                 "configs/finetune/qwen3-1.7b-gsm.yaml"):
+        o = load_config(path).optimizer
+        assert o.lr_free_weight_decay and o.betas == [0.9, 0.98] and o.weight_decay == 1e-5, path

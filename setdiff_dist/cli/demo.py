@@ -161,7 +161,7 @@ def train(cfg, steps: int) -> dict:
                                  m.ffn_hidden_size, m.rotary_base, m.norm_epsilon, m.init_std)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr,
                             betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,
-                            weight_decay=cfg.optimizer.weight_decay)
+                            weight_decay=cfg.optimizer.adamw_weight_decay)
     trained = AsTrainingModel(model)  # (called as the objective calls the training model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"== training the reference transformer ({n_params / 1e3:.0f}k params) with "

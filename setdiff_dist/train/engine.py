@@ -94,7 +94,8 @@ def deepspeed_config(cfg, dp_size: int, load_universal: bool = False) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if z.offload_params == "cpu":
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    params = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    params = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+              "weight_decay": o.adamw_weight_decay}
     if not offload:
         params["torch_adam"] = True  # no JIT-compiled fused Adam
     return {
@@ -277,7 +278,8 @@ def lr_multiplier(opt_cfg, total_steps: int):
 # checkpoint's optimizer state carries: on resume both come from this run's config
 SCHEDULE_KEYS = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_steps",
                  "optimizer.schedule", "train.steps")
-HYPER_KEYS = ("optimizer.betas", "optimizer.eps", "optimizer.weight_decay")
+HYPER_KEYS = ("optimizer.betas", "optimizer.eps", "optimizer.weight_decay",
+              "optimizer.lr_free_weight_decay")
 
 
 def follow_schedule(scheduler, cfg, step: int) -> list[float]:
@@ -391,7 +393,7 @@ def build_engine(cfg, model, load_universal: bool = False):
     # (the form checkpoints are told apart by: one definition of which optimizer a config runs)
     with zero_optimizer_for_bf16(optimizer_form(cfg.to_dict()) == "zero"):
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, cfg.optimizer.weight_decay),
+            model=model, model_parameters=param_groups(model, cfg.optimizer.adamw_weight_decay),
             config=deepspeed_config(cfg, dp, load_universal), mpu=MegatronMPU(),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     # DeepSpeed names checkpoint files by the mpu's model-parallel rank, which is the TP rank

@@ -89,7 +89,7 @@ class FsdpEngine(FragmentCheckpoints):
         for p, name in self.names.items():
             (no_decay if p.dim() < 2 or "embedding" in name else decay).append(p)
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay},
+            [{"params": decay, "weight_decay": o.adamw_weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
             lr=o.lr, betas=tuple(o.betas), eps=o.eps)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)

@@ -75,7 +75,7 @@ class MegatronEngine(FragmentCheckpoints):
                 overlap_param_gather=z.overlap_param_gather, use_distributed_optimizer=True,
                 bucket_size=bucket_elements(cfg, dp), average_in_collective=False), model)
         opt_cfg = OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.adamw_weight_decay,
             adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
             clip_grad=o.grad_clip, bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -118,7 +118,7 @@ class MegatronEngine(FragmentCheckpoints):
     def _apply_weight_decay(self) -> None:
         """AdamW's decay per group: megatron's ``wd_mult`` is read by its own scheduler only."""
         for g in self.optimizer.param_groups:
-            g["weight_decay"] = self.cfg.optimizer.weight_decay * g.get("wd_mult", 1.0)
+            g["weight_decay"] = self.cfg.optimizer.adamw_weight_decay * g.get("wd_mult", 1.0)
 
     _after_load = _apply_weight_decay
 
