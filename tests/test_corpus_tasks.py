@@ -90,6 +90,9 @@ def test_a_held_out_set_has_no_training_question_and_compare_checks_it(tmp_path,
                        "--exclude", str(train)])  # (2 one-digit operands: 200 questions)
     assert code == 2 and "not in --exclude" in capsys.readouterr().err
     assert compare._thresholds("inf,0.9,ckpt") == [float("inf"), 0.9, None]
+    from setdiff_dist.eval.tasks import PAPER_TAUS
+
+    assert compare._thresholds("paper") == PAPER_TAUS and len(PAPER_TAUS) == 10
     for bad in ("0", "1.5", "x"):
         with pytest.raises(Exception, match="threshold"):
             compare._thresholds(bad)

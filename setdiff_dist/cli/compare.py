@@ -44,20 +44,23 @@ def _model_arg(text: str) -> tuple[str, str]:
 
 
 def _thresholds(text: str) -> list:
+    """``--thresholds``: setdiff-eval's form (numbers, inf, ``paper``) plus ``ckpt``, the
+    checkpoint's own decode.threshold (None here)."""
+    from setdiff_dist.cli.eval import parse_thresholds
+
     out = []
     for part in text.split(","):
-        part = part.strip()
-        if part == "ckpt":
+        if part.strip() == "ckpt":
             out.append(None)
             continue
         try:
-            tau = float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{part!r}: a threshold is a number in (0, 1], inf or ckpt") from None
-        if not (tau == math.inf or 0 < tau <= 1):
-            raise argparse.ArgumentTypeError(f"{part!r}: a threshold is in (0, 1], or inf")
-        out.append(tau)
+            out += parse_thresholds(part.strip())
+        except SetdiffError as exc:
+            raise argparse.ArgumentTypeError(f"{part!r}: a threshold is a number in (0, 1], "
+                                             f"inf, paper or ckpt ({exc})") from None
+    for tau in out:
+        if tau is not None and not (tau == math.inf or 0 < tau <= 1):
+            raise argparse.ArgumentTypeError(f"{tau}: a threshold is in (0, 1], or inf")
     return out
 
 
@@ -196,7 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--thresholds", type=_thresholds, default=[math.inf, None],
                     metavar="TAU,...",
                     help="a set checkpoint's thresholds: numbers in (0, 1], inf (one token a "
-                         "step) or ckpt (the checkpoint's decode.threshold) (default: inf,ckpt)")
+                         "step), paper (the reference's 10-point GSM8K grid) or ckpt (the "
+                         "checkpoint's decode.threshold) (default: inf,ckpt)")
     ap.add_argument("--window", type=count(), default=None,
                     help="a set checkpoint's window (default: its decode.window)")
     ap.add_argument("--out", metavar="DIR",

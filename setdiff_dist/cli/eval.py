@@ -3,7 +3,7 @@
     setdiff-eval --checkpoint runs/tiny-cpu --task ppl [--shards data/tiny-cpu]
     setdiff-eval --checkpoint DIR --task infill --data infill.jsonl [--limit 100] [--window 4]
     setdiff-eval --checkpoint DIR --task gsm --data gsm.jsonl [--max-new-tokens 256]
-                 [--thresholds 0.5,0.7,0.9,inf]            # the paper's tau sweep
+                 [--thresholds paper]            # the paper's tau sweep (10 points)
     setdiff-eval --checkpoint DIR --task summarize --data cnn_dm.jsonl  # ROUGE (rouge-score)
     setdiff-eval --checkpoint DIR --task genppl --scorer gpt2-large/ [--references owt.jsonl]
     setdiff-eval --checkpoint DIR --task throughput [--prompt TEXT ...] [--threshold T]
@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--thresholds", metavar="TAU,...", default=None,
                     help="gsm / throughput: sweep these thresholds (e.g. 0.5,0.7,0.9,inf): per "
                          "tau, accuracy (gsm), tokens/step and tokens/s, as the paper's tau "
-                         "sweep")
+                         "sweep; paper: the reference runner's 10 points, inf, 0.99, 0.95, "
+                         "0.9, 0.85, ..., 0.6")
     ap.add_argument("--tensor-parallel", type=count(), default=1,
                     help="shard the model over this many ranks (under torchrun)")
     add_dtype_argument(ap)
@@ -258,19 +259,23 @@ def main(argv=None) -> int:
     return 0
 
 
-def parse_thresholds(text: str) -> list[float]:
-    """``--thresholds 0.5,0.9,inf`` as floats (each a confidence in [0, 1], or inf)."""
-    from setdiff_dist.eval.tasks import EvalError
+def parse_thresholds(text: str, flag: str = "--thresholds") -> list[float]:
+    """``--thresholds 0.5,0.9,inf`` as floats (each a confidence in [0, 1], or inf); ``paper``
+    stands for the reference runner's GSM8K grid (:data:`setdiff_dist.eval.tasks.PAPER_TAUS`)."""
+    from setdiff_dist.eval.tasks import PAPER_TAUS, EvalError
 
     out = []
     for part in text.split(","):
+        if part.strip() == "paper":
+            out += PAPER_TAUS
+            continue
         try:
             tau = float(part)
         except ValueError:
-            raise EvalError(f"--thresholds {text}: {part!r} is not a number (give e.g. "
-                            "0.5,0.7,0.9,inf)") from None
+            raise EvalError(f"{flag} {text}: {part!r} is not a number (give e.g. "
+                            "0.5,0.7,0.9,inf, or paper)") from None
         if math.isnan(tau) or tau < 0:
-            raise EvalError(f"--thresholds {text}: {part} is not a confidence in [0, 1] or inf")
+            raise EvalError(f"{flag} {text}: {part} is not a confidence in [0, 1] or inf")
         out.append(tau)
     return out
 

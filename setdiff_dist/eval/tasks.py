@@ -306,6 +306,10 @@ def gsm_sweep(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: i
     return {"sweep": rows, "method": THROUGHPUT_METHOD}
 
 
+# the GSM8K tau grid of the paper's reference runner (scripts/eval/repro_suite_runner.py: 1e6 is
+# its one-token-a-step point): ``setdiff-eval --task gsm --thresholds paper``
+PAPER_TAUS = [math.inf, 0.99, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6]
+
 SUMMARY_TEMPLATE = "{article}\n\nTL;DR:\n"
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
