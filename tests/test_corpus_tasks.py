@@ -166,3 +166,32 @@ def test_task_evaluations_score_the_whole_test_set_by_default(tmp_path):
     res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.eval", "--help"],
                          capture_output=True, text=True, timeout=120)
     assert "default: all of them, the whole test set" in " ".join(res.stdout.split())
+
+
+def test_the_throughput_protocol_counts_its_warmups_and_samples():
+    """--task throughput as the paper measures it: per setting, --warmup generations not
+    counted, then --samples measured ones at batch 1, the prompts in turn; a prompt of None is
+    unconditional (from end-of-text). A decoder that records its calls shows each."""
+    from types import SimpleNamespace
+
+    from setdiff_dist.eval.tasks import throughput
+    from setdiff_dist.inference.decoder import Sampling
+
+    calls = []
+
+    class Recorder:
+        def generate(self, prompts, n, window, threshold, sampling):
+            calls.append((tuple(prompts[0]), window, threshold))
+            return [SimpleNamespace(tokens=[1] * n, tokens_per_step=2.0)]
+
+    tok = SimpleNamespace(eos_id=0, encode=lambda text: [len(text)])
+    out = throughput(Recorder(), tok, ["ab", "abc"], 4, [(4, 0.9), (1, float("inf"))],
+                     Sampling(greedy=True), warmup=3, samples=5)
+    assert len(calls) == 2 * (3 + 5) and out["samples"] == 5 and out["warmup_samples"] == 3
+    assert [c[0] for c in calls[3:8]] == [(2,), (3,), (2,), (3,), (2,)]
+    assert [(c[1], c[2]) for c in calls[:8]] == [(4, 0.9)] * 8
+    assert all(r["tokens_per_step"] == 2.0 for r in out["settings"])
+    calls.clear()
+    throughput(Recorder(), tok, [None], 4, [(4, 0.9)], Sampling(greedy=True), warmup=0,
+               samples=2)
+    assert calls == [((0,), 4, 0.9)] * 2  # unconditional: from the end-of-text token

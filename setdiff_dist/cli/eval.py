@@ -59,8 +59,10 @@ def main(argv=None) -> int:
     ap.add_argument("--scorer", metavar="HF_DIR",
                     help="genppl: a local Hugging Face causal LM that scores the samples (GPT-2 "
                          "Large in the paper) and featurizes them for MAUVE")
-    ap.add_argument("--samples", type=count(), default=64,
-                    help="genppl: unconditional samples of --max-new-tokens each")
+    ap.add_argument("--samples", type=count(), default=None,
+                    help="genppl: unconditional samples of --max-new-tokens each (default 64); "
+                         "throughput: measured generations per setting, the prompts in turn "
+                         "(default: one per prompt; the paper: 200)")
     ap.add_argument("--references", metavar="FILE",
                     help="genppl: human texts for MAUVE (JSONL of {text} or blank-line-"
                          "separated paragraphs); none = no MAUVE")
@@ -88,6 +90,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=count(), default=8)
     add_decode_arguments(ap)
     ap.add_argument("--prompt", action="append", default=None, help="throughput prompts")
+    ap.add_argument("--unconditional", action="store_true",
+                    help="throughput: generate from the end-of-text token, no prompt (the "
+                         "paper's OWT and LM1B throughput)")
+    ap.add_argument("--warmup", type=count(0), default=1,
+                    help="throughput: generations per setting before the measured ones (the "
+                         "paper: 50)")
     ap.add_argument("--context", type=count(), default=None,
                     help="decode with a context of this many tokens (default: the checkpoint's "
                          "data.seq_len; e.g. a fine-tune shorter than its pretraining may "
@@ -134,6 +142,17 @@ def main(argv=None) -> int:
         raise tasks.EvalError("--template goes with --task summarize")
     if args.rouge_stemmer and args.task != "summarize":
         raise tasks.EvalError("--rouge-stemmer goes with --task summarize")
+    throughput_flags = [f for f, given in (
+        ("--unconditional", args.unconditional), ("--warmup", args.warmup != 1),
+        ("--samples", args.samples is not None and args.task != "genppl")) if given]
+    if args.task == "genppl" and args.samples is None:
+        args.samples = 64
+    if throughput_flags and args.task != "throughput":
+        raise tasks.EvalError(f"{', '.join(throughput_flags)} "
+                              f"{'goes' if len(throughput_flags) == 1 else 'go'} with --task "
+                              "throughput")
+    if args.unconditional and args.prompt:
+        raise tasks.EvalError("give --prompt or --unconditional, not both")
     if args.task == "summarize":
         tasks.rouge_scorer()  # (installed: said before the model loads)
     genppl_flags = [f for f, v in (("--scorer", args.scorer),
@@ -234,7 +253,8 @@ def main(argv=None) -> int:
         result = tasks.gsm(decoder, tok, args.data, limit, d["max_new_tokens"],
                            d["window"], d["threshold"], sampling)
     else:
-        prompts = args.prompt or ["Shall I compare thee", "In the beginning", "O Romeo"]
+        prompts = [None] if args.unconditional else \
+            args.prompt or ["Shall I compare thee", "In the beginning", "O Romeo"]
         w = d["window"]
         if thresholds or args.threshold is not None:  # the thresholds asked for, at W
             settings = [(w, tau) for tau in thresholds or [d["threshold"]]]
@@ -243,7 +263,7 @@ def main(argv=None) -> int:
                         "causal": [(1, math.inf)]}.get(mode, [(w, math.inf), (w, 0.9),
                                                               (w, 0.5)])
         result = tasks.throughput(decoder, tok, prompts, d["max_new_tokens"], settings,
-                                  sampling)
+                                  sampling, args.warmup, args.samples)
     import torch.distributed as dist
 
     if dist.get_rank() != 0:

@@ -24,6 +24,7 @@ import math
 import re
 import time
 from collections import Counter
+from typing import Optional
 
 from setdiff_dist.data.blend import Blend
 from setdiff_dist.data.loader import TokenLoader
@@ -484,19 +485,23 @@ THROUGHPUT_METHOD = ("batch 1; per setting, the mean over the prompts of each sa
                      "(the paper's measure); median_tokens_per_s beside it")
 
 
-def throughput(decoder: SetDecoder, tok, prompts: list[str], max_new_tokens: int,
-               settings: list[tuple[int, float]], sampling: Sampling, warmup: int = 1) -> dict:
-    """Batch-1 tokens/s as the paper measures it (the mean of per-sample tokens/s over the
-    prompts, after ``warmup`` samples of each setting, which are not counted) and tokens/step,
-    per (W, tau)."""
-    ids = [tok.encode(p) for p in prompts]
+def throughput(decoder: SetDecoder, tok, prompts: list, max_new_tokens: int,
+               settings: list[tuple[int, float]], sampling: Sampling, warmup: int = 1,
+               samples: Optional[int] = None) -> dict:
+    """Batch-1 tokens/s as the paper measures it (the mean of per-sample tokens/s over
+    ``samples`` generations, the prompts taken in turn; default one per prompt), after
+    ``warmup`` generations of each setting, which are not counted, and tokens/step, per
+    (W, tau). A prompt of None is unconditional (from the end-of-text token), as the paper's
+    OWT and LM1B throughput (its protocol: 50 warm-ups, 200 samples)."""
+    ids = [[tok.eos_id] if p is None else tok.encode(p) for p in prompts]
+    measured = [ids[i % len(ids)] for i in range(len(ids) if samples is None else samples)]
     rows = []
     for window, tau in settings:
-        for p in ids[:warmup]:  # (allocations, kernels, caches of this shape)
-            decoder.generate([p], max_new_tokens, window=window, threshold=tau,
-                             sampling=sampling)
+        for i in range(warmup):  # (allocations, kernels, caches of this shape)
+            decoder.generate([ids[i % len(ids)]], max_new_tokens, window=window,
+                             threshold=tau, sampling=sampling)
         rates, per_step = [], []
-        for p in ids:
+        for p in measured:
             t = time.perf_counter()
             r = decoder.generate([p], max_new_tokens, window=window, threshold=tau,
                                  sampling=sampling)[0]
@@ -507,4 +512,4 @@ def throughput(decoder: SetDecoder, tok, prompts: list[str], max_new_tokens: int
                      "median_tokens_per_s": sorted(rates)[len(rates) // 2],
                      "tokens_per_step": sum(per_step) / len(per_step)})
     return {"batch_size": 1, "max_new_tokens": max_new_tokens, "warmup_samples": warmup,
-            "method": THROUGHPUT_METHOD, "settings": rows}
+            "samples": len(measured), "method": THROUGHPUT_METHOD, "settings": rows}
