@@ -66,7 +66,8 @@ def test_the_main_job_prints_progress_bound_and_text_and_no_warnings(tmp_path):
     env.pop("SETDIFF_VERBOSE", None)
     env.update(TASK_STEPS="4", TASK_TRAIN="300", TASK_TEST="6")
     res = subprocess.run(["bash", "scripts/main.sh", "train.steps=6", "train.log_interval=2",
-                          "optimizer.warmup_steps=2", f"run_dir={tmp_path / 'run'}"],
+                          "optimizer.warmup_steps=2", "train.eval_interval=3",
+                          f"run_dir={tmp_path / 'run'}"],
                          capture_output=True, text=True, cwd=root, env=env, timeout=900)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
@@ -74,6 +75,11 @@ def test_the_main_job_prints_progress_bound_and_text_and_no_warnings(tmp_path):
     assert not warning.search(out), [line for line in out.splitlines() if warning.search(line)]
     assert re.search(r"^step +6/6 +loss \d", out, re.M)
     assert re.search(r"validation: valid_loss \S+ +valid_ppl_bound \d", out)
+    # one validation at the interval, one at the end: not two when the interval divides the
+    # steps
+    pretraining = out.split("checkpoint ", 1)[0]
+    assert [int(m) for m in re.findall(r"^step +(\d+) +validation:", pretraining, re.M)] \
+        == [3, 6]
     assert re.search(r"^48 tokens in .* tokens/s", out, re.M)
     text = out.split("checkpoint ", 1)[1].splitlines()[1]  # the line after the checkpoint's
     assert len(text.split()) >= 5

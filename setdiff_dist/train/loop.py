@@ -609,7 +609,8 @@ class Trainer:
                         self.device, ps.get_pipeline_model_parallel_rank()))
                     metrics.log(record, tokens_since, record["train_seconds"])
                     tokens_since = 0
-                if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
+                if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 \
+                        and self.step != cfg.train.steps:  # (the last step's runs below, once)
                     with timers.phase("eval"):
                         values = self.evaluate()
                     metrics.log_eval(self.step, values)
