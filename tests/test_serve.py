@@ -45,6 +45,8 @@ class Server:
             assert time.monotonic() < deadline, self.output()
             time.sleep(0.1)
         self.url = f"http://{ready.read_text().strip()}"
+        # where it listens, with the port it bound (the command line's was 0)
+        assert f"setdiff-serve: listening on {self.url}/v1" in self.output(), self.output()
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
                                     timeout=120)
 

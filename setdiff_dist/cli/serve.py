@@ -189,8 +189,8 @@ def serve(model, args, channel) -> int:
     there.close()
     threading.Thread(target=host.serve, name="setdiff-http-link", daemon=True).start()
     print(f"setdiff-serve: {name} ({model.decoding} decoding, context {model.context}, "
-          f"TP={args.tensor_parallel}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
-          flush=True)
+          f"TP={args.tensor_parallel})",
+          file=sys.stderr, flush=True)
     http.join()
     if got.count(signal.SIGINT) >= 2:
         return 130

@@ -266,8 +266,7 @@ def http_main(conn, view: ModelView, name: str, options: dict) -> None:
         server.should_exit = True
 
     client.on_fatal = stop
-    if options.get("ready_file"):
-        _announce_when_ready(server, options["ready_file"])
+    _announce_when_ready(server, options.get("ready_file"))
     # uvicorn drains on either signal, then raises it again under the handler it found: these
     # no-ops, so that a drained server exits 0
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -277,9 +276,10 @@ def http_main(conn, view: ModelView, name: str, options: dict) -> None:
     sys.exit(2 if not server.started else 1 if client.fatal else 0)
 
 
-def _announce_when_ready(server, path: str) -> None:
-    """Write the bound ``host:port`` to ``path`` once uvicorn listens (tests and scripts use
-    ``--port 0``: any free port)."""
+def _announce_when_ready(server, path: Optional[str]) -> None:
+    """Once uvicorn listens: say where, with the port it bound (``--port 0`` takes any free
+    one: the command line's 0 is not where to connect), and write ``host:port`` to ``path``
+    when given (``--ready-file``, for tests and scripts)."""
     import time
 
     def watch():
@@ -287,9 +287,12 @@ def _announce_when_ready(server, path: str) -> None:
             time.sleep(0.05)
         if server.started:
             sock = server.servers[0].sockets[0].getsockname()
-            tmp = f"{path}.tmp"
-            with open(tmp, "w") as f:
-                f.write(f"{sock[0]}:{sock[1]}\n")
-            os.replace(tmp, path)
+            print(f"setdiff-serve: listening on http://{sock[0]}:{sock[1]}/v1", file=sys.stderr,
+                  flush=True)
+            if path:
+                tmp = f"{path}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(f"{sock[0]}:{sock[1]}\n")
+                os.replace(tmp, path)
 
     threading.Thread(target=watch, daemon=True).start()
