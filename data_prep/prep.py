@@ -388,8 +388,9 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
               for name in ([only] if only else ["train"] + (["valid"] if valid_every else []))}
     bar = None
     if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=n_docs, unit="doc", desc="setdiff-prep", file=sys.stderr)
+        from setdiff_dist.progress import bar as progress_bar
+
+        bar = progress_bar(total=n_docs, unit="doc", desc="setdiff-prep", file=sys.stderr)
     start, n_tokens, ordinal = time.perf_counter(), 0, 0
     eos_token = getattr(tok, "eos_token", None)  # a Hugging Face model's own end-of-text
     with mp.get_context("spawn").Pool(workers, initializer=_init_worker,
@@ -411,7 +412,8 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
                 ordinal += 1
             if bar:
                 bar.update(len(chunk))
-                bar.set_postfix(tokens_per_s=f"{n_tokens / (time.perf_counter() - start):.3g}")
+                bar.set_postfix(tokens_per_s=f"{n_tokens / (time.perf_counter() - start):.3g}",
+                                refresh=False)  # (drawn with the next update)
     if bar:
         bar.close()
     elapsed = time.perf_counter() - start

@@ -26,3 +26,24 @@ def progress(phase: Optional[str] = None) -> None:
     thread that waits for it: :mod:`setdiff_dist.train.async_save`)."""
     if _BEAT is not None and threading.current_thread() is threading.main_thread():
         _BEAT(phase)
+
+
+#: seconds between a progress bar's updates when its stream is not a terminal (a file, a pipe,
+#: a Slurm log): a redraw there is a new line, not a line drawn over
+LOG_INTERVAL_S = 10.0
+
+
+def bar(*, file=None, **kwargs):
+    """A ``tqdm`` progress bar for people: on a terminal as tqdm draws it; written to a file or
+    a Slurm log (anything not a terminal), one line every :data:`LOG_INTERVAL_S` seconds at
+    most, where tqdm would write dozens a second."""
+    import sys
+
+    from tqdm import tqdm
+
+    stream = file if file is not None else sys.stderr
+    isatty = getattr(stream, "isatty", None)
+    if not (callable(isatty) and isatty()):
+        kwargs.setdefault("mininterval", LOG_INTERVAL_S)
+        kwargs.setdefault("maxinterval", max(LOG_INTERVAL_S, kwargs["mininterval"]))
+    return tqdm(file=stream, **kwargs)

@@ -280,12 +280,11 @@ def batch_rows(batch_size, max_batch_size=None) -> int:
 def _progress(total: int, what: str, disable: bool):
     """A progress bar of ``total`` requests on standard error (rank 0; none when lm-eval
     says so)."""
-    from tqdm import tqdm
-
     from setdiff_dist.errors import rank_and_world
+    from setdiff_dist.progress import bar
 
-    return tqdm(total=total, desc=f"setdiff {what}", unit="req", leave=False,
-                disable=disable or rank_and_world()[0] != 0)
+    return bar(total=total, desc=f"setdiff {what}", unit="req", leave=False,
+               disable=disable or rank_and_world()[0] != 0)
 
 
 SUPPORTED = ("until", "max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens",
