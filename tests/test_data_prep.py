@@ -456,3 +456,24 @@ def test_progress_bars_written_to_a_file_are_a_line_every_few_seconds(tmp_path, 
             prepare([sonnets], "bytes", 64, str(tmp_path / "out"), split_paragraphs=True,
                     workers=1, progress=True, valid_every=0)
     assert len([s for s in err.read_text().replace("\r", "\n").splitlines() if s]) <= 3
+
+
+def test_exported_weights_are_readable_as_the_umask_allows(tmp_path):
+    """Exports (setdiff-convert, --to-hf, --from-hf) write safetensors files, which safetensors
+    creates 0600: an export made for others was not theirs to read. Now 0666 less the umask."""
+    import stat
+
+    import torch
+
+    from setdiff_dist.checkpoint.files import _umask, save_tensors
+
+    old = os.umask(0o022)
+    try:
+        assert _umask() == 0o022
+        save_tensors({"w": torch.zeros(2)}, str(tmp_path / "a.safetensors"), {"format": "pt"})
+        os.umask(0o077)
+        save_tensors({"w": torch.zeros(2)}, str(tmp_path / "b.safetensors"), {"format": "pt"})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "a.safetensors").st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(tmp_path / "b.safetensors").st_mode) == 0o600

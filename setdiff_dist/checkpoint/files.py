@@ -37,6 +37,31 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def save_tensors(tensors: dict, path: str, metadata: dict) -> None:
+    """``safetensors.torch.save_file``, the file then readable as any file this process makes
+    (safetensors creates it 0600, so that an export made for others was theirs to read only
+    through a chmod)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets one to read it, which a
+    thread creating a file meanwhile would get)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def prune(root: str, keep_last: int, keep: str) -> None:
     if keep_last <= 0:
         return

@@ -102,7 +102,7 @@ def write_hf(tensors: dict, config: dict, out: str, dtype: str,
     and for a ``tokenizer.json`` the ``tokenizer_config.json`` that transformers' auto classes
     look for), all through a temporary directory: a failure leaves nothing at ``out``. Returns
     the weight files."""
-    from safetensors.torch import save_file
+    from setdiff_dist.checkpoint.files import save_tensors
 
     if os.path.exists(out) and os.listdir(out):
         raise HFCheckpointError(f"{out} exists and is not empty")
@@ -123,7 +123,7 @@ def write_hf(tensors: dict, config: dict, out: str, dtype: str,
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, shard in zip(names, shards):
-        save_file(shard, os.path.join(tmp, file), metadata={"format": "pt"})
+        save_tensors(shard, os.path.join(tmp, file), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
                                                 for t in tensors.values())},

@@ -454,13 +454,13 @@ def write_export(out: str, state: dict, cfg, tok, source: str, extra_meta: Optio
     """Write an export directory (``model.safetensors`` of full tensors, ``config.yaml``, the
     tokenizer, ``export.json`` and any ``extra_files`` {name: JSON-able}) through a temporary
     directory, so that a failure leaves nothing half-written at ``out``."""
-    from safetensors.torch import save_file
+    from setdiff_dist.checkpoint.files import save_tensors
 
     check_new_directory(out)
     tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()},
-              os.path.join(tmp, "model.safetensors"), metadata={"format": EXPORT_FORMAT})
+    save_tensors({k: v.contiguous() for k, v in state.items()},
+                 os.path.join(tmp, "model.safetensors"), metadata={"format": EXPORT_FORMAT})
     with open(os.path.join(tmp, "config.yaml"), "w") as fh:
         fh.write(cfg.to_yaml())
     for name, obj in (extra_files or {}).items():
