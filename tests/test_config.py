@@ -249,3 +249,20 @@ def test_lr_free_weight_decay_is_composers_decoupled_adamw_through_adamw():
                  "configs/finetune/qwen3-1.7b-gsm.yaml"):
         o = load_config(path).optimizer
         assert o.lr_free_weight_decay and o.betas == [0.9, 0.98] and o.weight_decay == 1e-5, path
+
+
+def test_get_prints_a_section_as_yaml_and_values_as_the_file_spells_them(capsys):
+    """setdiff-config --get order printed a dataclass repr; a section is now its keys as YAML
+    (what the config file holds), a value as YAML spells it (null, true, [0.9, 0.999])."""
+    import yaml
+
+    from setdiff_dist.cli.config import main
+
+    cfg = load_config("configs/tiny-cpu.yaml")
+    assert main(["--config", "configs/tiny-cpu.yaml", "--get", "order"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == cfg.to_dict()["order"]
+    for key, shown in (("order.kind", "staggered"), ("order.max_set_size", "null"),
+                       ("optimizer.betas", "[0.9, 0.999]"), ("train.tensorboard", "true"),
+                       ("run_dir", "runs/tiny-cpu"), ("train.steps", "300")):
+        assert main(["--config", "configs/tiny-cpu.yaml", "--get", key]) == 0
+        assert capsys.readouterr().out == shown + "\n", key

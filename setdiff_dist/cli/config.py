@@ -3,6 +3,7 @@
     setdiff-config --config configs/tiny-cpu.yaml order.kind=block order.block_size=8
     setdiff-config --keys
     setdiff-config --config configs/tiny-cpu.yaml --get run_dir     # one resolved value
+    setdiff-config --config configs/tiny-cpu.yaml --get order       # a section, as YAML
 
 Prints the resolved YAML (what a run would use) or every problem, and exits 2 on problems.
 """
@@ -10,6 +11,7 @@ Prints the resolved YAML (what a run would use) or every problem, and exits 2 on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from setdiff_dist.cli import HelpFormatter, Once, command
@@ -23,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action=Once, help="YAML file (may include others)")
     ap.add_argument("--keys", action="store_true", help="list every key with its help")
     ap.add_argument("--get", metavar="KEY", help="print only this resolved value (e.g. run_dir, "
-                    "parallel.tensor): for job scripts")
+                    "parallel.tensor: for job scripts), or a section's keys as YAML (order)")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args(argv)
     if args.keys:
@@ -38,7 +40,17 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return 2
             value = getattr(value, part)
-        print(value)
+        if dataclasses.is_dataclass(value):  # a section: its keys as YAML, as the file has it
+            import yaml
+
+            print(yaml.safe_dump(dataclasses.asdict(value), sort_keys=False), end="")
+        elif isinstance(value, (list, dict, bool)) or value is None:  # (YAML's spelling)
+            import yaml
+
+            print(yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("..."
+                                                                                   ).strip())
+        else:
+            print(value)
         return 0
     print(cfg.to_yaml(), end="")
     return 0
