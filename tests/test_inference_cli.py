@@ -401,3 +401,18 @@ def test_a_causal_checkpoint_infills_from_the_left_context_as_the_reference_scor
     assert out["conditioning"] == "left" and out["count"] == 2
     assert out["tokens_per_step"] == 1.0 and out["tokens_per_s"] > 0
     assert all(0 <= out[k] <= 1 for k in ("rouge1", "rouge2", "rougeL"))
+
+
+def test_records_that_do_not_fit_the_context_are_said_on_stderr(run, tmp_path):
+    """--task gsm scores without the problems whose prompt and --max-new-tokens do not fit the
+    context: it counted them in the JSON only (skipped_too_long); now stderr says so too."""
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"prompt": "Question: " + "1 + " * 60 + "1 =\nAnswer: ", "answer": "61"},
+        {"prompt": "Question: 1 + 1 =\nAnswer: ", "answer": "2"})))
+    res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task", "gsm", "--data", data,
+                  "--max-new-tokens", "8")
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    assert out["skipped_too_long"] == 1 and out["count"] == 1
+    assert "1 record(s) did not fit the context" in res.stderr

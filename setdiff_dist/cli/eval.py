@@ -276,6 +276,13 @@ def main(argv=None) -> int:
     # (harness: each task's requests carry their own max_gen_toks and until; the results'
     # "generation" lists what the requests decoded with)
     print(write_result(args, result))
+    skipped = max([result.get("skipped_too_long", 0)]
+                  + [r.get("skipped_too_long", 0) for r in result.get("sweep", [])])
+    if skipped:  # (scored without them: say so where a person sees it, not only in the JSON)
+        print(f"setdiff-eval: {skipped} record(s) did not fit the context with "
+              f"--max-new-tokens {d['max_new_tokens']} and were not scored "
+              "(skipped_too_long); give a smaller --max-new-tokens or a longer --context",
+              file=sys.stderr)
     return 0
 
 
