@@ -92,7 +92,7 @@ class Model:
                  eos_stop: bool = True, seed: int = 0, preset: Optional[str] = None
                  ) -> Union[Generation, list[Generation]]:
         """Continue each prompt (one string: one :class:`Generation`; a list: a list, decoded
-        as one batch of ragged prompts; None: unconditional, from the end-of-text token).
+        as one batch of ragged prompts; None or "": unconditional, from the end-of-text token).
         ``stop``: strings (``re:`` for a regex) added to the checkpoint's; ``eos_stop``: stop
         at end-of-text."""
         from setdiff_dist.inference.decoder import check_text
@@ -109,7 +109,8 @@ class Model:
                           max_new_tokens=max_new_tokens, max_repeat_run=max_repeat_run,
                           stop=list(stop))
         tok = self.tokenizer
-        ids = [tok.encode(t) if t is not None else [tok.eos_id] for t in texts]
+        # None or "": unconditional, from end-of-text (as setdiff-serve takes an empty prompt)
+        ids = [tok.encode(t) if t else [tok.eos_id] for t in texts]
         results = self._decoder.generate(
             ids, d["max_new_tokens"], window=d["window"], threshold=d["threshold"],
             sampling=self._sampling(d, seed), stop=self._stop(d, eos_stop))

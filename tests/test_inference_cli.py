@@ -311,10 +311,13 @@ def test_the_python_api_from_a_fresh_interpreter(run):
             "one = model.generate('Shall I compare thee', max_new_tokens=12, window=4,\n"
             "                     threshold=0.2, greedy=True, eos_stop=False)\n"
             "ll = model.loglikelihood([('Shall I compare thee', ' to a'), ('', 'Love')])\n"
+            "empty = [model.generate(p, max_new_tokens=6, greedy=True, eos_stop=False).tokens\n"
+            "         for p in ('', None)]\n"
             "print(json.dumps({'tokens': [g.tokens for g in out], 'one': one.tokens,\n"
             "    'text': one.text, 'steps': one.steps, 'trace': one.trace, 'll': ll,\n"
             "    'score': model.score(['Shall I compare thee', 'Love']),\n"
             "    'score1': model.score('Love'), 'exact': model.exact, 'repr': repr(model),\n"
+            "    'empty': empty,\n"
             "    'first_token_s': t1 - t0, 'modules': sorted({'megatron', 'megatron.core',\n"
             "    'deepspeed', 'transformer_engine', 'apex'} & set(sys.modules))}))\n")
     res = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True,
@@ -329,6 +332,8 @@ def test_the_python_api_from_a_fresh_interpreter(run):
     assert got["tokens"] == want["tokens"] and got["one"] == want["tokens"][0]
     assert got["text"] == want["texts"][0] and got["trace"] == want["trace"][0]
     assert got["steps"] == want["steps"][0]
+    # an empty prompt is unconditional, as None is (and as setdiff-serve takes it)
+    assert got["empty"][0] == got["empty"][1] and len(got["empty"][0]) == 6
     # scoring: what setdiff-eval's scorer answers (one and the same code), in nats; the
     # process group this sets up (as at TP=1: no megatron) ends with the test, as do the
     # variables it sets: none may stay in this process
