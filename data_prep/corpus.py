@@ -132,8 +132,9 @@ def build(out: str, sources: list[str]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-corpus", description=__doc__,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--sources", nargs="+", choices=sorted(READERS), default=sorted(READERS))
+    ap.add_argument("--out", required=True, help="output directory (one .jsonl per source)")
+    ap.add_argument("--sources", nargs="+", choices=sorted(READERS), default=sorted(READERS),
+                    help="which texts to extract")
     args = ap.parse_args(argv)
     stats = build(args.out, args.sources)
     for src, s in stats.items():

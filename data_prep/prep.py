@@ -472,7 +472,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "tokenizer.json), or a tokenizer.json directory")
     ap.add_argument("--seq-len", type=count(2), help="tokens per sequence (L)")
     ap.add_argument("--out", help="output directory")
-    ap.add_argument("--mode", choices=("packed", "padded"), default="packed")
+    ap.add_argument("--mode", choices=("packed", "padded"), default="packed",
+                    help="packed: documents back to back in sequences of --seq-len (pretraining); "
+                         "padded: one document per sequence (task data)")
     ap.add_argument("--text-field", default="text",
                     help="records: the field with the text, or a template of fields "
                          "('{question} {answer}')")
@@ -488,7 +490,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="every document goes to this split: a held-out test file is prepared "
                          "as --split valid (what setdiff-eval --task ppl --shards and "
                          "data.valid_shards read), with the training shards' tokenizer")
-    ap.add_argument("--samples-per-shard", type=count(), default=4096)
+    ap.add_argument("--samples-per-shard", type=count(), default=4096,
+                    help="sequences per webdataset shard")
     ap.add_argument("--workers", type=count(0), default=0, help="tokenizer processes (0 = cores)")
     ap.add_argument("--chunk-bos", action="store_true",
                     help="packed: every sequence is [BOS], the next L - 2 tokens, [EOS], each "

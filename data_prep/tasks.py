@@ -225,14 +225,16 @@ def held_out(make, size: int, exclude: list[str]) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-tasks", description=__doc__,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("task", choices=("gsm", "chain", "infill", "rocstories"))
+    ap.add_argument("task", choices=("gsm", "chain", "infill", "rocstories"),
+                    help="which task set to make (see above)")
     ap.add_argument("--out", required=True, help="output .jsonl")
     ap.add_argument("--size", type=count(), default=None,
                     help="records (default: 2000; rocstories: every story)")
     ap.add_argument("--input", default=None, help="rocstories: ROCStories' CSV file")
     ap.add_argument("--middle", type=int, choices=(1, 3), default=1,
                     help="rocstories: sentences to fill, the third (1) or second to fourth (3)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="gsm / chain / infill: the generator's seed")
     ap.add_argument("--unit", choices=("verse", "clause"), default="verse",
                     help="infill: five verses, or five clauses (sentence-sized; fit L = 128)")
     ap.add_argument("--terms", default="2-5", help="chain: operands per problem, LO-HI")

@@ -141,11 +141,17 @@ def add_decode_arguments(ap) -> None:
                     help="confidence threshold tau ('inf' = one token per step)")
     ap.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=None,
                     help="argmax (--no-greedy: sample)")
-    ap.add_argument("--temperature", type=float)
-    ap.add_argument("--top-p", type=float)
-    ap.add_argument("--repetition-penalty", type=float)
-    ap.add_argument("--max-new-tokens", type=count())
-    ap.add_argument("--max-repeat-run", type=count())
+    ap.add_argument("--temperature", type=float,
+                    help="sampling temperature (with --no-greedy; 0 = greedy)")
+    ap.add_argument("--top-p", type=float, help="nucleus sampling: keep the smallest set of "
+                    "tokens whose probabilities add up to p (1 = all)")
+    ap.add_argument("--repetition-penalty", type=float,
+                    help="penalize the tokens the sample already holds (CTRL's rule: a "
+                         "positive logit divided by it, a negative one multiplied; 1 = none)")
+    ap.add_argument("--max-new-tokens", type=count(), help="tokens to generate at most")
+    ap.add_argument("--max-repeat-run", type=count(),
+                    help="stop a sample after this many repeats of one token (a degenerate "
+                         "sample)")
 
 
 def decode_flags(args) -> dict:

@@ -219,7 +219,8 @@ def train(cfg, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-demo", description=__doc__,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--config", action=Once, default="configs/tiny-cpu.yaml")
+    ap.add_argument("--config", action=Once, default="configs/tiny-cpu.yaml",
+                    help="YAML config (its order schedule, model and data)")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)

@@ -48,10 +48,12 @@ from setdiff_dist.cli import (
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-eval", description=__doc__,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--checkpoint", required=True,
+                    help="a training run directory, a checkpoint directory, or an export")
     ap.add_argument("--task", required=True,
                     choices=("ppl", "infill", "gsm", "summarize", "genppl", "throughput",
-                             "choice", "harness"))
+                             "choice", "harness"),
+                    help="what to measure (the examples above show each)")
     ap.add_argument("--shards", help="ppl: a shard directory with a valid split")
     ap.add_argument("--data", help="infill / gsm: a .jsonl from setdiff-tasks; choice: "
                                    "records {context, choices, gold}; summarize: records "
@@ -87,7 +89,8 @@ def main(argv=None) -> int:
                     help="the first N records (default: all of them, the whole test set, as the "
                          "paper scores it; harness: per task)")
     ap.add_argument("--batches", type=count(), default=16, help="ppl: validation batches")
-    ap.add_argument("--batch-size", type=count(), default=8)
+    ap.add_argument("--batch-size", type=count(), default=8,
+                    help="ppl / choice / genppl / harness: sequences per forward")
     add_decode_arguments(ap)
     ap.add_argument("--prompt", action="append", default=None, help="throughput prompts")
     ap.add_argument("--unconditional", action="store_true",

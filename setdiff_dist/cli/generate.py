@@ -49,8 +49,10 @@ def main(argv=None) -> int:
                     help="stop string (prefix 're:' for a regex); repeatable, added to the "
                          "checkpoint's decode.stop")
     ap.add_argument("--no-eos-stop", action="store_true", help="do not stop at end-of-text")
-    ap.add_argument("--infill-left", default=None)
-    ap.add_argument("--infill-right", default=None)
+    ap.add_argument("--infill-left", default=None,
+                    help="infilling: the text before the span (with --infill-length)")
+    ap.add_argument("--infill-right", default=None,
+                    help="infilling: the text after the span (set-diffusion models only)")
     ap.add_argument("--infill-length", type=count(), default=None, help="tokens to fill")
     ap.add_argument("--tensor-parallel", type=count(), default=1,
                     help="shard the model over this many ranks (under torchrun)")
