@@ -167,7 +167,7 @@ async def _level(url, requests, concurrency, seconds, extra):
             "tokens_per_step": tokens / max(sum(r["steps"] or 0 for r in results), 1)}
 
 
-def plot(table: dict, path: Path) -> None:
+def plot(table: dict, path: Path, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,6 +192,8 @@ def plot(table: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     a.set_title("throughput")
     b.set_title("latency and time to first token")
+    if title:  # (which checkpoints, which requests: a PNG travels without its JSON)
+        fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -285,7 +287,8 @@ def main() -> None:
                                           "checkpoints": {k: str(v) for k, v in models.items()},
                                           "threshold": args.threshold, "table": table,
                                           "set_vs_causal": ratios}, indent=1))
-    plot(table, Path(args.out).with_suffix(".png"))
+    plot(table, Path(args.out).with_suffix(".png"),
+         f"set: {models['set']}   causal: {models['causal']}\n{what}")
     print(f"-> {args.out}, {Path(args.out).with_suffix('.png')}")
 
 
