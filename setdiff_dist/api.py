@@ -39,6 +39,7 @@ class Generation:
     seconds: float          # wall time of the whole batch it decoded in
     trace: list             # per forward step: the absolute positions committed in it
     trace_confidence: list  # and the confidence of each
+    seed: Optional[int] = None  # the sampling seed it ran with (give it again to repeat it)
 
     @property
     def tokens_per_step(self) -> float:
@@ -89,12 +90,14 @@ class Model:
                  temperature: Optional[float] = None, top_p: Optional[float] = None,
                  repetition_penalty: Optional[float] = None,
                  max_repeat_run: Optional[int] = None, stop: Iterable[str] = (),
-                 eos_stop: bool = True, seed: int = 0, preset: Optional[str] = None
+                 eos_stop: bool = True, seed: Optional[int] = None,
+                 preset: Optional[str] = None
                  ) -> Union[Generation, list[Generation]]:
         """Continue each prompt (one string: one :class:`Generation`; a list: a list, decoded
         as one batch of ragged prompts; None or "": unconditional, from the end-of-text token).
         ``stop``: strings (``re:`` for a regex) added to the checkpoint's; ``eos_stop``: stop
-        at end-of-text."""
+        at end-of-text; ``seed``: the sampling seed (None: a fresh one each call, returned as
+        ``Generation.seed``; give it again to repeat a sampled call)."""
         from setdiff_dist.inference.decoder import check_text
 
         single = isinstance(prompts, str) or prompts is None
@@ -113,15 +116,15 @@ class Model:
         ids = [tok.encode(t) if t else [tok.eos_id] for t in texts]
         results = self._decoder.generate(
             ids, d["max_new_tokens"], window=d["window"], threshold=d["threshold"],
-            sampling=self._sampling(d, seed), stop=self._stop(d, eos_stop))
-        out = [_generation(r) for r in results]
+            sampling=self._sampling(d, seed := _seed(seed)), stop=self._stop(d, eos_stop))
+        out = [_generation(r, seed) for r in results]
         return out[0] if single else out
 
     def infill(self, left: Union[str, Sequence[str]], right: Union[str, Sequence[str]],
                length: Union[int, Sequence[int]], *, window: Optional[int] = None,
                threshold: Optional[float] = None, greedy: Optional[bool] = None,
                temperature: Optional[float] = None, top_p: Optional[float] = None,
-               repetition_penalty: Optional[float] = None, seed: int = 0,
+               repetition_penalty: Optional[float] = None, seed: Optional[int] = None,
                preset: Optional[str] = None) -> Union[Generation, list[Generation]]:
         """Fill ``length`` tokens between ``left`` and ``right`` (strings, or lists of them
         with a list of lengths); a set-diffusion model sees both sides from the start."""
@@ -136,8 +139,8 @@ class Model:
         results = self._decoder.infill(
             [tok.encode(t) for t in lefts], [tok.encode(t) for t in rights], lengths,
             window=min(d["window"] or min(lengths), min(lengths)), threshold=d["threshold"],
-            sampling=self._sampling(d, seed))
-        out = [_generation(r) for r in results]
+            sampling=self._sampling(d, seed := _seed(seed)))
+        out = [_generation(r, seed) for r in results]
         return out[0] if single else out
 
     def loglikelihood(self, pairs: Iterable[tuple[str, str]]) -> list[tuple[float, bool]]:
@@ -181,9 +184,18 @@ class Model:
                             max_repeat_run=d["max_repeat_run"])
 
 
-def _generation(r) -> Generation:
+def _seed(seed: Optional[int]) -> int:
+    """The call's sampling seed: the one given, else a fresh one (an unseeded call samples
+    anew, as transformers' generate does; it was seed 0, so that four unseeded calls gave one
+    text), returned in each :class:`Generation`."""
+    from setdiff_dist.inference.sampling import fresh_seed
+
+    return fresh_seed() if seed is None else seed
+
+
+def _generation(r, seed: int) -> Generation:
     return Generation(text=r.text, tokens=list(r.tokens), steps=r.steps, seconds=r.seconds,
-                      trace=r.trace or [], trace_confidence=r.trace_confidence or [])
+                      trace=r.trace or [], trace_confidence=r.trace_confidence or [], seed=seed)
 
 
 def load(path: Union[str, os.PathLike], tensor_parallel: int = 1,

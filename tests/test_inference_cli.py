@@ -313,11 +313,16 @@ def test_the_python_api_from_a_fresh_interpreter(run):
             "ll = model.loglikelihood([('Shall I compare thee', ' to a'), ('', 'Love')])\n"
             "empty = [model.generate(p, max_new_tokens=6, greedy=True, eos_stop=False).tokens\n"
             "         for p in ('', None)]\n"
+            "sampled = [model.generate('Shall I', max_new_tokens=8, greedy=False,\n"
+            "                          eos_stop=False) for _ in range(4)]\n"
+            "again = model.generate('Shall I', max_new_tokens=8, greedy=False, eos_stop=False,\n"
+            "                       seed=sampled[1].seed)\n"
             "print(json.dumps({'tokens': [g.tokens for g in out], 'one': one.tokens,\n"
             "    'text': one.text, 'steps': one.steps, 'trace': one.trace, 'll': ll,\n"
             "    'score': model.score(['Shall I compare thee', 'Love']),\n"
             "    'score1': model.score('Love'), 'exact': model.exact, 'repr': repr(model),\n"
-            "    'empty': empty,\n"
+            "    'empty': empty, 'sampled': [[g.tokens, g.seed] for g in sampled],\n"
+            "    'again': [again.tokens, again.seed],\n"
             "    'first_token_s': t1 - t0, 'modules': sorted({'megatron', 'megatron.core',\n"
             "    'deepspeed', 'transformer_engine', 'apex'} & set(sys.modules))}))\n")
     res = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True,
@@ -334,6 +339,11 @@ def test_the_python_api_from_a_fresh_interpreter(run):
     assert got["steps"] == want["steps"][0]
     # an empty prompt is unconditional, as None is (and as setdiff-serve takes it)
     assert got["empty"][0] == got["empty"][1] and len(got["empty"][0]) == 6
+    # unseeded sampled calls are four samples (they were seed 0: one text), each with the seed
+    # it ran with, which repeats it
+    tokens, seeds = zip(*got["sampled"])
+    assert len({tuple(t) for t in tokens}) > 1 and len(set(seeds)) == 4
+    assert got["again"] == [tokens[1], seeds[1]]
     # scoring: what setdiff-eval's scorer answers (one and the same code), in nats; the
     # process group this sets up (as at TP=1: no megatron) ends with the test, as do the
     # variables it sets: none may stay in this process

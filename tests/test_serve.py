@@ -186,6 +186,21 @@ def test_streamed_chunks_add_up_to_the_completion(server):
         assert chunks[-1].usage.completion_tokens > 0 and not chunks[-1].choices
 
 
+def test_unseeded_sampled_requests_differ_and_their_seed_repeats_them(server):
+    """Four unseeded sampled completions are four samples (an unseeded request was seed 0:
+    they gave one text, and pass@k by repeated requests scored duplicates); each response
+    carries the seed it ran with, and that seed repeats it, streamed or not."""
+    unseeded = {k: v for k, v in SAMPLED.items() if k != "seed"}
+    got = [server.complete("Rough winds", **unseeded) for _ in range(4)]
+    texts, seeds = [g.choices[0].text for g in got], [g.model_extra["seed"] for g in got]
+    assert len(set(texts)) > 1 and len(set(seeds)) == 4, (texts, seeds)
+    again = server.complete("Rough winds", seed=seeds[2], **unseeded)
+    assert again.choices[0].text == texts[2] and again.model_extra["seed"] == seeds[2]
+    chunks = list(server.complete("Rough winds", stream=True, seed=seeds[2], **unseeded))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == texts[2]
+    assert {c.model_extra["seed"] for c in chunks} == {seeds[2]}
+
+
 def test_stop_strings_end_the_text_before_them(server):
     whole = server.complete("Shall I compare thee", **SAMPLED).choices[0].text
     stop = whole[8:10]

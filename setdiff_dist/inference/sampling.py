@@ -4,7 +4,15 @@ the BD3LM and MDLM baselines) chooses its tokens with :func:`pick` and keeps the
 
 from __future__ import annotations
 
+import secrets
+
 import torch
+
+
+def fresh_seed() -> int:
+    """A sampling seed for a call that gave none: new each time (an unseeded request must not
+    repeat the last one's text), returned to the caller so that it can repeat it."""
+    return secrets.randbits(63)
 
 
 def pick(logits, sampling, gen, seen=None, counts=None, failed=None):

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
 from setdiff_dist.inference.decoding import DecodeError, check_text
+from setdiff_dist.inference.sampling import fresh_seed
 
 from .batch import Spec, check_spec
 from .guard import error_body
@@ -141,6 +142,9 @@ class Service:
             raise DecodeError("an empty stop string would stop at once; give some text")
         for j, s in enumerate(stop):
             check_text(f"stop string {j}", s)
+        # an unseeded request samples anew each time (it was seed 0: four unseeded requests gave
+        # one text); the seed goes back in the response, to repeat it
+        seed = req.seed if req.seed is not None else fresh_seed()
         out = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
@@ -157,7 +161,7 @@ class Service:
                         threshold=d["threshold"], greedy=d["greedy"],
                         temperature=d["temperature"], top_p=d["top_p"],
                         repetition_penalty=d["repetition_penalty"],
-                        seed=req.seed if req.seed is not None else 0, stop=tuple(stop),
+                        seed=seed, stop=tuple(stop),
                         patterns=tuple(d["stop"]), eos_stop=not req.ignore_eos,
                         max_repeat_run=d["max_repeat_run"])
             check_spec(spec, self.model.context, i, max_tokens=limits.max_tokens)
@@ -186,9 +190,11 @@ class Service:
             if i not in finished:
                 self.scheduler.cancel(spec.id)
 
-    def completion(self, rid: str, choices: list, usage=None) -> dict:
+    def completion(self, rid: str, choices: list, usage=None, seed=None) -> dict:
         out = {"id": rid, "object": "text_completion", "created": int(time.time()),
                "model": self.name, "choices": choices}
+        if seed is not None:  # (the sampling seed it ran with: send it back to repeat it)
+            out["seed"] = seed
         if usage is not None:
             out["usage"] = usage
         return out
@@ -334,7 +340,7 @@ def create_app(service: Service, lifespan=None):
         ordered = [outs[i] for i in range(len(specs))]
         return service.completion(rid, [
             service.choice(i, o, req.return_token_ids) for i, o in enumerate(ordered)],
-            usage=service.usage(ordered))
+            usage=service.usage(ordered), seed=specs[0].seed)
 
     return app
 
@@ -345,7 +351,7 @@ async def _stream(service: Service, req: CompletionRequest, specs, events, rid):
     finished, outs, backlog = set(), {}, collections.deque()
 
     def chunk(choices, usage=None):
-        return f"data: {json.dumps(service.completion(rid, choices, usage))}\n\n"
+        return f"data: {json.dumps(service.completion(rid, choices, usage, specs[0].seed))}\n\n"
 
     try:
         while len(finished) < len(specs):
