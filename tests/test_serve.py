@@ -217,7 +217,8 @@ def test_bad_requests_get_an_openai_error_and_nothing_else_changes(server):
                      headers={"Content-Type": "application/json"})
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
     assert raw.json()["error"]["type"] == "invalid_request_error"
-    cases = [(dict(bogus=1), "unknown field 'bogus'"),
+    cases = [(dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported"),
+             (dict(echo=True), "echo=True is not supported"),
              (dict(temperature=5), "temperature"), (dict(top_p=0), "top_p"),
              (dict(max_tokens=0), "max_tokens"), (dict(window=0), "window"),
              (dict(n=2), "n"), (dict(threshold=-1), "threshold"),
@@ -227,14 +228,45 @@ def test_bad_requests_get_an_openai_error_and_nothing_else_changes(server):
         res = httpx.post(url, json=body, timeout=30)
         assert res.status_code == 400, (fields, res.text)
         assert said in res.json()["error"]["message"], (fields, res.text)
-    with pytest.raises(openai.BadRequestError, match="unknown field"):
-        server.complete("Shall I", extra_body={"frequency_bogus": 2})
+    # OpenAI's own fields at their no-op values are taken (they were each a 400), and a field
+    # OpenAI does not define is ignored with a warning in the log, as vLLM does (--strict:
+    # refused; test_strict_refuses_fields_openai_does_not_define)
+    ok = server.complete("Shall I", presence_penalty=0, frequency_penalty=0, logit_bias={},
+                         echo=False, best_of=1, user="u", extra_body={"frequency_bogus": 2},
+                         **GREEDY)
+    assert ok.choices[0].text == server.complete("Shall I", **GREEDY).choices[0].text
+    assert "fields this server does not take were ignored: frequency_bogus" in server.output()
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         server.client.completions.create(model="gpt-4", prompt="Shall I")
     after = server.metrics()
-    assert after["requests_bad_request"] - before["requests_bad_request"] == len(cases) + 3
-    assert after["requests_completed"] == before["requests_completed"]
+    assert after["requests_bad_request"] - before["requests_bad_request"] == len(cases) + 2
+    assert after["requests_completed"] == before["requests_completed"] + 2  # (the two above)
     assert server.complete("Shall I", **GREEDY).choices[0].text  # (still serving)
+
+
+def test_strict_refuses_fields_openai_does_not_define():
+    """setdiff-serve --strict keeps the old rule: a field OpenAI's completions do not define is
+    a 400 naming it; the default body model takes it (and the route logs it as ignored)."""
+    from types import SimpleNamespace
+
+    import pydantic
+
+    from setdiff_dist.serve.app import (
+        CompletionRequest,
+        Service,
+        StrictCompletionRequest,
+        create_app,
+    )
+
+    body = {"model": "m", "prompt": "x", "bogus": 1}
+    assert CompletionRequest.model_validate(body).model_extra == {"bogus": 1}
+    with pytest.raises(pydantic.ValidationError, match="bogus"):
+        StrictCompletionRequest.model_validate(body)
+    service = Service(SimpleNamespace(context=32), "m", None, None)
+    for strict, model in ((False, CompletionRequest), (True, StrictCompletionRequest)):
+        route = next(r for r in create_app(service, strict=strict).routes
+                     if getattr(r, "path", "") == "/v1/completions")
+        assert route.dependant.body_params[0].field_info.annotation is model
 
 
 def test_models_health_and_metrics(server):

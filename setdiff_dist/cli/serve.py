@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shutdown-timeout", type=float, default=120.0,
                     help="on SIGTERM, seconds to finish the requests in flight; what is left "
                          "then is cancelled and the server exits")
+    ap.add_argument("--strict", action="store_true",
+                    help="refuse a request with a field OpenAI's completions do not define "
+                         "(default: ignore it with a warning in this log, as vLLM does)")
     ap.add_argument("--log-level", default="info",
                     choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (each request is logged at info)")
@@ -159,6 +162,7 @@ def serve(model, args, channel) -> int:
     host = EngineHost(scheduler, here, metrics)
     cap = args.max_completion_tokens or model.context
     options = {"host": args.host, "port": args.port, "log_level": args.log_level,
+               "strict": args.strict,
                "ready_file": args.ready_file, "api_key": args.api_key,
                "max_tokens": cap, "max_prompts": max(args.max_queue, 1),
                "max_body_bytes": args.max_body_bytes, "max_connections": args.max_connections,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import math
 import time
 import uuid
@@ -37,7 +38,7 @@ from typing import Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
 from setdiff_dist.inference.decoding import DecodeError, check_text
@@ -56,9 +57,13 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """The body of ``POST /v1/completions`` (unknown fields are an error, not ignored)."""
+    """The body of ``POST /v1/completions``. OpenAI's fields this server does not implement
+    are taken at their no-op values (what client libraries send: ``presence_penalty=0``,
+    ``logit_bias={}``, ``echo=False``, ``best_of=1``) and refused otherwise, naming them;
+    fields OpenAI does not define are ignored with a warning in the server's log, as vLLM does
+    (``setdiff-serve --strict``: refused, :class:`StrictCompletionRequest`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     model: str
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(None, ge=1)
@@ -70,6 +75,14 @@ class CompletionRequest(BaseModel):
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
+    # OpenAI's, at their no-op values only (_only_no_ops)
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
     # set decoding's own
     window: Optional[int] = Field(None, ge=1)
     threshold: Optional[float] = Field(None, ge=0)  # (inf: one token per step)
@@ -78,6 +91,22 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
 
+    @model_validator(mode="after")
+    def _only_no_ops(self):
+        instead = {"presence_penalty": "repetition_penalty is this server's",
+                   "frequency_penalty": "repetition_penalty is this server's",
+                   "logit_bias": "", "echo": "", "best_of": "send the request again",
+                   "logprobs": "", "suffix": "setdiff-generate --infill-right infills"}
+        no_op = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+                 "logit_bias": (None, {}), "echo": (False,), "best_of": (None, 1),
+                 "logprobs": (None,), "suffix": (None, "")}
+        bad = [f"{k}={getattr(self, k)!r} is not supported by this server (only "
+               f"{' or '.join(repr(v) for v in no_op[k])}{'; ' + instead[k] if instead[k] else ''})"
+               for k in no_op if getattr(self, k) not in no_op[k]]
+        if bad:
+            raise ValueError("; ".join(bad))
+        return self
+
     @field_validator("threshold", mode="before")
     @classmethod
     def _threshold_is_a_number(cls, v):
@@ -85,6 +114,12 @@ class CompletionRequest(BaseModel):
             raise ValueError("threshold is NaN: give a confidence in [0, 1], or inf for one "
                              "token per step")
         return v
+
+
+class StrictCompletionRequest(CompletionRequest):
+    """``setdiff-serve --strict``: a field OpenAI does not define is an error, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class Limits:
@@ -219,9 +254,10 @@ class Service:
                 "tokens_per_step": completion / max(steps, 1)}
 
 
-def create_app(service: Service, lifespan=None):
+def create_app(service: Service, lifespan=None, strict: bool = False):
     """The FastAPI application of ``setdiff-serve`` (``lifespan``: FastAPI's, which connects
-    the scheduler's events to the event loop)."""
+    the scheduler's events to the event loop; ``strict``: refuse fields OpenAI does not
+    define rather than ignore them)."""
     app = FastAPI(title="setdiff-serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = service.metrics
 
@@ -286,8 +322,11 @@ def create_app(service: Service, lifespan=None):
             "owned_by": "setdiff-dist", "max_model_len": service.model.context,
             "decoding": service.model.decoding}]}
 
-    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        if req.model_extra:  # (not strict: ignored, as vLLM does, and said where it is seen)
+            logging.getLogger("setdiff.serve").warning(
+                "fields this server does not take were ignored: %s",
+                ", ".join(sorted(req.model_extra)))
         if not service.scheduler.alive:
             return JSONResponse(error_body(f"the server cannot decode: "
                                            f"{service.scheduler.fatal}", type_="server_error"),
@@ -342,6 +381,11 @@ def create_app(service: Service, lifespan=None):
             service.choice(i, o, req.return_token_ids) for i, o in enumerate(ordered)],
             usage=service.usage(ordered), seed=specs[0].seed)
 
+    # the body model chosen here (annotations are strings under __future__: FastAPI reads the
+    # one set on the function)
+    completions.__annotations__["req"] = StrictCompletionRequest if strict else \
+        CompletionRequest
+    app.post("/v1/completions")(completions)
     return app
 
 

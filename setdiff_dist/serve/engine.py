@@ -251,7 +251,8 @@ def http_main(conn, view: ModelView, name: str, options: dict) -> None:
         client.attach(asyncio.get_running_loop())
         yield
 
-    app = Guard(create_app(service, lifespan=lifespan), api_key=options["api_key"],
+    app = Guard(create_app(service, lifespan=lifespan, strict=options.get("strict", False)),
+                api_key=options["api_key"],
                 max_body_bytes=options["max_body_bytes"], idle_s=options["timeout_idle"],
                 on_refused=client.count)
     config = uvicorn.Config(app, host=options["host"], port=options["port"],
