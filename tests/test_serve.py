@@ -201,6 +201,24 @@ def test_unseeded_sampled_requests_differ_and_their_seed_repeats_them(server):
     assert {c.model_extra["seed"] for c in chunks} == {seeds[2]}
 
 
+def test_n_completions_are_independent_rows_each_repeatable_from_its_seed(server):
+    """n=3 returns three choices of one prompt, sampled as independent rows of the batch: the
+    k-th with the response's seed + k, which a request of its own repeats; with two prompts,
+    choice i x n + k is prompt i's k-th."""
+    seeded = dict(SAMPLED, seed=11)
+    three = server.complete("Rough winds", n=3, **seeded)
+    texts = [c.text for c in three.choices]
+    assert [c.index for c in three.choices] == [0, 1, 2] and len(set(texts)) > 1, texts
+    for k in range(3):
+        alone = server.complete("Rough winds", **dict(seeded, seed=11 + k))
+        assert alone.choices[0].text == texts[k]
+    two = server.complete(["Rough winds", "Shall I"], n=2, **seeded)
+    assert [c.text for c in two.choices][:2] == texts[:2]
+    assert two.usage.completion_tokens == sum(
+        server.complete(p, **dict(seeded, seed=11 + k)).usage.completion_tokens
+        for p in ("Rough winds", "Shall I") for k in range(2))
+
+
 def test_stop_strings_end_the_text_before_them(server):
     whole = server.complete("Shall I compare thee", **SAMPLED).choices[0].text
     stop = whole[8:10]
@@ -221,7 +239,7 @@ def test_bad_requests_get_an_openai_error_and_nothing_else_changes(server):
              (dict(echo=True), "echo=True is not supported"),
              (dict(temperature=5), "temperature"), (dict(top_p=0), "top_p"),
              (dict(max_tokens=0), "max_tokens"), (dict(window=0), "window"),
-             (dict(n=2), "n"), (dict(threshold=-1), "threshold"),
+             (dict(n=0), "n"), (dict(threshold=-1), "threshold"),
              (dict(prompt="x" * 40), "context of 32 tokens")]
     for fields, said in cases:
         body = {"model": "tiny", "prompt": "Shall I", **fields}

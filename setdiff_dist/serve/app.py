@@ -73,7 +73,7 @@ class CompletionRequest(BaseModel):
     seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=128)  # (completions per prompt: independent rows)
     user: Optional[str] = None
     # OpenAI's, at their no-op values only (_only_no_ops)
     presence_penalty: Optional[float] = None
@@ -148,7 +148,7 @@ class Service:
 
     # -- a request's specs ------------------------------------------------------------------------
     def specs(self, req: CompletionRequest) -> list[Spec]:
-        """One :class:`Spec` per prompt (raises :class:`DecodeError`: a 400)."""
+        """``n`` :class:`Spec` per prompt (raises :class:`DecodeError`: a 400)."""
         tok = self.model.tokenizer
         p = req.prompt
         if isinstance(p, str):
@@ -160,9 +160,11 @@ class Service:
         if not prompts:
             raise DecodeError("prompt is an empty list: give a string or token ids")
         limits = self.limits
-        if len(prompts) > limits.max_prompts:
-            raise DecodeError(f"the request has {len(prompts)} prompts; this server queues at "
-                              f"most {limits.max_prompts} (--max-queue): send at most "
+        rows = len(prompts) * req.n
+        if rows > limits.max_prompts:
+            raise DecodeError(f"the request asks for {rows} completions ({len(prompts)} "
+                              f"prompt(s) x n={req.n}); this server queues at most "
+                              f"{limits.max_prompts} (--max-queue): ask for at most "
                               f"{limits.max_prompts} per request")
         greedy = None if req.temperature is None else req.temperature == 0
         d = self.model.settings(None, window=req.window, threshold=req.threshold,
@@ -191,16 +193,19 @@ class Service:
                 if bad:
                     raise DecodeError(f"prompt {i} has token ids outside the vocabulary of "
                                       f"{self.model.config.model.vocab_size}: {bad[:5]}")
-            spec = Spec(id=f"{uuid.uuid4().hex}-{i}", prompt=tuple(ids),
-                        max_tokens=d["max_new_tokens"], window=d["window"],
-                        threshold=d["threshold"], greedy=d["greedy"],
-                        temperature=d["temperature"], top_p=d["top_p"],
-                        repetition_penalty=d["repetition_penalty"],
-                        seed=seed, stop=tuple(stop),
-                        patterns=tuple(d["stop"]), eos_stop=not req.ignore_eos,
-                        max_repeat_run=d["max_repeat_run"])
-            check_spec(spec, self.model.context, i, max_tokens=limits.max_tokens)
-            out.append(spec)
+            # n completions of a prompt: independent rows of the batch, the k-th sampled with
+            # seed + k (so that a request with seed + k alone repeats it); choice i x n + k
+            for k in range(req.n):
+                spec = Spec(id=f"{uuid.uuid4().hex}-{i}-{k}", prompt=tuple(ids),
+                            max_tokens=d["max_new_tokens"], window=d["window"],
+                            threshold=d["threshold"], greedy=d["greedy"],
+                            temperature=d["temperature"], top_p=d["top_p"],
+                            repetition_penalty=d["repetition_penalty"],
+                            seed=(seed + k) % 2 ** 63, stop=tuple(stop),
+                            patterns=tuple(d["stop"]), eos_stop=not req.ignore_eos,
+                            max_repeat_run=d["max_repeat_run"])
+                check_spec(spec, self.model.context, i, max_tokens=limits.max_tokens)
+                out.append(spec)
         return out
 
     # -- submitting and waiting -------------------------------------------------------------------
