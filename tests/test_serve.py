@@ -298,6 +298,7 @@ def test_models_health_and_metrics(server):
                  "setdiff_time_to_first_token_seconds_count", "setdiff_step_seconds_count"):
         assert name in m, name
     assert m["setdiff_generation_tokens_total"] > 0 and m["requests_completed"] > 0
+    assert not [k for k in m if k.endswith("_created")]  # (no series dashboards never read)
 
 
 def _long(small, **kw):

@@ -12,8 +12,12 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class Metrics:
     def __init__(self, model_name: str):
+        import prometheus_client
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        # no *_created series beside every counter and histogram (dashboards never read them;
+        # vLLM turns them off too)
+        prometheus_client.disable_created_metrics()
         self.registry = r = CollectorRegistry()
         self.requests = Counter("setdiff_requests", "Completion requests by outcome "
                                 "(completed, cancelled, rejected_queue_full, bad_request, "
