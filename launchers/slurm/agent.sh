@@ -12,8 +12,20 @@
 #   one whose ranks still run (they may be saving, or still failing on the lost peer) is
 #   ended as soon as they have exited: after SIGTERM it must not start them again, and
 #   waiting in a rendezvous for a peer that is gone only holds the node.
+#
+# It also names the rendezvous store's host: the allocation's first node (SLURM_NODEID 0, the
+# rendezvous endpoint's). torch elastic would otherwise let every agent whose address matches
+# the endpoint's host it, first come: on nodes that share an address (emulated nodes, some
+# multi-homed hosts) the store could live on any node and die with it.
 set -u
-(trap '' USR1 TERM; exec "$@") &
+args=()
+for a in "$@"; do
+    case "$a" in
+        --rdzv-conf=*) a="$a,is_host=$([ "${SLURM_NODEID:-0}" = 0 ] && echo 1 || echo 0)" ;;
+    esac
+    args+=("$a")
+done
+(trap '' USR1 TERM; exec "${args[@]}") &
 agent=$!
 trap '' USR1
 
