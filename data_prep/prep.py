@@ -220,14 +220,22 @@ def read_documents(path: str, text_field: str, prompt_field: Optional[str],
 # ----------------------------------------------------------------------------- tokenizing
 
 _TOKENIZER: Optional[Tokenizer] = None
+_INIT_ERROR: Optional[str] = None
 
 
 def _init_worker(spec: str, eos_token: Optional[str] = None) -> None:
-    global _TOKENIZER
-    _TOKENIZER = load_tokenizer(spec, eos_token=eos_token)
+    # a failure is kept and raised by the first chunk: raised here, multiprocessing's pool would
+    # start the worker again, and again, forever (the command would hang, saying nothing)
+    global _TOKENIZER, _INIT_ERROR
+    try:
+        _TOKENIZER = load_tokenizer(spec, eos_token=eos_token)
+    except Exception as exc:  # noqa: BLE001  (re-raised in the parent by the first chunk)
+        _INIT_ERROR = f"{type(exc).__name__}: {exc}"
 
 
 def _encode(chunk: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+    if _INIT_ERROR is not None:
+        raise PrepError(f"a tokenizer process could not load the tokenizer: {_INIT_ERROR}")
     texts = _TOKENIZER.encode_batch([t for t, _ in chunk])
     prompts = _TOKENIZER.encode_batch([p for _, p in chunk]) if any(p for _, p in chunk) else \
         [[] for _ in chunk]
@@ -372,8 +380,10 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
         except TokenizerError as exc:
             raise PrepError(f"--tokenizer {spec}: {exc}") from None
     shipped = tok.save(tmp)
+    # what the tokenizer processes load: the file just shipped, or the built-in tokenizer's own
+    # spec (a shard directory given as --tokenizer names one: gpt2, bytes)
     worker_spec = os.path.join(tmp, shipped) if shipped == "tokenizer.json" else (
-        f"sentencepiece:{os.path.join(tmp, shipped)}" if shipped else spec)
+        f"sentencepiece:{os.path.join(tmp, shipped)}" if shipped else tok.spec)
 
     bos = None
     if chunk_bos:

@@ -477,3 +477,26 @@ def test_exported_weights_are_readable_as_the_umask_allows(tmp_path):
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "a.safetensors").st_mode) == 0o644
     assert stat.S_IMODE(os.stat(tmp_path / "b.safetensors").st_mode) == 0o600
+
+
+@pytest.mark.timeout(120)
+def test_a_built_in_tokenizers_shard_directory_tokenizes_a_held_out_split(sonnets, tmp_path):
+    """--tokenizer SHARDS_DIR of GPT-2 shards (a built-in tokenizer: no file shipped) with
+    tokenizer processes: they were given the directory and its manifest's end-of-text token,
+    failed to load it, and multiprocessing's pool started them again forever (the command
+    hung). They now load the tokenizer's own spec; a tokenizer process that cannot load one
+    fails the command, naming why, instead of hanging."""
+    from data_prep import prep
+
+    train, test = tmp_path / "train", tmp_path / "test"
+    prepare([sonnets], "gpt2", 64, str(train), split_paragraphs=True, valid_every=0,
+            workers=2, progress=False)
+    m = prepare([sonnets], str(train), 64, str(test), split_paragraphs=True, split="valid",
+                workers=2, progress=False)
+    assert m["tokenizer"]["spec"] == "gpt2" and set(m["splits"]) == {"valid"}
+    prep._init_worker("no-such-tokenizer")
+    try:
+        with pytest.raises(PrepError, match="could not load the tokenizer: .*no-such-tokenizer"):
+            prep._encode([("text", "")])
+    finally:
+        prep._INIT_ERROR = prep._TOKENIZER = None

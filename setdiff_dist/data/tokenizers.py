@@ -239,11 +239,10 @@ def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Tokenizer:
     if spec.startswith("bpe:"):
         raise TokenizerError("bpe:N tokenizers are trained by setdiff-prep on its input; load "
                              "the trained one from the shard directory instead")
-    if os.path.isdir(spec) and eos_token is None and \
-            os.path.isfile(os.path.join(spec, "manifest.json")):
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "manifest.json")):
         # a shard directory: the tokenizer its manifest names, exactly (its end-of-text token,
-        # a WordPiece's [SEP] and [CLS] too), so that a held-out split is tokenized as the
-        # training shards were
+        # a WordPiece's [SEP] and [CLS] too: the manifest's, whatever eos_token says), so that a
+        # held-out split is tokenized as the training shards were
         return load_shipped_tokenizer(spec, _manifest_tokenizer(spec))
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
     if os.path.isfile(path) and path.endswith(".json"):
