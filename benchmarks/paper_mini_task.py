@@ -180,8 +180,8 @@ def evaluate(out: str, m: pm.Model, task: dict, budget: TaskBudget) -> dict:
     mean of per-problem tokens/s. Batch 8: whole batches of problems of different lengths.
     Decoding runs at 2L, the pretrained length (the fine-tunes train at L)."""
     from setdiff_dist.api import load
-    from setdiff_dist.eval.tasks import GSM_STOP, _answer, gsm
-    from setdiff_dist.inference.decoder import Sampling, StopCriteria
+    from setdiff_dist.eval.tasks import _answer, gsm, gsm_stop
+    from setdiff_dist.inference.decoder import Sampling
 
     path = os.path.join(out, "runs", f"ft-{m.name}.eval.json")
     if os.path.exists(path):
@@ -190,7 +190,7 @@ def evaluate(out: str, m: pm.Model, task: dict, budget: TaskBudget) -> dict:
     loaded = load(os.path.join(out, "runs", f"ft-{m.name}"))
     tok, dec = loaded.tokenizer, loaded.decoder
     dec.context = 2 * budget.seq_len  # (setdiff-eval --context)
-    stop = StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
+    stop = gsm_stop(tok)
     problems = [json.loads(x) for x in open(task["test"])]
     prompts = [tok.encode(p["prompt"]) for p in problems]
     answers = [p["answer"] for p in problems]
@@ -231,8 +231,7 @@ def breakdown(out: str, task: dict, budget: TaskBudget) -> dict:
     """Where the models fail: accuracy by operand count and the first wrong solution line, for
     AR, SetDLM (tau = inf and 0.9) and BD3LM (tau = inf). Greedy decoding is deterministic, so
     these are the study's outputs (the totals equal its accuracies); batch 8."""
-    from setdiff_dist.eval.tasks import GSM_STOP, _answer
-    from setdiff_dist.inference.decoder import StopCriteria
+    from setdiff_dist.eval.tasks import _answer, gsm_stop
     from setdiff_dist.inference.weights import build_inference_model
 
     problems = [json.loads(x) for x in open(task["test"])]
@@ -241,7 +240,7 @@ def breakdown(out: str, task: dict, budget: TaskBudget) -> dict:
                    (MODELS[2], math.inf)):
         model, _, tok = build_inference_model(os.path.join(out, "runs", f"ft-{m.name}"))
         dec = pm._decoders(model, tok, m, context=2 * budget.seq_len)
-        stop = StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
+        stop = gsm_stop(tok)
         prompts = [tok.encode(p["prompt"]) for p in problems]
         outs = []
         for i in range(0, len(prompts), budget.batch):

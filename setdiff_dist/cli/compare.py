@@ -147,18 +147,17 @@ def table(rows: list[dict], test_set: str) -> str:
 PALETTE = (31, 32, 33, 34, 35, 36)  # ANSI foreground colours, one per step, cycled
 
 
-def set_trace(model, problem: dict, tau: float, max_new_tokens: int, colour: bool) -> str:
+def set_trace(model, problem: dict, window: int, tau: float, max_new_tokens: int,
+              colour: bool) -> str:
     """One problem decoded by a set checkpoint: the committed sets, step by step, and the text
     with each token coloured by its step (colour) or the steps listed (no colour)."""
-    from setdiff_dist.eval.tasks import GSM_STOP
-    from setdiff_dist.inference.decoder import Sampling, StopCriteria
+    from setdiff_dist.eval.tasks import gsm_stop
+    from setdiff_dist.inference.decoder import Sampling
 
     tok = model.tokenizer
     prompt = tok.encode(problem["prompt"])
-    window = model.settings()["window"]
-    stop = StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
     r = model.decoder.generate([prompt], max_new_tokens, window=window, threshold=tau,
-                               sampling=Sampling(greedy=True), stop=stop)[0]
+                               sampling=Sampling(greedy=True), stop=gsm_stop(tok))[0]
     ids = prompt + list(r.tokens)
     step_of = {}
     for k, positions in enumerate(r.trace, 1):
@@ -216,20 +215,19 @@ def main(argv=None) -> int:
         got, model = evaluate(name, path, args, args.data)
         rows += got
         if model.decoding != "causal":
-            tau = model.settings()["threshold"]
-            traces.append((model, tau))
+            traces.append((model, model.settings(window=args.window)))
     text = table(rows, test_set)
     print(text)
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    for model, tau in traces:
-        print(set_trace(model, problems[0], tau, args.max_new_tokens, colour))
+    for model, d in traces:  # (at the checkpoint's threshold, the table's window)
+        print(set_trace(model, problems[0], d["window"], d["threshold"], args.max_new_tokens,
+                        colour))
     if args.out:
+        from setdiff_dist.checkpoint.files import write_atomic
+
         os.makedirs(args.out, exist_ok=True)
-        for name, body in (("task_summary.json", json.dumps(rows, indent=2) + "\n"),
-                           ("task_summary.md", text)):
-            with open(os.path.join(args.out, name + ".tmp"), "w", encoding="utf-8") as fh:
-                fh.write(body)
-            os.replace(os.path.join(args.out, name + ".tmp"), os.path.join(args.out, name))
+        write_atomic(os.path.join(args.out, "task_summary.json"), json.dumps(rows, indent=2) + "\n")
+        write_atomic(os.path.join(args.out, "task_summary.md"), text)
         print(f"setdiff-compare: {os.path.join(args.out, 'task_summary.json')}",
               file=sys.stderr)
     return 0

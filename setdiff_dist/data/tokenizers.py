@@ -300,17 +300,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
 
 
 def _manifest_tokenizer(directory: str) -> dict:
-    import json
+    """The tokenizer identity of a shard directory's manifest (``setdiff-prep``'s output)."""
+    from setdiff_dist.data.shards import ShardError, read_manifest
 
-    path = os.path.join(directory, "manifest.json")
     try:
-        with open(path, encoding="utf-8") as fh:
-            identity = json.load(fh)["tokenizer"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise TokenizerError(f"{path}: not a setdiff-prep manifest with a tokenizer "
-                             f"({type(exc).__name__}: {exc})") from None
+        identity = read_manifest(directory).get("tokenizer")
+    except ShardError as exc:
+        raise TokenizerError(str(exc)) from None
     if not isinstance(identity, dict) or "sha256" not in identity:
-        raise TokenizerError(f"{path}: its tokenizer entry is not a tokenizer's identity")
+        raise TokenizerError(f"{directory}'s manifest has no tokenizer identity")
     return identity
 
 

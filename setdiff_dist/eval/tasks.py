@@ -246,6 +246,11 @@ _BOXED = rf"\\boxed\{{\s*({_NUMBER})\s*\}}"
 GSM_STOP = rf"{_HASH}|{_BOXED}"
 
 
+def gsm_stop(tok) -> StopCriteria:
+    """Where a solution ends: its answer closed (:data:`GSM_STOP`) or end-of-text."""
+    return StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
+
+
 def _answer(text: str):
     """The whole number of the first closed answer marker, ``#### N`` (end of text closes it
     too) or ``\\boxed{N}`` (commas dropped), or None."""
@@ -262,7 +267,7 @@ def gsm(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int, wi
     :func:`throughput`); ``warmup`` first problems are decoded once before, not counted."""
     correct, total, skipped, examples, generated = 0, 0, 0, [], 0
     rates, per_step = [], []
-    stop = StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
+    stop = gsm_stop(tok)
     records = _records(path, limit, "gsm")
     for rec in records[:warmup]:  # (allocations, kernels, caches of this shape)
         try:
