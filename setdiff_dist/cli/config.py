@@ -40,13 +40,11 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return 2
             value = getattr(value, part)
-        if dataclasses.is_dataclass(value):  # a section: its keys as YAML, as the file has it
-            import yaml
+        import yaml
 
+        if dataclasses.is_dataclass(value):  # a section: its keys as YAML, as the file has it
             print(yaml.safe_dump(dataclasses.asdict(value), sort_keys=False), end="")
         elif isinstance(value, (list, dict, bool)) or value is None:  # (YAML's spelling)
-            import yaml
-
             print(yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("..."
                                                                                    ).strip())
         else:

@@ -259,7 +259,7 @@ class LeanTransformer(nn.Module):
             if kind in _MATMULS and self._packs(pack, real, kind in _WIDE):
                 self._packed[k] = torch.ops.mkldnn._reorder_linear_weight(real.contiguous(), 8)
                 v = v.new_empty(0)
-            elif k.rsplit(".", 1)[-1] in _WIDE:
+            elif kind in _WIDE:
                 v = v.t().contiguous()
             self.register_buffer("w_" + k.replace(".", "_"), v.contiguous(), persistent=False)
             w[k] = None  # (the full tensor can go as soon as the caller drops it)

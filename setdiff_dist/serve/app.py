@@ -56,6 +56,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI's completion fields this server takes only at their no-op values: field -> (the values,
+# what to use instead)
+_NO_OPS = {"presence_penalty": ((None, 0), "repetition_penalty is this server's"),
+           "frequency_penalty": ((None, 0), "repetition_penalty is this server's"),
+           "logit_bias": ((None, {}), ""), "echo": ((False,), ""),
+           "best_of": ((None, 1), "send the request again"), "logprobs": ((None,), ""),
+           "suffix": ((None, ""), "setdiff-generate --infill-right infills")}
+
+
 class CompletionRequest(BaseModel):
     """The body of ``POST /v1/completions``. OpenAI's fields this server does not implement
     are taken at their no-op values (what client libraries send: ``presence_penalty=0``,
@@ -93,16 +102,9 @@ class CompletionRequest(BaseModel):
 
     @model_validator(mode="after")
     def _only_no_ops(self):
-        instead = {"presence_penalty": "repetition_penalty is this server's",
-                   "frequency_penalty": "repetition_penalty is this server's",
-                   "logit_bias": "", "echo": "", "best_of": "send the request again",
-                   "logprobs": "", "suffix": "setdiff-generate --infill-right infills"}
-        no_op = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-                 "logit_bias": (None, {}), "echo": (False,), "best_of": (None, 1),
-                 "logprobs": (None,), "suffix": (None, "")}
         bad = [f"{k}={getattr(self, k)!r} is not supported by this server (only "
-               f"{' or '.join(repr(v) for v in no_op[k])}{'; ' + instead[k] if instead[k] else ''})"
-               for k in no_op if getattr(self, k) not in no_op[k]]
+               f"{' or '.join(repr(v) for v in allowed)}{'; ' + instead if instead else ''})"
+               for k, (allowed, instead) in _NO_OPS.items() if getattr(self, k) not in allowed]
         if bad:
             raise ValueError("; ".join(bad))
         return self
