@@ -277,6 +277,12 @@ class TrainConfig:
 class CheckpointConfig:
     interval: int = _f(0, "steps between checkpoints; 0 = only at the end and on signals", min=0)
     keep_last: int = _f(3, "checkpoints to keep; 0 = all", min=0)
+    keep_best: bool = _f(False, "keep the checkpoint of lowest validation loss besides the last "
+                         "keep_last: a validation (train.eval_interval, and the one at the end) "
+                         "that beats every earlier one saves a checkpoint there (unless "
+                         "checkpoint.interval saves one anyway) and points checkpoints/best at "
+                         "it once it is complete; read it as --checkpoint RUN/checkpoints/best. "
+                         "Needs a validation split")
     save_on_signal: bool = _f(True, "checkpoint and exit on SIGTERM / SIGUSR1 (preemption)")
     save_at_end: bool = _f(True, "checkpoint when training ends (false for benchmarks and smoke "
                            "runs, which need no weights; signals and checkpoint.interval still "

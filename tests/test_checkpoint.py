@@ -1083,3 +1083,39 @@ def test_the_fresh_start_a_refusal_suggests_asks_for_the_stage_and_layout_of_thi
     assert "zero.stage" not in zero0.split("checkpoint.init_from=")[1]
     [tp2] = layout_differences(layout(tp=2, dp=2), layout(tp=2), 1, 3, "ckpt")
     assert "checkpoint.init_from=ckpt zero.stage=3 ..." in tp2, tp2
+
+
+def test_the_checkpoint_of_lowest_validation_loss_is_kept_as_best(sonnets, tmp_path):
+    """``checkpoint.keep_best``: a validation that beats every earlier one saves its step and
+    points ``checkpoints/best`` at it; pruning (keep_last=1) never takes it; the lowest loss is
+    carried through a resume (at lr 0 the later validations only tie it, and a tie moves
+    nothing); the pointer file reads as a checkpoint; a run without a validation split is
+    refused before it starts."""
+    from helpers import sonnet_shards, train_config
+
+    from setdiff_dist.checkpoint.files import step_directory
+    from setdiff_dist.config import ConfigError
+    from setdiff_dist.train.loop import open_data
+
+    run = tmp_path / "run"
+    best = ("checkpoint.keep_best=true", "checkpoint.keep_last=1", "checkpoint.interval=0",
+            "train.eval_interval=2", "train.eval_batches=1")
+    res = run_train(run, sonnets, *best, nproc=1, steps=4)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step 2: validation loss" in res.stdout and "checkpoints/best" in res.stdout
+    res = run_train(run, sonnets, *best, "optimizer.lr=0", "optimizer.min_lr=0", nproc=1, steps=8)
+    assert res.returncode == 0, res.stderr[-3000:]
+    valid = {r["step"]: r["valid_loss"] for r in map(json.loads, open(run / "metrics.jsonl"))
+             if "valid_loss" in r}
+    assert sorted(valid) == [2, 4, 6, 8] and valid[4] == valid[6] == valid[8]  # (lr 0: ties)
+    lowest = min(valid, key=lambda s: (valid[s], s))  # (the first of equals)
+    root = run / "checkpoints"
+    assert open(root / "best").read().strip() == f"step_{lowest:07d}"
+    assert sorted(d for d in os.listdir(root) if d.startswith("step_")) == sorted(
+        {f"step_{lowest:07d}", "step_0000008"})
+    assert step_directory(str(root / "best")) == str(root / f"step_{lowest:07d}")
+    assert step_directory(str(root / "latest")) == str(root / "step_0000008")
+    # without a validation split there is nothing to choose by
+    bare = sonnet_shards(tmp_path / "bare", valid_every=0)
+    with pytest.raises(ConfigError, match="data has no validation split"):
+        open_data(train_config(tmp_path / "r2", bare, "checkpoint.keep_best=true"))

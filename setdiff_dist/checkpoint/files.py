@@ -13,6 +13,7 @@ from setdiff_dist.errors import SetdiffError
 from setdiff_dist.paths import sha256_file
 
 from .format import (
+    BEST,
     DERIVED_FORMS,
     LATEST,
     MANIFEST,
@@ -63,27 +64,42 @@ def _umask() -> int:
 
 
 def prune(root: str, keep_last: int, keep: str) -> None:
+    """Keep the ``keep_last`` newest complete checkpoints up to ``keep`` (the one just saved),
+    and always the one ``best`` names."""
     if keep_last <= 0:
         return
+    best = pointed(root, BEST)
     # only checkpoints up to the one just saved: later ones belong to an abandoned run
     complete = sorted(d for d in os.listdir(root) if is_step_name(d) and d <= keep
                       and is_complete(os.path.join(root, d)))
     for d in complete[:-keep_last]:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        if best is None or d != os.path.basename(best):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
-def pointed(root: str) -> Optional[str]:
-    """The checkpoint directory ``root/latest`` names, or None without that pointer."""
-    pointer = os.path.join(root, LATEST)
+def pointed(root: str, name: str = LATEST) -> Optional[str]:
+    """The checkpoint directory the pointer ``root/name`` (``latest``, ``best``) names, or None
+    without that pointer."""
+    pointer = os.path.join(root, name)
     if not os.path.isfile(pointer):
         return None
     with open(pointer) as fh:
         return os.path.join(root, fh.read().strip())
 
 
+def pointer_target(path: str) -> str:
+    """The step directory a pointer file names (``RUN/checkpoints/best``, ``.../latest``);
+    any other path as it is."""
+    name = os.path.basename(os.path.normpath(path))
+    if name in (LATEST, BEST) and os.path.isfile(path):
+        return pointed(os.path.dirname(os.path.normpath(path)) or ".", name)
+    return path
+
+
 def step_directory(path: str) -> str:
-    """The checkpoint a run directory or a checkpoints directory points at (``latest``); a
-    step_* directory itself otherwise."""
+    """The checkpoint a run directory or a checkpoints directory points at (``latest``), or a
+    pointer file names (``RUN/checkpoints/best``); a step_* directory itself otherwise."""
+    path = pointer_target(path)
     return pointed(path) or pointed(os.path.join(path, "checkpoints")) or path
 
 

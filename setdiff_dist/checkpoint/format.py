@@ -20,7 +20,9 @@ directory takes its file names from here.
   written last and checked at every resume that reuses it; ``universal.lock``, held while a
   job makes or checks them.
 
-``run_dir/checkpoints/latest`` names the newest complete step directory.
+``run_dir/checkpoints/latest`` names the newest complete step directory; ``best`` (a run with
+``checkpoint.keep_best``) the complete one of lowest validation loss, which pruning keeps. Either
+pointer file is itself a valid ``--checkpoint`` / ``resume`` path.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import os
 
 FORMAT = "setdiff-ckpt/1"
 LATEST = "latest"
+BEST = "best"
 MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
 WEIGHTS = "weights"

@@ -17,7 +17,7 @@ from setdiff_dist.config import config_from_dict
 from setdiff_dist.data.tokenizers import Tokenizer, load_shipped_tokenizer
 from setdiff_dist.errors import SetdiffError
 
-from .files import damaged, describe_files, shared_problems, step_directory
+from .files import damaged, describe_files, pointer_target, shared_problems, step_directory
 from .format import EMA_WEIGHTS, MANIFEST, WEIGHTS, weights_name, weights_part
 from .manifest import read_manifest
 from .sharding import merge_shards, split_shard
@@ -34,6 +34,7 @@ def locate(path: str, what: str = "--checkpoint") -> tuple[str, str]:
     """``("export" | "checkpoint", directory)`` for a run dir, a checkpoints dir, a step dir or an
     export; errors name the path as ``what`` gave it (a flag, a config key)."""
     sep = "=" if what.endswith(("init_from", "init_from_hf")) else " "
+    path = pointer_target(path)
     if not os.path.isdir(path):
         raise LoadError(f"{what}{sep}{path}: no such directory")
     if os.path.isfile(os.path.join(path, "export.json")):

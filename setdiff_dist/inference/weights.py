@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from setdiff_dist.checkpoint.files import pointer_target
 from setdiff_dist.checkpoint.weights import (
     LoadError,
     _is_shard_directory,
@@ -85,8 +86,9 @@ def check_model_path(path, what: str = "--checkpoint") -> str:
         raise LoadError(f"{named(what, path)}: expected a directory (a string or a path), got "
                         f"{type(path).__name__}")
     path = os.fspath(path)
-    give = ("give a training run directory, a checkpoint directory (checkpoints/step_N) or a "
-            "setdiff-convert export")
+    give = ("give a training run directory, a checkpoint directory (checkpoints/step_N, or the "
+            "pointer checkpoints/best or checkpoints/latest) or a setdiff-convert export")
+    path = pointer_target(path)
     if not os.path.isdir(path):
         what_is = "not a directory" if os.path.exists(path) else "no such directory"
         raise LoadError(f"{named(what, path)}: {what_is}; {give}")

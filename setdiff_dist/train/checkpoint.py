@@ -34,6 +34,7 @@ from setdiff_dist.checkpoint.files import (
     write_atomic,
 )
 from setdiff_dist.checkpoint.format import (
+    BEST,
     CONFIG,
     EMA_WEIGHTS,
     GLOBAL_NAMES,
@@ -214,12 +215,13 @@ def save_weights(engine, directory: str, zero_stage: int, ema=None, later: bool 
 
 def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
          tokenizer_dir: Optional[str] = None, ema=None, data: Optional[dict] = None,
-         saver=None) -> str:
+         saver=None, best: bool = False) -> str:
     """Save on every rank; returns the checkpoint directory. ``data``: the data stream's
     identity (the loader's state without its step), which the manifest records so that a
     resume on other data is refused before any model is built. ``saver``
     (:class:`~setdiff_dist.train.async_save.AsyncSaver`): capture the state now and write it in
-    the background (``latest`` moves when it is all written)."""
+    the background (``latest`` moves when it is all written). ``best``: ``best`` moves to it
+    too, with ``latest`` (the checkpoint of the lowest validation loss so far)."""
     from setdiff_dist.errors import EXIT_FAILED
 
     from .async_save import SaveAgreement, SaveNotAgreed, save_name
@@ -233,9 +235,9 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
         saver.wait()  # (one save in flight at most: the last one is complete before this one)
     need = check_space(root, tag)  # (collective: every rank refuses, or none)
     if rank == 0 and os.path.isdir(path):  # an earlier save of this step (a crash, or resume=never)
-        pointer = os.path.join(root, LATEST)
-        if os.path.isfile(pointer) and open(pointer).read().strip() == tag:
-            os.remove(pointer)  # never leave latest pointing at a directory being rewritten
+        for pointer in (os.path.join(root, LATEST), os.path.join(root, BEST)):
+            if os.path.isfile(pointer) and open(pointer).read().strip() == tag:
+                os.remove(pointer)  # never leave a pointer at a directory being rewritten
         shutil.rmtree(path)
     dist.barrier()
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
@@ -305,6 +307,8 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
                                       data)
             write_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=2))
             write_atomic(os.path.join(root, LATEST), tag + "\n")
+            if best:
+                write_atomic(os.path.join(root, BEST), tag + "\n")
             prune(root, cfg.checkpoint.keep_last, keep=tag)
 
         agree.decide("tables", mine, publish)

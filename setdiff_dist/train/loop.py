@@ -84,6 +84,13 @@ def open_data(cfg):
         if have:
             valid = Blend([ShardSet(s, "valid", **opts) for _, s in have],
                           [w for w, _ in have], [s for _, s in have])
+    if valid is None and cfg.checkpoint.keep_best:
+        from setdiff_dist.config import ConfigError
+
+        raise ConfigError(["checkpoint.keep_best=true keeps the checkpoint of lowest "
+                           "validation loss, but the data has no validation split: set "
+                           "data.valid_shards, prepare the training shards with one "
+                           "(setdiff-prep --valid-every N), or set checkpoint.keep_best=false"])
     if tok.vocab_size > cfg.model.vocab_size:
         raise TrainingError(f"the shards' tokenizer has {tok.vocab_size} tokens but "
                             f"model.vocab_size={cfg.model.vocab_size}; set "
@@ -178,6 +185,8 @@ class Trainer:
         self.samples_seen = 0
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
+        # checkpoint.keep_best: the lowest validation loss so far (its checkpoint is ``best``)
+        self.best_loss = math.inf
         self.stop_requested: Optional[str] = None  # "paused" / "preempted", by a signal
         # checkpoint.async_save: the background writer (one save in flight at most)
         self.saver = AsyncSaver() if cfg.checkpoint.async_save else None
@@ -254,6 +263,7 @@ class Trainer:
         self._follow_schedule(path)
         self.skipped_steps = state["nonfinite_skipped_steps"]
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
+        self.best_loss = state.get("best_valid_loss", math.inf)
         self.loader(0).load_state_dict(state["loader"])  # same data stream, or a clear error
         if self.ema is not None and not load_ema(self.ema, self.engine.module, path):
             self.ema = EMA(self.engine.module, self.cfg.train.ema_decay)  # from these weights
@@ -291,7 +301,8 @@ class Trainer:
                 (self.prefetch.deferring() if self.prefetch else contextlib.nullcontext()):
             self.engine.step()
 
-    def save(self) -> str:
+    def save(self, best: bool = False) -> str:
+        """Checkpoint this step (``best``: and point ``best`` at it once it is complete)."""
         progress("checkpoint")  # (the hang watch gives a save train.save_timeout_s)
         if self.saver is not None:
             self._settle_save()  # (the one in flight; a failed one is retried by this save)
@@ -301,11 +312,25 @@ class Trainer:
         state = {"setdiff": {"step": self.step, "samples_seen": self.samples_seen,
                              "nonfinite_skipped_steps": self.skipped_steps,
                              "nonfinite_in_a_row": self.nonfinite_in_a_row,
+                             "best_valid_loss": self.best_loss,
                              "loader": stream}}
         return checkpoint.save(self.engine, self.cfg, self.step, state, self.tokenizer_identity,
                                tokenizer_dir=self.train_set.directory, ema=self.ema,
                                data={k: v for k, v in stream.items() if k != "step"},
-                               saver=self.saver)
+                               saver=self.saver, best=best)
+
+    def _improves(self, values: dict) -> bool:
+        """With ``checkpoint.keep_best``: whether this validation's loss (the same number on
+        every rank) is the lowest so far, which its checkpoint then records."""
+        loss = values.get("valid_loss", math.inf)
+        if not self.cfg.checkpoint.keep_best or not loss < self.best_loss:
+            return False
+        if self.rank == 0:
+            was = f" (was {self.best_loss:.4f})" if math.isfinite(self.best_loss) else ""
+            print(f"step {self.step}: validation loss {loss:.4f} is the lowest so far{was}; "
+                  "its checkpoint becomes checkpoints/best", flush=True)
+        self.best_loss = loss
+        return True
 
     def finish_saving(self) -> None:
         """Wait for the checkpoint still being written in the background (if any): before a
@@ -609,14 +634,17 @@ class Trainer:
                         self.device, ps.get_pipeline_model_parallel_rank()))
                     metrics.log(record, tokens_since, record["train_seconds"])
                     tokens_since = 0
-                if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 \
-                        and self.step != cfg.train.steps:  # (the last step's runs below, once)
+                best = False
+                if self.step == cfg.train.steps or cfg.train.eval_interval \
+                        and self.step % cfg.train.eval_interval == 0:  # (and once at the end)
                     with timers.phase("eval"):
                         values = self.evaluate()
-                    metrics.log_eval(self.step, values)
-                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                    if values:
+                        metrics.log_eval(self.step, values)
+                        best = self._improves(values)
+                if best or cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                     with timers.phase("checkpoint"):
-                        self.save()
+                        self.save(best=best)
                     saved_at = self.step
                 stop = self._agreed_stop()
                 if stop is not None:
@@ -628,10 +656,6 @@ class Trainer:
             # for whoever reads the trained weights next (not after a failure: a dead peer's
             # buckets would never come)
             self.whole_weights()
-            if outcome == "completed":
-                final = self.evaluate()
-                if final:
-                    metrics.log_eval(self.step, final)
             if saved_at != self.step and (outcome != "completed" or cfg.checkpoint.save_at_end):
                 path = self.save()
                 self.finish_saving()
