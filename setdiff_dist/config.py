@@ -99,6 +99,13 @@ class OrderConfig:
                                 "from stratum j * blocks + b of [t_min, t_max]): the same "
                                 "expected loss with less variance; false = an independent "
                                 "time per set. The likelihood bound is never stratified")
+    training_loss: str = _f("nelbo", "block / masked: what training minimizes: nelbo (each "
+                            "predicted token's -log p weighted by the schedule, per target "
+                            "token) or masked_mean (the reference's MDLM / BD3LM training "
+                            "loss: each sequence's unweighted mean -log p over its masked "
+                            "tokens, averaged over the sequences); validation and "
+                            "evaluation always report the NELBO bound",
+                            choices=("nelbo", "masked_mean"))
     eval_seed: int = _f(20260707, "seed of the fixed evaluation orders (reproducible PPL bounds)",
                         min=0)
 

@@ -77,6 +77,9 @@ def validate(cfg) -> list[str]:
                  "data iterator per virtual stage); leave it unset (plain 1F1B)")
 
     p += order.problems(cfg)
+    if o.training_loss == "masked_mean" and o.kind not in ("masked", "block"):
+        p.append(f"order.training_loss=masked_mean is the masked-diffusion loss of MDLM and "
+                 f"BD3LM (order.kind masked or block), not of order.kind={o.kind!r}; use nelbo")
     if par.context > 1:
         if m.attention_backend not in ("sdpa", "permuted_causal"):
             p.append(f"parallel.context={par.context} with model.attention_backend="

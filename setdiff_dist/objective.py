@@ -47,6 +47,10 @@ class Objective:
         self.strata = cfg.data.global_batch_size if (
             cfg.order.stratified_times and not evaluation and self.schedule is not None
             and not self.schedule.singleton) else None
+        # order.training_loss=masked_mean: a loss per sequence (its masked tokens' mean), the
+        # global batch's normalizer the number of sequences (training only: the bound stays)
+        self.per_sequence = (cfg.order.training_loss == "masked_mean" and not evaluation
+                             and not self.order.causal_lm)
 
     @property
     def model_seq_len(self) -> int:
@@ -59,6 +63,8 @@ class Objective:
         keep = ~(batch.padding | first_clean(batch.context))
         if self.order.causal_lm:
             return keep[:, 1:]  # the output at l - 1 predicts token l
+        if self.per_sequence:  # (one per sequence that has a token to predict)
+            return keep.any(dim=1, keepdim=True)
         return keep
 
     def step(self, module, batch):
@@ -77,7 +83,9 @@ class Objective:
         sample = sample_orders(self.schedule, self.seq_len, batch.indices, self.seed,
                                context=first_clean(batch.context), padding=batch.padding,
                                stream=self.stream, strata=self.strata)
-        return nelbo_step(module, tokens, sample, self.backend)
+        if self.per_sequence:
+            sample = masked_mean_weights(sample)
+        return nelbo_step(module, tokens, sample, self.backend, self.per_sequence)
 
     def evaluate(self, module, batches, device) -> tuple[float, float]:
         """``(loss sum, target tokens)`` of ``module`` over the loader batches ``batches``,
@@ -92,15 +100,33 @@ class Objective:
         return total, tokens
 
 
-def nelbo_step(module, tokens: torch.Tensor, sample, backend: str):
+def masked_mean_weights(sample):
+    """``sample`` with the reference's MDLM / BD3LM training weights (``order.training_loss=
+    masked_mean``): each predicted (masked) token ``1 / (its sequence's masked tokens)``, so
+    that a sequence's weighted sum is its unweighted mean -log p over its masked tokens (0 for
+    a sequence with none, which still counts in the mean over sequences, as the reference's).
+    The counts are over the whole sequence (every context-parallel rank samples all of it)."""
+    import dataclasses
+
+    predicted = sample.loss_weight > 0
+    count = predicted.sum(dim=1, keepdim=True).clamp_min(1).to(torch.float32)
+    weight = torch.where(predicted, 1.0 / count, torch.zeros_like(count))
+    return dataclasses.replace(sample, loss_weight=weight)
+
+
+def nelbo_step(module, tokens: torch.Tensor, sample, backend: str, per_sequence: bool = False):
     """The set-diffusion forward of ``tokens [b, L]`` under the orders ``sample``:
-    ``(model output, terms_fn)`` with ``terms_fn(logits) -> (NELBO sum, target tokens)``."""
+    ``(model output, terms_fn)`` with ``terms_fn(logits) -> (NELBO sum, target tokens)``;
+    ``per_sequence`` (``sample`` weighted by :func:`masked_mean_weights`): ``(the sum of the
+    sequences' mean losses, sequences with a target)``."""
     inp = set_diffusion_inputs(tokens, sample, module.mask_id, backend)
     out = module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)
 
     def terms(logits):
         bound = nelbo(set_diffusion_nll(logits, tokens, inp), sample.to(tokens.device),
                       inp.scored(tokens.shape[1]))
+        if per_sequence:
+            return bound.total, sample.targets.any(dim=1).sum().to(bound.total.dtype)
         return bound.total, bound.tokens
 
     return out, terms

@@ -140,3 +140,35 @@ def test_clean_half_never_depends_on_the_noisy_half(model):
         a, b = model(tokens, positions, mask), model(changed, positions, mask)
     assert torch.equal(a[:, :L], b[:, :L])
     assert not torch.allclose(a[:, L:], b[:, L:])
+
+
+@pytest.mark.parametrize("kind", ["masked", "block"])
+def test_the_masked_mean_training_loss_is_the_references_mdlm_loss(kind):
+    """order.training_loss=masked_mean: per sequence, the unweighted mean -log p over its
+    masked tokens (0 for a sequence with none), averaged over the sequences, as the
+    reference's MDLM._compute_loss trains MDLM and BD3LM; the trainer's normalizer counts
+    sequences; evaluation keeps the NELBO."""
+    from types import SimpleNamespace
+
+    from setdiff_dist.config import load_config
+    from setdiff_dist.objective import Objective, masked_mean_weights
+
+    L, B = 16, 8
+    o = sample_orders(make_schedule(kind, L), L, range(B), seed=5)
+    nll = torch.rand(B, L, generator=torch.Generator().manual_seed(0))
+    masked = o.loss_weight > 0
+    by_hand = sum((nll[b][masked[b]].mean() if masked[b].any() else torch.tensor(0.0))
+                  for b in range(B))
+    got = nelbo(nll, masked_mean_weights(o))
+    assert got.total.item() == pytest.approx(float(by_hand), rel=1e-6)
+    assert not torch.equal(masked, o.targets)  # (the revealed tokens are not counted)
+    cfg = load_config(None, [f"order.kind={kind}", "order.training_loss=masked_mean",
+                             f"data.seq_len={L}"])
+    batch = SimpleNamespace(padding=torch.zeros(B, L, dtype=torch.bool),
+                            context=torch.zeros(B, L, dtype=torch.bool))
+    assert Objective(cfg, seed=0).target_mask(batch).sum() == B
+    assert Objective(cfg, seed=0, evaluation=True).target_mask(batch).sum() == B * (L - 1)
+    from setdiff_dist.config import ConfigError
+
+    with pytest.raises(ConfigError, match="masked_mean is the masked-diffusion loss"):
+        load_config(None, ["order.kind=staggered", "order.training_loss=masked_mean"])
