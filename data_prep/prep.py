@@ -259,11 +259,16 @@ class _Split:
     """Packs or pads one split's token stream into a shard writer."""
 
     def __init__(self, directory, name, seq_len, mode, eos, samples_per_shard, truncate,
-                 bos=None, max_prompt=None):
+                 bos=None, max_prompt=None, frame=None, max_text=None):
         self.writer = ShardWriter(directory, name, seq_len, samples_per_shard)
         self.L, self.mode, self.eos, self.truncate = seq_len, mode, eos, truncate
         self.bos = bos  # packed with a BOS per chunk (the reference's LM1B): see add
         self.max_prompt = max_prompt  # padded: a prompt keeps its first max_prompt tokens
+        # padded, --bos-eos: each prompt is [frame] prompt [EOS] (frame: the BOS, or the EOS of
+        # a tokenizer without one), and a cut one keeps its closing EOS, as the reference's
+        self.frame = frame
+        self.max_text = max_text  # padded: the text and its EOS keep their first max_text
+        self.texts_cut = 0
         self.buffer: list[int] = []
         self.documents = 0
         self.truncated = 0
@@ -283,8 +288,14 @@ class _Split:
                                 self.L)
                 del self.buffer[:step]
             return
+        if self.frame is not None:
+            prompt = [self.frame] + prompt + [self.eos]
         if self.max_prompt is not None and len(prompt) > self.max_prompt:
             prompt, self.prompts_cut = prompt[:self.max_prompt], self.prompts_cut + 1
+            if self.frame is not None:
+                prompt[-1] = self.eos
+        if self.max_text is not None and len(text) + 1 > self.max_text:
+            text, self.texts_cut = text[:self.max_text - 1], self.texts_cut + 1
         ids = prompt + text + [self.eos]
         if len(ids) > self.L:
             if not self.truncate:
@@ -301,7 +312,8 @@ class _Split:
     def close(self) -> dict:
         info = self.writer.close()
         info.update(documents=self.documents, dropped_tail_tokens=len(self.buffer),
-                    truncated_documents=self.truncated, prompts_cut=self.prompts_cut)
+                    truncated_documents=self.truncated, prompts_cut=self.prompts_cut,
+                    texts_cut=self.texts_cut)
         return info
 
 
@@ -311,7 +323,8 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
             workers: int = 0, truncate: bool = False, overwrite: bool = False,
             progress: bool = True, chunk_bos: bool = False,
             detokenize: Optional[str] = None, max_prompt_tokens: Optional[int] = None,
-            split: Optional[str] = None) -> dict:
+            split: Optional[str] = None, bos_eos: bool = False,
+            max_text_tokens: Optional[int] = None) -> dict:
     """Run setdiff-prep; returns the manifest. See the module docstring. ``split``: every
     document goes to this split ("train" or "valid"; a held-out test set is prepared with
     "valid", which ``setdiff-eval --task ppl`` and ``data.valid_shards`` read), and
@@ -327,6 +340,12 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
                                           or not 1 <= max_prompt_tokens < seq_len):
         raise PrepError("--max-prompt-tokens cuts a record's --prompt-field to its first N "
                         "tokens in --mode padded, N at least 1 and below --seq-len")
+    if bos_eos and (mode != "padded" or not prompt_field):
+        raise PrepError("--bos-eos frames each record's --prompt-field as [BOS] prompt [EOS]: it "
+                        "needs --mode padded and a --prompt-field")
+    if max_text_tokens is not None and (mode != "padded" or not 2 <= max_text_tokens < seq_len):
+        raise PrepError("--max-text-tokens cuts a record's text (and its end-of-text) to its "
+                        "first N tokens in --mode padded, N at least 2 and below --seq-len")
     if valid_every < 0 or valid_every == 1:
         raise PrepError("--valid-every must be 0 (no validation split) or at least 2")
     if split not in (None, "train", "valid"):
@@ -343,7 +362,7 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
         manifest = _prepare_into(tmp, files, tokenizer, seq_len, mode, text_field, prompt_field,
                                  split_paragraphs, valid_every, samples_per_shard, workers,
                                  truncate, progress, chunk_bos, detokenize,
-                                 max_prompt_tokens, split)
+                                 max_prompt_tokens, split, bos_eos, max_text_tokens)
         if os.path.exists(out):
             old = out + f".old-{os.getpid()}"
             os.replace(out, old)
@@ -358,7 +377,8 @@ def prepare(inputs: list[str], tokenizer: str, seq_len: int, out: str, *, mode: 
 
 def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, split_paragraphs,
                   valid_every, samples_per_shard, workers, truncate, progress,
-                  chunk_bos=False, detokenize=None, max_prompt=None, only=None) -> dict:
+                  chunk_bos=False, detokenize=None, max_prompt=None, only=None,
+                  bos_eos=False, max_text=None) -> dict:
     undo = DETOKENIZERS[detokenize] if detokenize else None
 
     def documents():
@@ -391,10 +411,15 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
         if bos is None:
             raise PrepError(f"--chunk-bos: the tokenizer {spec} has no beginning-of-sequence "
                             "token (wordpiece:VOCAB has [CLS])")
+    # --bos-eos: the reference's [BOS] prompt [EOS], its end-of-text for a tokenizer without a
+    # BOS (GPT-2's, Qwen3's)
+    frame = None
+    if bos_eos:
+        frame = tok.eos_id if getattr(tok, "bos_id", None) is None else tok.bos_id
     if only:
         valid_every = 0
     splits = {name: _Split(tmp, name, seq_len, mode, tok.eos_id, samples_per_shard, truncate,
-                           bos, max_prompt)
+                           bos, max_prompt, frame, max_text)
               for name in ([only] if only else ["train"] + (["valid"] if valid_every else []))}
     bar = None
     if progress:
@@ -444,6 +469,7 @@ def _prepare_into(tmp, files, spec, seq_len, mode, text_field, prompt_field, spl
         "inputs": [{"path": os.path.abspath(f), "sha256": sha256_file(f)} for f in files],
         "options": {"text_field": text_field, "prompt_field": prompt_field,
                     "detokenize": detokenize, "max_prompt_tokens": max_prompt,
+                    "bos_eos": bos_eos, "max_text_tokens": max_text,
                     "split_paragraphs": split_paragraphs, "valid_every": valid_every,
                     "split": only,
                     "samples_per_shard": samples_per_shard, "truncate": truncate},
@@ -512,6 +538,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-prompt-tokens", type=count(), default=None,
                     help="padded: a prompt keeps its first N tokens (the reference cuts a "
                          "CNN/DailyMail article to 512), leaving room for the text")
+    ap.add_argument("--bos-eos", action="store_true",
+                    help="padded: each prompt is [BOS] prompt [EOS] (the end-of-text where the "
+                         "tokenizer has no BOS), a prompt cut by --max-prompt-tokens keeping its "
+                         "closing [EOS]: the reference's CNN/DailyMail source framing")
+    ap.add_argument("--max-text-tokens", type=count(), default=None,
+                    help="padded: the text and its end-of-text keep their first N tokens, the "
+                         "last the end-of-text (the reference cuts a CNN/DailyMail summary to "
+                         "180)")
     ap.add_argument("--truncate", action="store_true",
                     help="padded mode: cut documents longer than --seq-len instead of failing")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -534,7 +568,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 samples_per_shard=args.samples_per_shard, workers=args.workers,
                 truncate=args.truncate, overwrite=args.overwrite, progress=not args.quiet,
                 chunk_bos=args.chunk_bos, detokenize=args.detokenize,
-                max_prompt_tokens=args.max_prompt_tokens)
+                max_prompt_tokens=args.max_prompt_tokens, bos_eos=args.bos_eos,
+                max_text_tokens=args.max_text_tokens)
     counts = ", ".join(f"{k}: {v['samples']} sequences / {v['tokens']} tokens / "
                        f"{len(v['shards'])} shards" for k, v in m["splits"].items())
     print(f"setdiff-prep: {m['documents']} documents -> {args.out} ({counts}); tokenizer "

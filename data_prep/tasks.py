@@ -4,6 +4,7 @@
     setdiff-tasks chain  --out chain.jsonl  --size 2000 --seed 0 [--terms 2-5] [--digits 1]
     setdiff-tasks infill --out infill.jsonl [--size 2000] [--seed 0]
     setdiff-tasks rocstories --input cloze_test_val__spring2016.csv --middle 1 --out roc.jsonl
+    setdiff-tasks gsm8k  --input gsm8k/test.parquet --out gsm8k-test.jsonl [--template T]
 
 - ``gsm``: GSM8K-style grade-school problems with numeric answers, from reasoning-gym's
   ``gsm_symbolic`` generator (templated GSM8K problems). Records: ``prompt``
@@ -20,7 +21,17 @@
   ``2`` by ``AnswerRightEnding``; the paper uses ``cloze_test_val__spring2016.csv``) or the
   story files (``sentence1``-``5``). ``--middle 1`` masks the third sentence, ``--middle 3``
   the second to fourth, as the reference does; the span's length is the reference middle's (an
-  oracle length). Every story, in file order.
+  oracle length). Every story, in file order. The parts join to the story's text as they are
+  (``left + middle + right``): the left context ends without a space, the middle and the right
+  context begin with the one that joins them. ``"bos_eos": true`` says the record is a whole
+  document, which ``setdiff-eval --task infill`` frames as the reference does, with a
+  beginning-of-sequence and an end-of-text token.
+- ``gsm8k``: GSM8K's own test split (``--input``: records with ``question`` and ``answer``, the
+  answer's solution ending in ``#### N``; ``.jsonl`` or ``.parquet``) as the test file of
+  ``setdiff-eval --task gsm``: ``{"prompt", "answer"}`` per problem, the prompt ``--template``
+  over the record (Python's format: ``{question}``; a literal brace doubled), by default the
+  chat turn that the GSM8K recipe fine-tunes on (:data:`GSM8K_TEMPLATE`), the answer the number
+  after ``####``, commas removed. Every problem, in file order.
 - ``infill``: ROCStories-style infilling on real prose: windows of five consecutive KJV verses
   (within a chapter), or with ``--unit clause`` five clauses (sentence-sized, so that a window
   fits L = 128), the middle one or three to fill. Records: ``left``, ``middle``, ``right``,
@@ -146,7 +157,8 @@ STORY = ("sentence1", "sentence2", "sentence3", "sentence4", "sentence5")
 
 def rocstories(path: str, middle: int = 1, size: Optional[int] = None) -> list[dict]:
     """ROCStories' five-sentence stories from its CSV, as infill records: ``middle`` = 1 masks
-    the third sentence, 3 the second to fourth (the reference's two spans)."""
+    the third sentence, 3 the second to fourth (the reference's two spans). ``left + middle +
+    right`` is the story: the middle and the right context begin with their joining space."""
     from .csv_records import CsvRecords
 
     if middle not in (1, 3):
@@ -185,11 +197,68 @@ def rocstories(path: str, middle: int = 1, size: Optional[int] = None) -> list[d
                 raise CorpusError(f"{path}, line {number}: a story needs five sentences; "
                                   f"sentence {s.index('') + 1} is empty")
             lo = 2 if middle == 1 else 1
-            out.append({"left": " ".join(s[:lo]), "middle": " ".join(s[lo:lo + middle]),
-                        "right": " ".join(s[lo + middle:]), "n_middle": middle,
-                        "unit": "sentence", "source": f"rocstories:{ident}"})
+            # (the reference encodes "s1 s2", "s3" and " s4 s5" each on its own: no space
+            # ends the left context; the middle's joining space is here so that the parts
+            # join to the story, and the eval encodes the middle without it, as the reference)
+            out.append({"left": " ".join(s[:lo]), "middle": " " + " ".join(s[lo:lo + middle]),
+                        "right": " " + " ".join(s[lo + middle:]), "n_middle": middle,
+                        "unit": "sentence", "bos_eos": True, "source": f"rocstories:{ident}"})
     if not out:
         raise CorpusError(f"{path}: no stories")
+    return out
+
+
+# The prompt of the GSM8K recipe (docs/recipes.md): Qwen's chat turn around the reference's
+# instruction, a Python format over a GSM8K record (the braces of \boxed{} doubled)
+GSM8K_TEMPLATE = ("<|im_start|>user\nPlease reason step by step, and put your final answer "
+                  "within $\\boxed{{}}$. {question}<|im_end|>\n<|im_start|>assistant\n")
+_GSM8K_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def gsm8k(path: str, template: str = GSM8K_TEMPLATE, size: Optional[int] = None) -> list[dict]:
+    """GSM8K's records (``question``, ``answer`` ending in ``#### N``) from a JSONL or Parquet
+    file, read as ``setdiff-prep`` reads records, as ``{"prompt", "answer"}``: the prompt
+    ``template`` over the record, the answer N without its commas."""
+    import string
+
+    from .prep import TABLES, _json_records, _read_text, _table_records, field
+
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise CorpusError(f"--template {template!r}: not a valid template ({exc}); write a "
+                          "literal brace as {{ or }}") from None
+    if any(name == "" or name.isdigit() for name in names):
+        raise CorpusError(f"--template {template!r}: fields are named ({{question}}); write a "
+                          "literal brace as {{ or }} (\\boxed{{}})")
+    if not os.path.isfile(path):
+        raise CorpusError(f"--input {path}: no such file; give GSM8K's test split (.jsonl or "
+                          ".parquet)")
+    base = path[:-3] if path.endswith(".gz") else path
+    if path.endswith(TABLES):
+        records = _table_records(path)
+    elif base.endswith((".jsonl", ".json")):
+        records = _json_records(path, _read_text(path))
+    else:
+        raise CorpusError(f"--input {path}: give GSM8K's test split as .jsonl or .parquet")
+    out = []
+    for where, rec in records:
+        if size is not None and len(out) == size:
+            break
+        prompt = field(rec, template, where, "--template")
+        solution = rec.get("answer")
+        if not isinstance(solution, str):
+            raise CorpusError(f"{where}: no string field 'answer' (GSM8K's solution, ending in "
+                              f"'#### N'); fields: {', '.join(map(str, rec))}")
+        if "####" not in solution:
+            raise CorpusError(f"{where}: its answer has no '#### N' (GSM8K's solutions end with "
+                              f"the number after ####): {solution[-80:]!r}")
+        answer = solution.rpartition("####")[2].strip().replace(",", "")
+        if not _GSM8K_NUMBER.fullmatch(answer):
+            raise CorpusError(f"{where}: the answer after '####' is {answer!r}, not a number")
+        out.append({"prompt": prompt, "answer": answer})
+    if not out:
+        raise CorpusError(f"{path}: no records")
     return out
 
 
@@ -225,12 +294,18 @@ def held_out(make, size: int, exclude: list[str]) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="setdiff-tasks", description=__doc__,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("task", choices=("gsm", "chain", "infill", "rocstories"),
+    ap.add_argument("task", choices=("gsm", "chain", "infill", "rocstories", "gsm8k"),
                     help="which task set to make (see above)")
     ap.add_argument("--out", required=True, help="output .jsonl")
     ap.add_argument("--size", type=count(), default=None,
-                    help="records (default: 2000; rocstories: every story)")
-    ap.add_argument("--input", default=None, help="rocstories: ROCStories' CSV file")
+                    help="records (default: 2000; rocstories / gsm8k: every record of "
+                         "--input, or its first N)")
+    ap.add_argument("--input", default=None,
+                    help="rocstories: ROCStories' CSV file; gsm8k: GSM8K's test split "
+                         "(.jsonl or .parquet)")
+    ap.add_argument("--template", default=None,
+                    help="gsm8k: the prompt, a template of the record's fields ({question}; "
+                         "a literal brace doubled); default: the GSM8K recipe's chat turn")
     ap.add_argument("--middle", type=int, choices=(1, 3), default=1,
                     help="rocstories: sentences to fill, the third (1) or second to fourth (3)")
     ap.add_argument("--seed", type=int, default=0,
@@ -247,12 +322,20 @@ def main(argv=None) -> int:
     if args.exclude and args.task not in ("gsm", "chain"):
         ap.error(f"--exclude is for gsm and chain (their questions repeat); {args.task} "
                  "records are distinct by construction")
-    if (args.task == "rocstories") != bool(args.input):
-        ap.error("rocstories needs --input: ROCStories' CSV file" if args.task == "rocstories"
-                 else f"--input is for rocstories; {args.task} makes its records itself")
+    reads = {"rocstories": "ROCStories' CSV file", "gsm8k": "GSM8K's test split (.jsonl or "
+             ".parquet)"}
+    if (args.task in reads) != bool(args.input):
+        ap.error(f"{args.task} needs --input: {reads[args.task]}" if args.task in reads
+                 else f"--input is for rocstories and gsm8k; {args.task} makes its records "
+                      "itself")
+    if args.template is not None and args.task != "gsm8k":
+        ap.error(f"--template is for gsm8k; {args.task} writes its own prompts")
     size = 2000 if args.size is None else args.size
     if args.task == "rocstories":
         records = rocstories(args.input, args.middle, args.size)
+    elif args.task == "gsm8k":
+        records = gsm8k(args.input, GSM8K_TEMPLATE if args.template is None else args.template,
+                        args.size)
     elif args.task in ("gsm", "chain"):
         if args.task == "chain":
             try:

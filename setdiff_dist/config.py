@@ -534,6 +534,26 @@ def _check_bounds(key: str, value: Any, md: dict, problems: list[str]) -> None:
 
 # ----------------------------------------------------------------------------- loading
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last one
+    silently: a second ``order:`` section would drop the first's keys)."""
+
+
+def _unique_mapping(loader, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {key!r} is given twice (lines {seen[key] + 1} and "
+                f"{key_node.start_mark.line + 1}): merge them into one", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def read_yaml(path: str, _seen: Optional[tuple] = None) -> dict:
     """Read a config file, resolving ``include:`` (a path or list, relative to the file) first,
     so that the including file's keys override the included ones."""
@@ -545,7 +565,7 @@ def read_yaml(path: str, _seen: Optional[tuple] = None) -> dict:
         raise ConfigError([f"config file not found: {path}"], path)
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
+            data = yaml.load(fh, Loader=_UniqueKeys) or {}  # noqa: S506 (a safe loader)
     except yaml.YAMLError as exc:
         raise ConfigError([f"not valid YAML: {exc}"], path) from None
     except UnicodeDecodeError as exc:

@@ -296,3 +296,50 @@ def test_every_flag_of_every_command_says_what_it_does(module, monkeypatch):
     bare = [a.option_strings or [a.dest] for a in seen[0]._actions
             if not a.help and a.dest != "help"]
     assert not bare, f"{seen[0].prog}: no help text for {bare}"
+
+
+def test_every_row_of_the_recipe_table_names_a_config_of_its_order():
+    """docs/recipes.md's row table (the runner's rows): each row's config exists, validates and
+    trains the row's order (AR causal, MDLM masked, BD3LM N blocks of N, SetDLM S <= N a mean
+    set size of N / 2), and a row read at its best checkpoint keeps one."""
+    import re
+
+    from setdiff_dist.config import load_config
+
+    text = open("docs/recipes.md").read()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+            if re.match(r"\| (OWT|LM1B|GSM8K|CNN/DM|ROCStories) \|", line)]
+    assert len(rows) >= 36
+    seen = set()
+    for table, row, config, weights, _, _ in rows:
+        if config == "any LM1B row":
+            continue
+        cfg = load_config("configs/" + config.strip("`"))
+        order = cfg.order
+        if row == "AR":
+            assert order.kind == "causal", (table, row)
+        elif row.startswith("MDLM"):
+            assert order.kind == "masked", (table, row)
+        elif row.startswith("BD3LM"):
+            assert order.kind == "block" and order.block_size == int(row.split()[1]), row
+        else:
+            smax = int(re.match(r"SetDLM S <= (\d+)", row).group(1))
+            assert order.kind == "staggered" and 2 * order.mean_set_size == smax, (table, row)
+        assert not weights.startswith("best") or cfg.checkpoint.keep_best, (table, row)
+        # the reference's antithetic times: its LM1B BD3LM runs only
+        assert cfg.order.stratified_times == (table == "LM1B" and row.startswith("BD3LM")) \
+            or order.kind not in ("block", "masked"), (table, row)
+        seen.add((table, row))
+    assert len(seen) == len(rows) - 1  # (one line a row)
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys silently (a second ``order:`` section would drop
+    the first one's block_size); a config file with one is refused, both lines named."""
+    from setdiff_dist.config import ConfigError, load_config
+
+    bad = tmp_path / "twice.yaml"
+    bad.write_text("order:\n  kind: block\n  block_size: 8\ntrain:\n  steps: 2\n"
+                   "order:\n  stratified_times: true\n")
+    with pytest.raises(ConfigError, match=r"'order' is given twice \(lines 1 and 6\)"):
+        load_config(str(bad))

@@ -113,13 +113,13 @@ def test_rocstories_csv_becomes_the_papers_infill_spans(tmp_path, capsys):
         w.writerow(["b2", "Bo baked.", "It burned.", "He laughed.", "He tried again.",
                     "It was good.", "It flew away.", "1"])
     one = tasks.rocstories(str(cloze), middle=1)
-    assert one[0] == {"left": "Ann woke up. She was late.", "middle": "She ran out.",
-                      "right": "The bus left. She danced.", "n_middle": 1, "unit": "sentence",
-                      "source": "rocstories:a1"}
-    assert one[1]["right"] == "He tried again. It was good."
+    assert one[0] == {"left": "Ann woke up. She was late.", "middle": " She ran out.",
+                      "right": " The bus left. She danced.", "n_middle": 1, "unit": "sentence",
+                      "bos_eos": True, "source": "rocstories:a1"}
+    assert one[1]["right"] == " He tried again. It was good."
     three = tasks.rocstories(str(cloze), middle=3)
     assert (three[0]["left"], three[0]["middle"], three[0]["right"]) == (
-        "Ann woke up.", "She was late. She ran out. The bus left.", "She danced.")
+        "Ann woke up.", " She was late. She ran out. The bus left.", " She danced.")
     stories = tmp_path / "ROCStories_winter2017.csv"
     with open(stories, "w", newline="") as fh:
         w = csv.writer(fh)
@@ -129,12 +129,119 @@ def test_rocstories_csv_becomes_the_papers_infill_spans(tmp_path, capsys):
     out = tmp_path / "roc.jsonl"
     assert tasks.main(["rocstories", "--input", str(stories), "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
-    assert (rec["middle"], rec["source"]) == ("We read.", "rocstories:s9")
+    assert (rec["middle"], rec["source"]) == (" We read.", "rocstories:s9")
     bad = tmp_path / "other.csv"
     bad.write_text("text,label\nhello,1\n")
     capsys.readouterr()
     assert tasks.main(["rocstories", "--input", str(bad), "--out", str(out)]) == 2
     assert "InputSentence1" in capsys.readouterr().err
+
+
+def test_rocstories_parts_are_framed_as_the_reference_encodes_them(tmp_path):
+    """The reference encodes a story's parts each on its own, "s1 s2" / "s3" / " s4 s5" (for
+    --middle 3 "s1" / "s2 s3 s4" / " s5"), between BOS and EOS: no left context ends in a
+    space (no stray space token before the masks), the parts join to the story exactly, and
+    setdiff-eval's windows are those token ids."""
+    import csv
+
+    from setdiff_dist.eval.tasks import infill_window
+
+    cloze = tmp_path / "cloze.csv"
+    stories = [["Ann woke up.", "She was late.", "She ran out.", "The bus left.", "She cried.",
+                "She danced.", "2"],
+               ["Bo baked.", "It burned.", "He laughed.", "He tried  again.", "It was good.",
+                "It flew away.", "1"]]
+    with open(cloze, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["InputStoryid", *tasks.CLOZE])
+        for i, row in enumerate(stories):
+            w.writerow([f"s{i}", *row])
+    # a tokenizer that shows the text it was given, and has no BOS (GPT-2's case: its
+    # end-of-text begins the sequence, as the reference's)
+    tok = type("Tok", (), {"eos_id": 0, "bos_id": None,
+                           "encode": staticmethod(lambda text: [text] if text else [])})()
+    for middle in (1, 3):
+        for rec, row in zip(tasks.rocstories(str(cloze), middle=middle), stories):
+            s = row[:4] + [row[4] if row[6] == "1" else row[5]]
+            assert not rec["left"].endswith(" ") and rec["bos_eos"] is True
+            assert rec["left"] + rec["middle"] + rec["right"] == " ".join(s)
+            lo = 2 if middle == 1 else 1
+            assert infill_window(tok, rec) == (
+                [0, " ".join(s[:lo])], [" ".join(s[lo:lo + middle])],
+                [" " + " ".join(s[lo + middle:]), 0])
+    # a record without the framing (setdiff-tasks infill's) gets no BOS / EOS, and keeps its
+    # text exactly, the joining spaces with the contexts; a tokenizer's own BOS is used
+    tok.bos_id = 9
+    assert infill_window(tok, {"left": "a b", "middle": "c", "right": "d"}) == (
+        ["a b "], ["c"], [" d"])
+    assert infill_window(tok, {"left": "a", "middle": " c", "right": " d", "bos_eos": True}) \
+        == ([9, "a"], ["c"], [" d", 0])
+
+
+def _gsm8k_file(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_gsm8k_test_split_becomes_the_gsm_eval_file(tmp_path, capsys):
+    """GSM8K's own records (question; answer ending in "#### N") become setdiff-eval --task
+    gsm's test file: the recipe's chat-turn prompt (or --template), the number after ####
+    without its commas; setdiff-eval reads the file as it is."""
+    from setdiff_dist.eval.tasks import _records
+
+    src = _gsm8k_file(tmp_path / "test.jsonl", [
+        {"question": "Janet has 3 ducks. How many?", "answer": "3 ducks.\n#### 3"},
+        {"question": "A farm has 1,200 cows and sells 2. How many?",
+         "answer": "1200 - 2 = <<1200-2=1198>>1198\n#### 1,198"}])
+    out = tmp_path / "gsm8k-test.jsonl"
+    assert tasks.main(["gsm8k", "--input", src, "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert rows == [
+        {"prompt": "<|im_start|>user\nPlease reason step by step, and put your final answer "
+                   "within $\\boxed{}$. Janet has 3 ducks. How many?<|im_end|>\n"
+                   "<|im_start|>assistant\n", "answer": "3"},
+        {"prompt": "<|im_start|>user\nPlease reason step by step, and put your final answer "
+                   "within $\\boxed{}$. A farm has 1,200 cows and sells 2. How many?"
+                   "<|im_end|>\n<|im_start|>assistant\n", "answer": "1198"}]
+    assert _records(str(out), None, "gsm") == rows
+    assert tasks.main(["gsm8k", "--input", src, "--out", str(out), "--size", "1",
+                       "--template", "Question: {question}\nAnswer: "]) == 0
+    assert [json.loads(x) for x in out.read_text().splitlines()] == [
+        {"prompt": "Question: Janet has 3 ducks. How many?\nAnswer: ", "answer": "3"}]
+
+
+def test_gsm8k_parquet_split_gives_the_same_file(tmp_path):
+    """GSM8K's Parquet split (as the hub ships it) gives the records its JSONL gives."""
+    import pytest
+
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"question": "1 + 1?", "answer": "#### 2"}, {"question": "2 + 2?", "answer": "#### 4"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
+    got = tasks.gsm8k(str(tmp_path / "test.parquet"))
+    assert got == tasks.gsm8k(_gsm8k_file(tmp_path / "test.jsonl", rows))
+    assert [r["answer"] for r in got] == ["2", "4"]
+
+
+def test_a_bad_gsm8k_record_is_exit_2_naming_it(tmp_path, capsys):
+    """A record whose answer has no "#### N", or without a question, is exit 2 naming the file
+    and its line; so is a template with an unnamed field. Nothing is written."""
+    good = {"question": "1 + 1?", "answer": "#### 2"}
+    out = tmp_path / "gsm8k-test.jsonl"
+    for bad, says in (({"question": "2 + 2?", "answer": "It is 4."}, "has no '#### N'"),
+                      ({"answer": "#### 4"}, "no field 'question' for the template --template"),
+                      ({"question": "2 + 2?", "answer": "#### four"}, "'four', not a number")):
+        src = _gsm8k_file(tmp_path / "test.jsonl", [good, bad])
+        capsys.readouterr()
+        assert tasks.main(["gsm8k", "--input", src, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"{src} line 2: " in err and says in err, err
+        assert not out.exists()
+    capsys.readouterr()
+    assert tasks.main(["gsm8k", "--input", src, "--out", str(out), "--template",
+                       "$\\boxed{}$ {question}"]) == 2
+    assert "write a literal brace as {{ or }}" in capsys.readouterr().err
 
 
 def test_an_unterminated_quote_in_a_rocstories_csv_names_its_line(tmp_path, capsys):

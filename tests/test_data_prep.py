@@ -119,6 +119,31 @@ def test_padded_mode_keeps_prompts_as_context(tmp_path):
     assert ShardSet(str(tmp_path / "cut"))[0][1] == 28
 
 
+def test_bos_eos_frames_prompts_and_cuts_keep_their_end_of_text(tmp_path):
+    """--bos-eos --max-prompt-tokens --max-text-tokens: the reference's CNN/DailyMail rows,
+    [BOS] article [EOS] cut to N with its [EOS] kept, then the text and its [EOS] cut to M with
+    the [EOS] last; a short record uncut; the byte tokenizer has no BOS: its end-of-text."""
+    src = tmp_path / "cnn.jsonl"
+    rows = [{"article": "a" * 30, "highlights": "b" * 30}, {"article": "cc", "highlights": "d"}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m = prepare([str(src)], "bytes", 40, str(tmp_path / "out"), mode="padded",
+                prompt_field="{article}", text_field="Summary: {highlights}", bos_eos=True,
+                max_prompt_tokens=12, max_text_tokens=16, valid_every=0, progress=False)
+    assert m["splits"]["train"]["prompts_cut"] == 1 and m["splits"]["train"]["texts_cut"] == 1
+    assert m["options"]["bos_eos"] is True and m["options"]["max_text_tokens"] == 16
+    eos = 256
+    s = ShardSet(str(tmp_path / "out"))
+    tokens, length, context = s[0]
+    assert context == 12 and length == 12 + 16
+    assert tokens[:context].tolist() == [eos] + list(b"a" * 10) + [eos]
+    assert tokens[context:length].tolist() == list(b"Summary: bbbbbb") + [eos]
+    tokens, length, context = s[1]
+    assert tokens[:length].tolist() == [eos] + list(b"cc") + [eos] + list(b"Summary: d") + [eos]
+    with pytest.raises(PrepError, match="--bos-eos"):
+        prepare([str(src)], "bytes", 40, str(tmp_path / "packed"), text_field="article",
+                bos_eos=True, valid_every=0, progress=False)
+
+
 @pytest.mark.parametrize("content, message", [
     (b"", "empty file"),
     (b"   \n\n", "empty file"),

@@ -402,6 +402,177 @@ def _baselines(rank, out):
                 "mdlm_infill_steps": m_infill.steps}, out / "baselines.pt")
 
 
+def _in_block_order(trace, blocks):
+    """Whether every step of ``trace`` commits inside one block and no step reaches a block
+    before all earlier blocks are full (each position committed once)."""
+    which = {p: k for k, block in enumerate(blocks) for p in block}
+    done = set()
+    for step in trace:
+        ks = {which[p] for p in step}
+        if len(ks) != 1 or done & set(step):
+            return False
+        k = ks.pop()
+        if any(not set(blocks[j]) <= done for j in range(k)):
+            return False
+        done |= set(step)
+    return True
+
+
+def test_mdlm_decodes_semi_autoregressively_in_blocks(tmp_path):
+    """MDLM with a block size (issue 53: the paper's MDLM rows on CNN/DailyMail and GSM8K decode
+    in blocks of 32, as the reference sampler does): blocks on the grid, finished left to right,
+    stop criteria checked after each finished block; a block holding the whole span is the
+    whole-span decode."""
+    spawn(_mdlm_blocks, 1, tmp_path)
+    r = torch.load(tmp_path / "mdlm_blocks.pt")
+    # block = max_new_tokens after a prompt on the grid (8 tokens, blocks of 8), and a block
+    # the span does not cross: the whole-span decode, token for token, step for step
+    for name in ("aligned", "aligned_tau", "wide"):
+        whole, block = r[name]
+        assert whole == block, name
+    # blocks of 4 after a 5-token prompt: [5, 8), [8, 12), [12, 15); one token per step at
+    # tau = inf, each block finished before the next one starts
+    blocks = [[5, 6, 7], [8, 9, 10, 11], [12, 13, 14]]
+    small = r["small"]
+    assert len(small["tokens"]) == 10 and small["steps"] == 10
+    assert _in_block_order(small["trace"], blocks)
+    assert sorted(p for step in small["trace"] for p in step) == list(range(5, 15))
+    # at tau = 0 a block is one step (all its candidates accepted), sampled or greedy
+    assert r["fast_steps"] == 3 and _in_block_order(r["fast_trace"], blocks)
+    assert _in_block_order(r["sampled_trace"], blocks) and len(r["sampled"]) == 10
+    # the whole-span decode of the same span is another decode: its candidates are every
+    # masked position (the blocks' rule changes what is committed when)
+    assert r["whole_small_steps"] == 10
+    # a stop inside a block ends generation once that block is finished: end-of-text at
+    # output index j of block 0 (3 steps) or of block 1 (3 + 4 steps)
+    for key, steps in (("eos0", 3), ("eos1", 7)):
+        j, tokens, got_steps, trace = r[key]
+        assert tokens == small["tokens"][:j] and got_steps == steps, key
+        assert trace == small["trace"][:steps]
+    # a run of one token stops at the first token: after block 0 (whole-span: all 10 steps)
+    assert r["repeat"] == (small["tokens"][:1], 3)
+    # decoder_for's MDLM decoder: whole span by default; its block_size makes generate()
+    # decode in blocks; infilling stays whole-span
+    assert r["generic_default"] == r["whole_small"]
+    assert r["generic_blocks"] == small["tokens"]
+    assert r["generic_infill"] == r["infill_whole"]
+    bad_size, bad_infill = r["errors"]
+    assert "block_size=0" in bad_size and "right context" in bad_infill
+
+
+def _mdlm_blocks(rank, out):
+    from setdiff_dist.config import load_config
+    from setdiff_dist.inference.decoder import (
+        DecodeError,
+        MDLMDecoder,
+        Sampling,
+        StopCriteria,
+        decoder_for,
+    )
+    from setdiff_dist.parallel import initialize_model_parallel
+
+    initialize_model_parallel(seed=0)
+    greedy = Sampling(greedy=True)
+    model = lean_copy(model_for("masked", 1))
+    dec = MDLMDecoder(model, Chars(), context=L)
+
+    def run(prompt, n, block_size=None, **kw):
+        return dec.mdlm(prompt, n, block_size=block_size, **kw)
+
+    def key(r):
+        return (r.tokens, r.steps, r.trace, r.trace_confidence)
+
+    res = {}
+    aligned, prompt = [5, 9, 2, 7, 1, 3, 8, 6], [5, 9, 2, 7, 1]
+    for name, p, n, bs, tau in (("aligned", aligned, 8, 8, math.inf),
+                                ("aligned_tau", aligned, 8, 8, 0.3),
+                                ("wide", prompt, 10, 16, math.inf)):
+        res[name] = tuple(key(run(p, n, b, threshold=tau, sampling=greedy))
+                          for b in (None, bs))
+    small = run(prompt, 10, 4, sampling=greedy)
+    res["small"] = {"tokens": small.tokens, "steps": small.steps, "trace": small.trace}
+    fast = run(prompt, 10, 4, threshold=0.0, sampling=greedy)
+    res["fast_steps"], res["fast_trace"] = fast.steps, fast.trace
+    sampled = run(prompt, 10, 4, threshold=0.5, sampling=Sampling(temperature=1.0, seed=3))
+    res["sampled"], res["sampled_trace"] = sampled.tokens, sampled.trace
+    whole = run(prompt, 10, sampling=greedy)
+    res["whole_small"], res["whole_small_steps"] = whole.tokens, whole.steps
+    # end-of-text: the last output index of block 0 (output 0..2) and of block 1 (3..6) whose
+    # token is not earlier in the output
+    full = small.tokens
+    for name, lo, hi in (("eos0", 0, 3), ("eos1", 3, 7)):
+        j = max(i for i in range(lo, hi) if full[i] not in full[:i])
+        r = run(prompt, 10, 4, sampling=greedy, stop=StopCriteria(eos_id=full[j]))
+        res[name] = (j, r.tokens, r.steps, r.trace)
+    r = run(prompt, 10, 4, sampling=greedy, stop=StopCriteria(max_repeat_run=1))
+    res["repeat"] = (r.tokens, r.steps)
+    generic = decoder_for(model, Chars(), load_config(None, ["order.kind=masked",
+                                                             f"data.seq_len={L}"]))
+    res["generic_default"] = generic.generate([prompt], 10, sampling=greedy)[0].tokens
+    generic.block_size = 4
+    res["generic_blocks"] = generic.generate([prompt], 10, sampling=greedy)[0].tokens
+    res["generic_infill"] = generic.infill([prompt], [[4, 4, 6]], [3], sampling=greedy)[0].tokens
+    res["infill_whole"] = run(prompt, 3, right=[4, 4, 6], sampling=greedy).tokens
+    errors = []
+    for call in (lambda: run(prompt, 4, 0), lambda: run(prompt, 3, 2, right=[4])):
+        try:
+            call()
+        except DecodeError as exc:
+            errors.append(str(exc))
+    res["errors"] = errors
+    torch.save(res, out / "mdlm_blocks.pt")
+
+
+def test_setdiff_eval_mdlm_block_reaches_an_mdlm_decoder_and_is_refused_elsewhere(
+        tmp_path, monkeypatch):
+    """``setdiff-eval --mdlm-block B`` sets an MDLM checkpoint's decoder to blocks of B, which
+    its generate() decodes with (--task gsm here; no model: the load is a stand-in); with a
+    checkpoint of another order, or a task that does not generate, it is a usage error
+    (exit code 2)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from helpers import run_cli
+
+    import setdiff_dist.api as api
+    from setdiff_dist.config import load_config
+    from setdiff_dist.inference.decoder import MDLMDecoder, Result, SetDecoder
+
+    seen = []
+
+    class Recording(MDLMDecoder):  # what generate() asks of the sampler, nothing decoded
+        def mdlm(self, prompt, max_new_tokens, *args, block_size=None, **kw):
+            seen.append(block_size)
+            return Result([], "", 1, 1e-3)
+
+    model = SimpleNamespace(mask_id=V, vocab_size=V, device=torch.device("cpu"))
+
+    def loads(kind, decoder):
+        cfg = load_config(None, [f"order.kind={kind}", f"data.seq_len={L}"])
+        return lambda *a, **kw: SimpleNamespace(module=None, config=cfg, tokenizer=Chars(),
+                                                decoder=decoder(model, Chars(), context=L))
+
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **kw: 1)  # (no result written: rank 1)
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text('{"prompt": "abc", "answer": "4"}\n')
+    task = ["--task", "gsm", "--data", gsm, "--max-new-tokens", "8"]
+    monkeypatch.setattr(api, "load", loads("masked", Recording))
+    for extra, want in (([], None), (["--mdlm-block", "4"], 4)):
+        seen.clear()
+        res = run_cli("setdiff_dist.cli.eval", "--checkpoint", tmp_path, *task, *extra)
+        assert res.returncode == 0, res.stderr
+        assert seen == [want]
+    res = run_cli("setdiff_dist.cli.eval", "--checkpoint", tmp_path, "--task", "ppl",
+                  "--mdlm-block", "4")
+    assert res.returncode == 2 and "--mdlm-block goes with --task gsm" in res.stderr
+    res = run_cli("setdiff_dist.cli.eval", "--checkpoint", tmp_path, *task, "--mdlm-block", "0")
+    assert res.returncode == 2 and "--mdlm-block" in res.stderr
+    monkeypatch.setattr(api, "load", loads("staggered", SetDecoder))
+    res = run_cli("setdiff_dist.cli.eval", "--checkpoint", tmp_path, *task, "--mdlm-block", "4")
+    assert res.returncode == 2, res.stderr
+    assert "--mdlm-block 4" in res.stderr and "order.kind=staggered" in res.stderr
+
+
 def test_choices_on_the_device_equal_the_per_sample_path():
     """The batched chooser (repetition penalty, greedy) picks for each sample what it picks
     for that sample alone, with the same confidences; a top-p draw never leaves the nucleus."""

@@ -259,11 +259,15 @@ def test_eval_tasks(run, tmp_path):
 def test_generative_perplexity_is_the_scorers_own_loss_and_mauve_runs(run, trained, tmp_path):
     """--task genppl: unconditional samples scored by a Hugging Face causal LM (here our
     causal checkpoint exported with --to-hf, standing in for GPT-2 Large): the perplexity is
-    transformers' own loss on the same texts; MAUVE against reference texts is in (0, 1]."""
+    transformers' own loss on the same texts; MAUVE is the reference's protocol
+    (scripts/eval/robust_mauve_bootstrap.py: seeded subsets of the human texts, each against
+    the generations, mauve-text featurizing the texts with the scorer) to the last digit."""
+    import mauve
+    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = tmp_path / "scorer"
+    hf = tmp_path / "gpt2-scorer"  # (mauve-text featurizes only with a model named gpt2 / bert)
     res = run_cli("setdiff_dist.cli.convert", "--checkpoint",
                   trained("order.kind=causal", tokenizer="bpe:300"), "--to-hf", "--out", hf)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -275,7 +279,8 @@ def test_generative_perplexity_is_the_scorers_own_loss_and_mauve_runs(run, train
     out = tmp_path / "genppl.json"
     res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task", "genppl", "--scorer",
                   hf, "--samples", "3", "--max-new-tokens", "12", "--window", "4",
-                  "--references", refs, "--out", out)
+                  "--references", refs, "--mauve-subsets", "2", "--mauve-subset-size", "3",
+                  "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(out.read_text())
     texts = got["examples"]
@@ -291,7 +296,21 @@ def test_generative_perplexity_is_the_scorers_own_loss_and_mauve_runs(run, train
             count += ids.shape[1] - 1
     assert got["scored_tokens"] == count
     assert math.isclose(got["gen_ppl"], math.exp(total / count), rel_tol=1e-6)
-    assert 0 < got["mauve"] <= 1 and got["mauve_references"] == 3
+    assert got["mauve_references"] == 4 and got["scorer_dtype"] == "float32"
+    humans = [p for p in refs.read_text().split("\n\n")]
+    rng, theirs = np.random.default_rng(20260701), []
+    for k in range(2):
+        pick = rng.choice(4, size=3, replace=False)
+        theirs.append(mauve.compute_mauve(p_text=[humans[i] for i in pick], q_text=texts,
+                                          featurize_model_name=str(hf), device_id=-1,
+                                          seed=1234 + k, verbose=False).mauve)
+    assert np.allclose(got["mauve_per_subset"], theirs, rtol=1e-9, atol=1e-12), \
+        (got["mauve_per_subset"], theirs)
+    assert math.isclose(got["mauve"], float(np.mean(theirs)), rel_tol=1e-9)
+    assert math.isclose(got["mauve_std"], float(np.std(theirs)), rel_tol=1e-9, abs_tol=1e-12)
+    res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task", "genppl", "--scorer",
+                  hf, "--samples", "3", "--references", refs)
+    assert res.returncode == 2 and "subsets of 1000" in res.stderr
     res = run_cli("setdiff_dist.cli.eval", "--checkpoint", run, "--task", "genppl")
     assert res.returncode == 2 and "needs --scorer" in res.stderr
 

@@ -51,6 +51,19 @@ def test_the_gsm_stop_waits_for_the_whole_number():
         kept = tok.decode([s.tokens[p] for p in range(s.end)])
         assert _answer(kept) == answer
         assert kept.rstrip("}").endswith(answer.replace("1234", "1,234"))
+    # the reference's stop on a degenerate solution: a run of 8 equal tokens ends it there
+    from setdiff_dist.eval.tasks import gsm_stop
+
+    stop = gsm_stop(tok)
+    assert stop.max_repeat_run == 8 and stop.eos_id == tok.eos_id
+    ids = tok.encode("ab 1111111" + "1" * 5)
+    s = Sample(tokens=[None] * len(ids), region=list(range(len(ids))), prompt_len=0)
+    for j, t in enumerate(ids):
+        s.commit([(j, t)])
+        dec._check_stop(s, stop)
+        if s.done:
+            break
+    assert s.done and s.end == len("ab ") + 8
 
 
 def test_in_set_diffusion_times_have_a_floor_and_the_bound_is_unclipped():
@@ -221,3 +234,89 @@ def test_every_order_scores_the_same_positions_and_the_ar_identity_still_holds()
     assert torch.allclose(vec[:, 1:], seq[:, 1:], rtol=0, atol=1e-6)
     bound = nelbo(vec, o)
     assert math.isclose(float(bound.total), float(seq[:, 1:].sum()), rel_tol=1e-7)
+
+
+def test_summarize_frames_the_source_as_the_reference_and_cuts_only_the_article(tmp_path):
+    """--task summarize --bos-eos --max-prompt-tokens: the reference's CNN/DailyMail source,
+    [BOS] article [EOS] (the end-of-text where the tokenizer has no BOS) of at most N tokens,
+    then the cue; the article's text is what is cut, never the frame or the cue; the summary is
+    scored stripped, with rouge-score unstemmed."""
+    import json
+
+    from setdiff_dist.eval import tasks
+
+    class Chars:
+        eos_id, bos_id = 0, None
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    seen = []
+
+    class Decoder:
+        context = 64
+
+        def generate(self, prompts, max_new_tokens, **kw):
+            seen.append(prompts[0])
+            return [SimpleNamespace(tokens=[1, 2], seconds=0.5, tokens_per_step=1.0,
+                                    text=" the cat sat ")]
+
+    data = tmp_path / "cnn.jsonl"
+    data.write_text(json.dumps({"article": "x" * 40, "highlights": "the cat sat"}) + "\n"
+                    + json.dumps({"article": "short", "highlights": "a dog"}) + "\n")
+    out = tasks.summarize(Decoder(), Chars(), str(data), None, 8, None, math.inf, None,
+                          template="{article}Summary:", bos_eos=True, max_prompt_tokens=12)
+    cue = [ord(c) for c in "Summary:"]
+    assert seen[0] == [0] + [ord("x")] * 10 + [0] + cue
+    assert seen[1] == [0] + [ord(c) for c in "short"] + [0] + cue
+    assert out["articles_cut"] == 1 and out["bos_eos"] is True and out["count"] == 2
+    assert out["rouge1"] == pytest.approx((1.0 + 0.0) / 2)
+
+
+def test_variable_length_samples_stop_and_are_drawn_again_as_the_reference_does():
+    """genppl --variable-length: the reference's EntropyEosStoppingCriteria (the first
+    end-of-text after 32 generated tokens ends a sample, kept; before 32 it does not; the last
+    128 tokens' unigram entropy below 4 nats stops it, those 128 dropped) and its filter (a
+    sample of low entropy, or of 50 tokens or fewer, is drawn again)."""
+    from setdiff_dist.eval import tasks
+
+    eos, varied = 0, list(range(1, 200))  # (199 distinct tokens: entropy ~5.3 nats)
+    ids, why = tasks.variable_length(varied[:10] + [eos] + varied[10:40] + [eos] + varied, eos)
+    assert why == "eos" and ids == varied[:10] + [eos] + varied[10:40] + [eos]
+    flat = varied[:60] + [7] * 300  # (entropy of the last 128 falls under 4 at 60 + 69 + ...)
+    ids, why = tasks.variable_length(flat, eos)
+    n = next(n for n in range(1, len(flat) + 1) if n + 1 >= 128 and tasks.unigram_entropy(
+        ([None] + flat)[n + 1 - 128:n + 1]) < 4.0)
+    assert why == "low_entropy" and ids == flat[:max(n + 1 - 128, 33) - 1]
+    assert tasks.variable_length(varied, eos) == (varied, "length")
+    assert tasks.degenerate([7] * 100 + [eos] * 5, eos) and not tasks.degenerate(varied, eos)
+
+    class Tok:
+        eos_id = eos
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    draws = iter([[7] * 150,              # degenerate: drawn again
+                  varied[:40] + [eos],    # 41 tokens: too short, drawn again
+                  varied[:80] + [eos] + varied[:10],
+                  varied[:150]])
+
+    class Decoder:
+        def generate(self, prompts, n, **kw):
+            return [SimpleNamespace(tokens=next(draws), seconds=1.0, tokens_per_step=1.0,
+                                    text="") for _ in prompts]
+
+    class Scorer:
+        dtype = "torch.float32"
+
+        def score(self, texts, features=False, nll=True):
+            return 1.0, len(texts), None
+
+    from setdiff_dist.inference.decoding import Sampling
+
+    out = tasks.generative_perplexity(Decoder(), Tok(), Scorer(), 2, 150, 4, math.inf,
+                                      Sampling(), batch_size=1, variable=True)
+    assert out["draws"] == 4 and out["stops"] == {"drawn_again": 2, "eos": 1, "length": 1}
+    assert out["mean_length"] == (81 + 150) / 2 and out["examples"][0] == Tok().decode(
+        varied[:80])

@@ -82,8 +82,11 @@ def test_lm1b_row_from_records_to_the_bound(tmp_path):
     run = tmp_path / "run"
     train("configs/paper/lm1b-110m-setdlm-s8.yaml", data, run, vocab_size,
           f"data.valid_shards={test}")
-    out = evaluate("--checkpoint", run, "--task", "ppl", "--shards", test, "--batches", "2",
-                   "--batch-size", "2")
+    # the row's config keeps its best checkpoint (validated on the test set): the recipe's
+    # command for the rows the reference reads at their best
+    assert (run / "checkpoints" / "best").is_file()
+    out = evaluate("--checkpoint", run / "checkpoints" / "best", "--task", "ppl", "--shards",
+                   test, "--batches", "2", "--batch-size", "2")
     assert out["ppl_bound"] > 1 and out["exact"] is False
     # ROCStories infilling by a set-diffusion checkpoint: the middle between both contexts
     roc = evaluate("--checkpoint", run, "--task", "infill", "--data", rocstories(tmp_path),
@@ -93,7 +96,7 @@ def test_lm1b_row_from_records_to_the_bound(tmp_path):
 
 
 def test_owt_and_cnn_dm_rows_from_records_to_their_numbers(tmp_path):
-    """OWT: documents as Parquet, GPT-2 BPE, the BD3LM row's config (stratified times), then the
+    """OWT: documents as Parquet, GPT-2 BPE, the BD3LM row's config, then the
     bound and generative perplexity with MAUVE under an exported causal model; CNN/DailyMail
     records summarized and scored with rouge-score by the same checkpoint."""
     import pyarrow as pa
@@ -121,7 +124,8 @@ def test_owt_and_cnn_dm_rows_from_records_to_their_numbers(tmp_path):
     refs = tmp_path / "refs.jsonl"
     refs.write_text("".join(json.dumps({"text": p}) + "\n" for p in paras[:6]))
     gen = evaluate("--checkpoint", run, "--task", "genppl", "--scorer", tmp_path / "hf",
-                   "--samples", "4", "--max-new-tokens", "16", "--references", refs)
+                   "--samples", "4", "--max-new-tokens", "16", "--references", refs,
+                   "--mauve-subset-size", "4")
     assert gen["gen_ppl"] > 1 and 0 < gen["mauve"] <= 1
     cnn = tmp_path / "cnn.jsonl"
     cnn.write_text("".join(json.dumps({"article": p, "highlights": p.splitlines()[0],
@@ -161,20 +165,27 @@ def test_gsm8k_rows_from_records_to_the_tau_sweep(tmp_path):
     train("configs/finetune/qwen3-1.7b-gsm.yaml", tmp_path / "data", run,
           m["tokenizer"]["vocab_size"], *SHRINK_QWEN, "data.seq_len=64",
           "checkpoint.init_from_hf=")
+    # the test file as the recipe builds it, from GSM8K's own schema, in the training prompt
+    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "test.parquet")
     test = tmp_path / "test.jsonl"
-    test.write_text("".join(json.dumps({"prompt": prompt.format(question=r["question"]),
-                                        "answer": r["answer"][-1]}) + "\n" for r in rows[:2]))
-    out = evaluate("--checkpoint", run, "--task", "gsm", "--data", test, "--thresholds",
-                   "inf,0.9", "--max-new-tokens", "8")
+    res = run_cli("data_prep.tasks", "gsm8k", "--input", tmp_path / "test.parquet", "--out",
+                  test)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert [json.loads(line)["prompt"] for line in open(test)] == [
+        prompt.format(question=r["question"]) for r in rows[:2]]
+    out = evaluate("--checkpoint", run / "checkpoints" / "best", "--task", "gsm", "--data", test,
+                   "--thresholds", "inf,0.9", "--max-new-tokens", "8")
     assert [r["threshold"] for r in out["sweep"]] == ["inf", 0.9]
     for r in out["sweep"]:
         assert r["count"] == 2 and 0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0
 
 
 def test_cnn_dailymail_row_from_records_to_rouge(tmp_path):
-    """CNN/DailyMail: records in its schema (article / highlights / id) as Parquet, the article
-    as context and "Summary: ..." the target, a few steps of the SetDLM row's config, then ROUGE
-    of summaries cued with "Summary:"."""
+    """CNN/DailyMail: records in its schema (article / highlights / id) as Parquet, framed as
+    the reference frames them ([BOS] article [EOS] cut to N, "Summary: ..." [EOS] the target cut
+    to M), a few steps of the MDLM row's config, then ROUGE
+    of summaries cued with "Summary:", decoded in blocks (``--mdlm-block``) from the best
+    checkpoint, as the reference evaluates that row."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -185,14 +196,16 @@ def test_cnn_dailymail_row_from_records_to_rouge(tmp_path):
                for i, p in enumerate(paras)]
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "train.parquet")
     m = prepare([str(tmp_path / "train.parquet")], "gpt2", 32, str(tmp_path / "data"),
-                mode="padded", prompt_field="{article}", text_field="\nSummary: {highlights}",
-                max_prompt_tokens=20, truncate=True, valid_every=4, progress=False)
+                mode="padded", prompt_field="{article}", text_field="Summary: {highlights}",
+                bos_eos=True, max_prompt_tokens=20, max_text_tokens=10, valid_every=4,
+                progress=False)
     assert m["splits"]["train"]["prompts_cut"] > 0
     run = tmp_path / "run"
-    train("configs/paper/cnndm-qwen3s-setdlm-s32.yaml", tmp_path / "data", run,
+    train("configs/paper/cnndm-qwen3s-mdlm.yaml", tmp_path / "data", run,
           m["tokenizer"]["vocab_size"], *SHRINK_QWEN)
     test = tmp_path / "test.jsonl"
     test.write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
-    out = evaluate("--checkpoint", run, "--task", "summarize", "--data", test, "--template",
-                   "{article}\nSummary:", "--max-new-tokens", "8", "--window", "4")
+    out = evaluate("--checkpoint", run / "checkpoints" / "best", "--task", "summarize", "--data",
+                   test, "--template", "{article}Summary:", "--bos-eos", "--max-prompt-tokens",
+                   "20", "--max-new-tokens", "8", "--mdlm-block", "4")
     assert out["count"] == 2 and 0 <= out["rougeL"] <= 1 and out["tokens_per_s"] > 0

@@ -67,7 +67,20 @@ def main(argv=None) -> int:
                          "(default: one per prompt; the paper: 200)")
     ap.add_argument("--references", metavar="FILE",
                     help="genppl: human texts for MAUVE (JSONL of {text} or blank-line-"
-                         "separated paragraphs); none = no MAUVE")
+                         "separated paragraphs); none = no MAUVE. MAUVE as the paper measures "
+                         "it: --mauve-subsets subsets of --mauve-subset-size texts drawn from "
+                         "this pool, each against the first generations, mean and std")
+    ap.add_argument("--variable-length", action="store_true",
+                    help="genppl: the paper's variable-length samples: each ends at its first "
+                         "end-of-text after 32 tokens, or where the last 128 tokens' unigram "
+                         "entropy drops below 4 nats; a degenerate sample (unigram entropy "
+                         "below 4 nats, 50 tokens or fewer) is drawn again (default: every "
+                         "sample --max-new-tokens long)")
+    ap.add_argument("--mauve-subsets", type=count(), default=5, metavar="K",
+                    help="genppl: reference subsets MAUVE is averaged over (the paper: 5)")
+    ap.add_argument("--mauve-subset-size", type=count(), default=1000,
+                    metavar="N", help="genppl: human texts per subset, drawn without "
+                    "replacement (the paper: 1000; --references must hold at least N)")
     ap.add_argument("--template", default=None,
                     help="summarize: the prompt around {article} (default: the article, a "
                          "blank line, 'TL;DR:' and a newline)")
@@ -82,6 +95,13 @@ def main(argv=None) -> int:
     ap.add_argument("--output-path", metavar="DIR",
                     help="harness: also write each task's results and samples in lm-eval's "
                          "own layout here (what its tooling reads)")
+    ap.add_argument("--bos-eos", action="store_true",
+                    help="summarize: frame the article (with the template's text before the "
+                         "cue) as [BOS] ... [EOS] before the cue, as setdiff-prep --bos-eos "
+                         "frames the training prompts (the reference's CNN/DailyMail)")
+    ap.add_argument("--max-prompt-tokens", type=count(), default=None, metavar="N",
+                    help="summarize: the framed article keeps at most N tokens (the reference: "
+                         "512), its text cut, never the frame or the cue")
     ap.add_argument("--rouge-stemmer", action="store_true",
                     help="summarize: ROUGE with the Porter stemmer (the paper's reference scores "
                          "without it, as evaluate's ROUGE does by default)")
@@ -103,6 +123,12 @@ def main(argv=None) -> int:
                     help="decode with a context of this many tokens (default: the checkpoint's "
                          "data.seq_len; e.g. a fine-tune shorter than its pretraining may "
                          "decode at the pretrained length)")
+    ap.add_argument("--mdlm-block", type=count(), default=None, metavar="B",
+                    help="gsm / summarize / throughput / genppl with an MDLM (order.kind="
+                         "masked) checkpoint: decode semi-autoregressively in blocks of B "
+                         "positions on the grid [kB, (k+1)B), left to right, stopping after the "
+                         "block a stop falls in (the paper's CNN/DailyMail and GSM8K MDLM rows: "
+                         "32; default: the whole span at once)")
     ap.add_argument("--thresholds", metavar="TAU,...", default=None,
                     help="gsm / throughput: sweep these thresholds (e.g. 0.5,0.7,0.9,inf): per "
                          "tau, accuracy (gsm), tokens/step and tokens/s, as the paper's tau "
@@ -143,8 +169,12 @@ def main(argv=None) -> int:
                               f"{args.task}: remove them, or run --task harness")
     if args.template is not None and args.task != "summarize":
         raise tasks.EvalError("--template goes with --task summarize")
-    if args.rouge_stemmer and args.task != "summarize":
-        raise tasks.EvalError("--rouge-stemmer goes with --task summarize")
+    summarize_flags = [f for f, v in (("--rouge-stemmer", args.rouge_stemmer),
+                                      ("--bos-eos", args.bos_eos),
+                                      ("--max-prompt-tokens", args.max_prompt_tokens))
+                       if v not in (None, False)]
+    if summarize_flags and args.task != "summarize":
+        raise tasks.EvalError(f"{', '.join(summarize_flags)} go with --task summarize")
     throughput_flags = [f for f, given in (
         ("--unconditional", args.unconditional), ("--warmup", args.warmup != 1),
         ("--samples", args.samples is not None and args.task != "genppl")) if given]
@@ -159,16 +189,22 @@ def main(argv=None) -> int:
     if args.task == "summarize":
         tasks.rouge_scorer()  # (installed: said before the model loads)
     genppl_flags = [f for f, v in (("--scorer", args.scorer),
-                                   ("--references", args.references)) if v is not None]
+                                   ("--references", args.references)) if v is not None] + \
+        [f for f, v, default in (("--mauve-subsets", args.mauve_subsets, 5),
+                                 ("--mauve-subset-size", args.mauve_subset_size, 1000))
+         if v != default] + (["--variable-length"] if args.variable_length else [])
     if genppl_flags and args.task != "genppl":
         raise tasks.EvalError(f"{', '.join(genppl_flags)} go with --task genppl")
     if args.task == "genppl":
         if not args.scorer:
             raise tasks.EvalError("--task genppl needs --scorer HF_DIR (a local Hugging Face "
                                   "causal LM: GPT-2 Large in the paper)")
+        references = tasks.read_texts(args.references, None) if args.references else None
+        if references and len(references) < args.mauve_subset_size:
+            raise tasks.EvalError(
+                f"--references {args.references}: {len(references)} texts, but MAUVE draws "
+                f"subsets of {args.mauve_subset_size} (--mauve-subset-size; the paper: 1000)")
         scorer = tasks.HFScorer(args.scorer)
-        references = tasks.read_texts(args.references, args.samples) \
-            if args.references else None
     if args.task in ("infill", "gsm", "choice", "summarize"):
         if not args.data:
             raise tasks.EvalError(f"--task {args.task} needs --data FILE.jsonl "
@@ -202,6 +238,16 @@ def main(argv=None) -> int:
     mode = decoder.decoding
     if args.context is not None:
         decoder.context = args.context
+    if args.mdlm_block is not None:  # MDLM's semi-autoregressive blocks, on generate()
+        if args.task not in ("gsm", "summarize", "throughput", "genppl"):
+            raise tasks.EvalError(f"--mdlm-block goes with --task gsm, summarize, throughput "
+                                  f"or genppl (what an MDLM generates), not --task {args.task}")
+        if mode != "mdlm":
+            raise tasks.EvalError(f"--mdlm-block {args.mdlm_block}: this checkpoint "
+                                  f"(order.kind={cfg.order.kind}) decodes as '{mode}', not with "
+                                  "MDLM's sampler; the flag is for a masked (MDLM) checkpoint: "
+                                  "drop it")
+        decoder.block_size = args.mdlm_block
     left_only = False
     if args.task == "infill":  # a model that cannot see a right context (AR, BD3LM) infills
         try:                   # from the left one, as the reference scores those rows
@@ -243,12 +289,16 @@ def main(argv=None) -> int:
     elif args.task == "genppl":
         result = tasks.generative_perplexity(decoder, tok, scorer, args.samples,
                                              d["max_new_tokens"], d["window"], d["threshold"],
-                                             sampling, args.batch_size, references)
+                                             sampling, args.batch_size, references,
+                                             mauve_protocol={"subsets": args.mauve_subsets,
+                                                             "size": args.mauve_subset_size},
+                                             variable=args.variable_length)
         result["scorer"] = args.scorer
     elif args.task == "summarize":
         result = tasks.summarize(decoder, tok, args.data, limit, d["max_new_tokens"],
                                  d["window"], d["threshold"], sampling,
-                                 args.template or tasks.SUMMARY_TEMPLATE, args.rouge_stemmer)
+                                 args.template or tasks.SUMMARY_TEMPLATE, args.rouge_stemmer,
+                                 args.bos_eos, args.max_prompt_tokens)
     elif args.task == "gsm" and thresholds:
         result = tasks.gsm_sweep(decoder, tok, args.data, limit, d["max_new_tokens"],
                                  d["window"], thresholds, sampling)
@@ -276,6 +326,8 @@ def main(argv=None) -> int:
     if args.task not in ("ppl", "choice", "harness"):
         result["decode"] = {k: d[k] for k in ("window", "threshold", "greedy", "temperature",
                                               "top_p", "repetition_penalty", "max_new_tokens")}
+        if args.mdlm_block is not None:
+            result["decode"]["mdlm_block"] = args.mdlm_block
     # (harness: each task's requests carry their own max_gen_toks and until; the results'
     # "generation" lists what the requests decoded with)
     print(write_result(args, result))

@@ -162,10 +162,26 @@ def _nothing_evaluated(path: str, skipped: int, decoder: SetDecoder) -> EvalErro
 
 
 def infill_window(tok, rec: dict) -> tuple[list[int], list[int], list[int]]:
-    """The token ids ``(left, middle, right)`` of a ``setdiff-tasks infill`` record, the
-    separating spaces kept with the contexts."""
-    return (tok.encode(rec["left"] + " "), tok.encode(rec["middle"]),
-            tok.encode(" " + rec["right"]))
+    """The token ids ``(left, middle, right)`` of an infill record. A record with ``"bos_eos":
+    true`` (``setdiff-tasks rocstories``) is encoded as the reference encodes ROCStories: each
+    part on its own, the left context as it is, the middle without its leading space (its
+    length is the reference middle's), the right context after its joining space, framed by a
+    beginning-of-sequence token (end-of-text where the tokenizer has no BOS, as the
+    reference's GPT-2) and an end-of-text. Any other record (``setdiff-tasks infill``) keeps
+    its text exactly: the separating spaces go with the contexts."""
+    if not rec.get("bos_eos"):
+        return (tok.encode(rec["left"] + " "), tok.encode(rec["middle"]),
+                tok.encode(" " + rec["right"]))
+    right = rec["right"]
+    if right and not right[:1].isspace():
+        right = " " + right
+    left, middle, right = tok.encode(rec["left"]), tok.encode(rec["middle"].lstrip()), \
+        tok.encode(right)
+    eos = getattr(tok, "eos_id", None)
+    if eos is not None:
+        bos = getattr(tok, "bos_id", None)
+        left, right = [eos if bos is None else bos] + left, right + [eos]
+    return left, middle, right
 
 
 def fit_context(left: list, n: int, right: list, context: int):
@@ -246,9 +262,15 @@ _BOXED = rf"\\boxed\{{\s*({_NUMBER})\s*\}}"
 GSM_STOP = rf"{_HASH}|{_BOXED}"
 
 
+# the reference's GSM8K stop on a degenerate solution (its RepeatingTokenStoppingCriteria with
+# min_run_length 8, run_lm_eval_harness.sh): a run of 8 equal tokens
+GSM_REPEAT_RUN = 8
+
+
 def gsm_stop(tok) -> StopCriteria:
-    """Where a solution ends: its answer closed (:data:`GSM_STOP`) or end-of-text."""
-    return StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP])
+    """Where a solution ends: its answer closed (:data:`GSM_STOP`), end-of-text, or a run of
+    :data:`GSM_REPEAT_RUN` equal tokens, as the reference stops GSM8K generations."""
+    return StopCriteria(eos_id=tok.eos_id, stop=["re:" + GSM_STOP], max_repeat_run=GSM_REPEAT_RUN)
 
 
 def _answer(text: str):
@@ -340,17 +362,32 @@ def rouge_f1(scorer, prediction: str, reference: str) -> dict:
 
 def summarize(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: int,
               window: int, threshold: float, sampling: Sampling,
-              template: str = SUMMARY_TEMPLATE, stem: bool = False) -> dict:
+              template: str = SUMMARY_TEMPLATE, stem: bool = False, bos_eos: bool = False,
+              max_prompt_tokens: Optional[int] = None) -> dict:
     """Summaries of CNN/DailyMail-style records (``{"article", "highlights"}``): the prompt is
     ``template`` around the article, cut at the end of the article's text (never the
     template's cue) so that the prompt, the window and the summary fit the context; ROUGE
-    F1 (:func:`rouge_f1`) means over the records, with tokens/step and tokens/s."""
+    F1 (:func:`rouge_f1`) means over the records, with tokens/step and tokens/s.
+    ``bos_eos``: the part of the template up to the cue (its head and the article) is framed
+    as ``[BOS] ... [EOS]`` (the end-of-text where the tokenizer has no BOS) before the cue, as
+    ``setdiff-prep --bos-eos`` frames the training prompts and the reference its sources;
+    ``max_prompt_tokens``: that part keeps at most this many tokens (the reference: 512)."""
     if "{article}" not in template:
         raise EvalError(f"--template {template!r} has no {{article}} field")
     scorer = rouge_scorer(stem=stem)
     head, tail = template.split("{article}", 1)
     cue = tok.encode(tail)
-    budget = decoder.context - window - min(max_new_tokens, decoder.context // 2) - len(cue)
+    frame = []
+    if bos_eos:
+        if tok.eos_id is None:
+            raise EvalError("--bos-eos frames the article with an end-of-text token, which this "
+                            "tokenizer does not have")
+        frame = [tok.eos_id if getattr(tok, "bos_id", None) is None else tok.bos_id, tok.eos_id]
+    # (MDLM and BD3LM decode with no window: window None)
+    budget = decoder.context - (window or 0) - min(max_new_tokens, decoder.context // 2) \
+        - len(cue) - len(frame)
+    if max_prompt_tokens is not None:
+        budget = min(budget, max_prompt_tokens - len(frame))
     if budget < 8:
         raise EvalError(f"a context of {decoder.context} tokens leaves no room for the article "
                         f"next to --max-new-tokens {max_new_tokens} and the window {window}")
@@ -361,6 +398,8 @@ def summarize(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: i
         ids = tok.encode(head + rec["article"])
         if len(ids) > budget:
             ids, cut = ids[:budget], cut + 1
+        if frame:
+            ids = frame[:1] + ids + frame[1:]
         r = decoder.generate([ids + cue], max_new_tokens, window=window, threshold=threshold,
                              sampling=sampling, stop=stop)[0]
         rates.append(len(r.tokens) / max(r.seconds, 1e-9))
@@ -371,7 +410,8 @@ def summarize(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: i
             examples.append({"summary": r.text, "highlights": rec["highlights"], **scores})
     n = len(records)
     return {**{k: totals[k] / n for k in ROUGE_KEYS}, "count": n, "articles_cut": cut,
-            "template": template, "tokens_per_step": sum(per_step) / n,
+            "template": template, "bos_eos": bos_eos, "max_prompt_tokens": max_prompt_tokens,
+            "tokens_per_step": sum(per_step) / n,
             "tokens_per_s": sum(rates) / n,
             "scorer": f"rouge-score, use_stemmer={stem}",
             "examples": examples}
@@ -382,7 +422,7 @@ class HFScorer:
     Large: the per-token NLL of texts (after the model's BOS, or its end-of-text when it has no
     BOS) and MAUVE's features (the last layer's hidden state at each text's last token)."""
 
-    def __init__(self, path: str, device: str = "cpu", max_length: int = 1024):
+    def __init__(self, path: str, device: Optional[str] = None, max_length: int = 1024):
         import os
 
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -397,8 +437,11 @@ class HFScorer:
         import torch
 
         self.torch = torch
+        # the judge on the GPU when there is one, in bf16; on the CPU in fp32
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         self.tok = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(device)
         self.model.eval()
         self.device, self.max_length = device, max_length
         bos = self.tok.bos_token_id if self.tok.bos_token_id is not None else \
@@ -412,59 +455,173 @@ class HFScorer:
         return [self.bos] + self.tok.encode(text, add_special_tokens=False)[:self.max_length - 1]
 
     def score(self, texts: list, nll: bool = True, features: bool = False):
-        """One forward per text: ``(sum of -log p over every text token, tokens, MAUVE's
-        features [n, hidden] or None)`` (``nll=False``: the features only)."""
+        """``(sum of -log p over every text token, tokens, MAUVE's features [n, hidden] or
+        None)`` (``nll=False``: the features only). The NLL conditions the first token on the
+        BOS; the features are mauve-text's own (``featurize_tokens_from_model``): the text as
+        its tokenizer encodes it (no token added, cut at ``max_length``), the last layer's
+        hidden state at its last token, so that MAUVE is the number mauve-text computes from
+        the texts with this model."""
         import numpy as np
 
         total, count, rows = 0.0, 0, []
         with self.torch.no_grad():
             for text in texts:
                 ids = self.ids(text)
-                x = self.torch.tensor([ids], device=self.device)
-                scored = nll and len(ids) >= 2
-                out = self.model(x, labels=x if scored else None,
-                                 output_hidden_states=features)
-                if scored:
-                    total += out.loss.item() * (len(ids) - 1)
+                if nll and len(ids) >= 2:
+                    x = self.torch.tensor([ids], device=self.device)
+                    total += self.model(x, labels=x).loss.item() * (len(ids) - 1)
                     count += len(ids) - 1
                 if features:
+                    own = self.tok.encode(text, truncation=True, max_length=self.max_length)
+                    x = self.torch.tensor([own or [self.bos]], device=self.device)
+                    out = self.model(x, output_hidden_states=True)
                     rows.append(out.hidden_states[-1][0, -1].float().cpu().numpy())
         return total, count, (np.stack(rows) if features else None)
+
+
+# the paper's MAUVE protocol (the reference's scripts/eval/robust_mauve_bootstrap.py): 5 subsets
+# of 1,000 human texts, drawn without replacement by numpy's default_rng(20260701), each
+# against the first min(1000, samples) generations, subset k's MAUVE seeded 1234 + k; the mean
+# and the standard deviation (ddof 0) over the subsets
+MAUVE_SUBSETS, MAUVE_SUBSET_SIZE, MAUVE_REFERENCE_SEED, MAUVE_SEED = 5, 1000, 20260701, 1234
+
+
+def mauve_subsets(p_features, q_features, subsets: int = MAUVE_SUBSETS,
+                  size: int = MAUVE_SUBSET_SIZE, reference_seed: int = MAUVE_REFERENCE_SEED,
+                  seed: int = MAUVE_SEED) -> dict:
+    """MAUVE of generations (``q_features``) against ``subsets`` subsets of ``size`` human
+    texts drawn from ``p_features`` (the pool), as the reference measures it: ``{"mauve": mean,
+    "mauve_std", "mauve_per_subset", ...}``."""
+    import numpy as np
+
+    try:
+        import mauve
+    except ImportError:
+        raise EvalError("MAUVE needs mauve-text: pip install 'setdiff-dist[eval]'") from None
+    pool = len(p_features)
+    if size > pool:
+        raise EvalError(f"MAUVE draws {subsets} subsets of {size} reference texts, but "
+                        f"--references has {pool}: give more texts or a smaller "
+                        "--mauve-subset-size (the paper: 1000)")
+    rng = np.random.default_rng(reference_seed)
+    scores = []
+    for k in range(subsets):
+        pick = rng.choice(pool, size=size, replace=False)
+        n = min(size, len(q_features))
+        m = mauve.compute_mauve(p_features=p_features[pick][:n], q_features=q_features[:n],
+                                seed=seed + k, verbose=False)
+        scores.append(float(m.mauve))
+    values = np.asarray(scores, dtype=np.float64)
+    return {"mauve": float(values.mean()), "mauve_std": float(values.std(ddof=0)),
+            "mauve_per_subset": scores, "mauve_subsets": subsets, "mauve_subset_size": size,
+            "mauve_compared": min(size, len(q_features))}
+
+
+# the reference's variable-length unconditional samples (its EntropyEosStoppingCriteria as the
+# OWT runs configure it, and uncond_gen_ppl.py's filter): a sample ends at its first end-of-text
+# after at least 32 generated tokens, or where the last 128 tokens' unigram entropy falls
+# below 4 nats (the last 128 then dropped); a sample whose own unigram entropy is below 4 nats
+# or that keeps fewer than 50 tokens is drawn again
+VARIABLE_LENGTH = {"min_tokens": 32, "block": 128, "entropy": 4.0, "reject_entropy": 4.0,
+                   "reject_length": 50}
+
+
+def unigram_entropy(ids) -> float:
+    """The entropy (nats) of the token counts of ``ids``."""
+    if not ids:
+        return 0.0
+    counts = Counter(ids).values()
+    n = sum(counts)
+    return -sum(c / n * math.log(c / n) for c in counts)
+
+
+def variable_length(ids: list, eos: Optional[int], rules: dict = VARIABLE_LENGTH
+                    ) -> tuple[list, str]:
+    """Where the reference's stopping rule ends a sample of generated tokens ``ids`` (after a
+    prompt of one BOS): ``(the tokens kept, "eos" | "low_entropy" | "length")``. The reference
+    checks it at every length as its sampler grows the sample (the sequence: the BOS and the
+    sample); every decoder here commits each token for good, so checking it on the finished
+    sample ends it where the reference's sampler would have stopped. The end-of-text is kept;
+    a low-entropy stop drops the last ``block`` tokens (never below ``min_tokens``)."""
+    floor, block = rules["min_tokens"], rules["block"]
+    seq = [None] + list(ids)  # (the BOS: a token of the sequence the reference checks)
+    for n in range(1, len(ids) + 1):
+        if eos is not None and ids[n - 1] == eos and n >= floor:
+            return list(ids[:n]), "eos"
+        if n + 1 >= block and n >= floor and \
+                unigram_entropy(seq[n + 1 - block:n + 1]) < rules["entropy"]:
+            keep = max(n + 1 - block, floor + 1)  # (sequence tokens, the BOS among them)
+            return list(ids[:keep - 1]), "low_entropy"
+    return list(ids), "length"
+
+
+def degenerate(ids: list, eos: Optional[int], rules: dict = VARIABLE_LENGTH) -> bool:
+    """The first half of the reference's filter of a sample (uncond_gen_ppl.py; the second: 50
+    tokens or fewer kept with the BOS): the unigram entropy of the sample as drawn, its
+    padding (GPT-2's end-of-text) left out, below 4 nats."""
+    return unigram_entropy([t for t in ids if t != eos]) < rules["reject_entropy"]
 
 
 def generative_perplexity(decoder: SetDecoder, tok, scorer: HFScorer, samples: int,
                           max_new_tokens: int, window: int, threshold: float,
                           sampling: Sampling, batch_size: int = 8,
-                          references: list = None, seed: int = 0) -> dict:
-    """``samples`` unconditional generations of ``max_new_tokens`` (from end-of-text, stopping
-    only at the length, as the paper samples), their perplexity under ``scorer`` (token-
-    weighted over all samples), and, with ``references`` (human texts), MAUVE between the
-    two sets of the scorer's features."""
+                          references: list = None, seed: int = 0,
+                          mauve_protocol: Optional[dict] = None,
+                          variable: bool = False, max_draws: Optional[int] = None) -> dict:
+    """``samples`` unconditional generations of ``max_new_tokens`` (from end-of-text), their
+    perplexity under ``scorer`` (token-weighted over all samples: generative perplexity, an
+    extra beside the paper's MAUVE), and, with ``references`` (human texts), MAUVE by the
+    paper's protocol (:func:`mauve_subsets`; ``mauve_protocol``: its keyword arguments).
+    ``variable``: the reference's variable-length samples (:func:`variable_length`, and a
+    degenerate sample drawn again, at most ``max_draws`` draws in all, default 10 per
+    sample); otherwise every sample is ``max_new_tokens`` long."""
     import dataclasses
 
-    texts, per_step, seconds = [], [], 0.0
-    for start in range(0, samples, batch_size):
-        n = min(batch_size, samples - start)
+    texts, per_step, seconds, lengths, stops = [], [], 0.0, [], Counter()
+    draws, cap = 0, max_draws or 10 * samples
+    while len(texts) < samples:
+        if draws >= cap:
+            raise EvalError(f"{len(texts)} of {samples} samples passed the reference's filter "
+                            f"(unigram entropy >= {VARIABLE_LENGTH['reject_entropy']} nats, "
+                            f"at least {VARIABLE_LENGTH['reject_length']} tokens) in {draws} "
+                            "draws; --max-new-tokens may be too short for --variable-length "
+                            "(the paper: 1024)")
+        n = min(batch_size, samples - len(texts)) if not variable else \
+            min(batch_size, cap - draws)
         out = decoder.generate([[tok.eos_id]] * n, max_new_tokens, window=window,
                                threshold=threshold,
-                               sampling=dataclasses.replace(sampling, seed=seed + start))
+                               sampling=dataclasses.replace(sampling, seed=seed + draws))
+        draws += n
         seconds += out[0].seconds  # (the batch's wall time)
-        texts += [r.text for r in out]
-        per_step += [r.tokens_per_step for r in out]
+        for r in out:
+            if len(texts) == samples:
+                break
+            ids = list(r.tokens)
+            if variable:
+                drawn = ids
+                ids, why = variable_length(drawn, tok.eos_id)
+                if degenerate(drawn, tok.eos_id) \
+                        or len(ids) + 1 <= VARIABLE_LENGTH["reject_length"]:
+                    stops["drawn_again"] += 1
+                    continue
+                stops[why] += 1
+                texts.append(tok.decode([t for t in ids if t != tok.eos_id]))
+            else:
+                texts.append(r.text)
+            lengths.append(len(ids))
+            per_step.append(r.tokens_per_step)
     nll, count, feats = scorer.score(texts, features=bool(references))
     result = {"gen_ppl": math.exp(nll / max(count, 1)), "samples": samples,
               "scored_tokens": count, "tokens_per_step": sum(per_step) / samples,
-              "tokens_per_s": samples * max_new_tokens / max(seconds, 1e-9),
-              "examples": texts[:3]}
+              "tokens_per_s": draws * max_new_tokens / max(seconds, 1e-9),
+              "mean_length": sum(lengths) / samples, "examples": texts[:3]}
+    if variable:
+        result.update(variable_length=True, draws=draws, stops=dict(stops))
     if references:
-        try:
-            import mauve
-        except ImportError:
-            raise EvalError("MAUVE needs mauve-text: pip install 'setdiff-dist[eval]'") from None
-        m = mauve.compute_mauve(p_features=scorer.score(references, nll=False,
-                                                        features=True)[2],
-                                q_features=feats, seed=seed, verbose=False)
-        result.update(mauve=float(m.mauve), mauve_references=len(references))
+        refs = scorer.score(references, nll=False, features=True)[2]
+        result.update(mauve_subsets(refs, feats, **(mauve_protocol or {})),
+                      mauve_references=len(references))
+    result["scorer_dtype"] = str(scorer.dtype).replace("torch.", "")
     return result
 
 

@@ -9,7 +9,10 @@ lean model, KV cache, sampling and acceptance rule (:class:`~.decoding.Decoder`)
   block's), as the reference code does: one forward per denoising step, no pass of its own.
   The cache grows once per block, not per step.
 - :class:`MDLMDecoder` (MDLM, a batch of one at a time): no cache; every step runs the clean
-  prompt and the whole noisy continuation again.
+  prompt and the whole noisy continuation again. With ``block_size`` it decodes the span
+  semi-autoregressively, as the paper's MDLM rows on CNN/DailyMail and GSM8K: blocks on the
+  grid ``[k B, (k + 1) B)`` left to right, the candidates of a step the masked positions of the
+  current block, the stop criteria checked after each finished block.
 """
 
 from __future__ import annotations
@@ -149,20 +152,31 @@ class BlockDecoder(Decoder):
 
 class MDLMDecoder(Decoder):
     """MDLM's sampler for a checkpoint trained with the masked order: no window (every masked
-    position is a candidate at every step), and infilling sees both contexts."""
+    position is a candidate at every step), and infilling sees both contexts.
+
+    ``block_size`` (None: the whole span at once) makes :meth:`generate` decode
+    semi-autoregressively in blocks of that many positions (see :meth:`mdlm`)."""
 
     decoding = "mdlm"
+
+    def __init__(self, model, tokenizer, *, context: int, keep_logits: bool = False,
+                 block_size: Optional[int] = None):
+        super().__init__(model, tokenizer, context=context, keep_logits=keep_logits)
+        self.block_size = block_size
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, window=None,
                  threshold: float = math.inf, sampling: Sampling = Sampling(),
                  stop: StopCriteria = StopCriteria()) -> list[Result]:
-        """Each prompt in turn (``window`` is unused: MDLM has none)."""
-        return [self.mdlm(p, max_new_tokens, threshold, sampling, stop=stop) for p in prompts]
+        """Each prompt in turn (``window`` is unused: MDLM has none), in blocks of
+        :attr:`block_size` when it is set."""
+        return [self.mdlm(p, max_new_tokens, threshold, sampling, stop=stop,
+                          block_size=self.block_size) for p in prompts]
 
     def infill(self, left: list[list[int]], right: list[list[int]], middle_len: list[int],
                window=None, threshold: float = math.inf, sampling: Sampling = Sampling()
                ) -> list[Result]:
-        """Fills each span seeing both its contexts."""
+        """Fills each span seeing both its contexts (the whole span at once, whatever
+        :attr:`block_size` says)."""
         for i, n in enumerate(middle_len):
             if n < 1:
                 raise DecodeError(f"infill {i}: the middle must have at least one token")
@@ -171,14 +185,35 @@ class MDLMDecoder(Decoder):
 
     def mdlm(self, prompt: list[int], max_new_tokens: int, threshold: float = math.inf,
              sampling: Sampling = Sampling(), right: Optional[list[int]] = None,
-             stop: StopCriteria = StopCriteria()) -> Result:
+             stop: StopCriteria = StopCriteria(), block_size: Optional[int] = None) -> Result:
         """MDLM's sampler; with ``right`` it infills ``max_new_tokens`` between ``prompt`` and
         ``right``, both given as context (revealed first, causal in position order, as the
-        training order treats context), which the masked span sees in full. The whole span is
-        decoded before ``stop`` is applied to it (MDLM has no left-to-right prefix to check
-        earlier)."""
+        training order treats context), which the masked span sees in full.
+
+        ``block_size`` None: every masked position of the span is a candidate at every step,
+        and the whole span is decoded before ``stop`` is applied to it (MDLM has no
+        left-to-right prefix to check earlier). ``block_size`` B: semi-autoregressive, as the
+        reference sampler decodes an MDLM checkpoint with a block size below the generation
+        length: the span is cut on the grid ``[k B, (k + 1) B)`` of absolute positions (after
+        a prompt of ``P`` tokens the first block is ``[P, ceil(P / B) B)``, the rest of the
+        block the prompt ends in, as the reference's ``align_inputs_to_blocks``), and the
+        blocks are decoded left to right, each to the end before the next starts: a step's
+        candidates are the current block's masked positions (the same acceptance rule), and
+        ``stop`` is checked after each finished block, so a stop inside a block ends the
+        generation there. Every step's input is the one of whole-span decoding (the reference
+        runs the whole sequence too): the prompt as clean context, the span one noisy set in
+        which the finished blocks show their tokens and the current and later blocks [MASK]
+        (a masked-order model trained on such a set, any of its positions revealed)."""
         if not prompt:
             raise DecodeError("the prompt is empty")
+        if block_size is not None:
+            if isinstance(block_size, bool) or not isinstance(block_size, int) \
+                    or block_size < 1:
+                raise DecodeError(f"block_size={block_size!r}: MDLM's blocks must be an "
+                                  "integer of at least 1 (or None: the whole span at once)")
+            if right:
+                raise DecodeError("MDLM decodes an infill's span at once: block_size goes with "
+                                  "plain continuation, not with a right context")
         gen = torch.Generator().manual_seed(sampling.seed)
         right = list(right or [])
         P, N, R = len(prompt), max_new_tokens, len(right)
@@ -197,15 +232,21 @@ class MDLMDecoder(Decoder):
         own = step_mask(sets, span)[None].to(dev)
         positions = torch.arange(T, device=dev)[None]
         valid = torch.ones(1, T, dtype=torch.bool, device=dev)
+        # the blocks decoded in turn: the whole span as one, or the grid's
+        blocks = ([list(s.region)] if block_size is None else
+                  [list(g) for _, g in groupby(s.region, key=lambda p: p // block_size)])
         start = time.perf_counter()
-        while s.masked():
-            cache = KVCache(self.model.config.num_layers, 1, dev)  # nothing is kept (no commits)
-            ids = torch.tensor([[self.mask_id if t is None else t for t in s.tokens]], device=dev)
-            logits = self._cached_pass(cache, ids, positions, valid, own, 0)[0].float().cpu()
-            masked = s.masked()
-            picks = self._choose(logits[masked], masked, s, sampling, gen, threshold)
-            s.commit([(p, t) for p, t, _ in picks])
-            s.trace.append(sorted((p, c) for p, _, c in picks))
-            s.steps += 1
-        self._check_stop(s, stop)
+        for block in blocks:
+            while masked := [p for p in block if s.tokens[p] is None]:
+                cache = KVCache(self.model.config.num_layers, 1, dev)  # nothing is kept
+                ids = torch.tensor([[self.mask_id if t is None else t for t in s.tokens]],
+                                   device=dev)
+                logits = self._cached_pass(cache, ids, positions, valid, own, 0)[0].float().cpu()
+                picks = self._choose(logits[masked], masked, s, sampling, gen, threshold)
+                s.commit([(p, t) for p, t, _ in picks])
+                s.trace.append(sorted((p, c) for p, _, c in picks))
+                s.steps += 1
+            self._check_stop(s, stop)  # (on the committed prefix: through this block)
+            if s.done:
+                break
         return s.result(self.tok, time.perf_counter() - start)
