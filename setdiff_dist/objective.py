@@ -132,21 +132,6 @@ def nelbo_step(module, tokens: torch.Tensor, sample, backend: str, per_sequence:
     return out, terms
 
 
-def set_diffusion_forward_backward(model, microbatches, seq_len: int, micro_batch_size: int,
-                                   backend: str, forward_only: bool = False) -> list[dict]:
-    """megatron's schedule (:func:`setdiff_dist.model.pipeline.forward_backward`) over
-    ``(tokens [b, L], OrderSample)`` micro-batches, with the NELBO per target token as each
-    micro-batch's loss: the pipeline takes the loss step as an argument, as megatron's
-    ``forward_step_func``, and knows nothing of the objective."""
-    from setdiff_dist.model.pipeline import forward_backward  # (megatron's schedules)
-
-    def step(module, microbatch):
-        tokens, sample = microbatch
-        return nelbo_step(module, tokens, sample, backend)
-
-    return forward_backward(model, microbatches, 2 * seq_len, micro_batch_size, step, forward_only)
-
-
 def token_scores(module, causal_lm: bool, tokens: torch.Tensor, context: torch.Tensor,
                  padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position ``(log p(x_l | x_<l), whether x_l is the most likely token)``, ``[b, L]``

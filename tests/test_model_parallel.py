@@ -159,6 +159,7 @@ def test_permuted_and_flex_paths_give_the_dense_per_token_losses(tp_results, tp)
 
 def test_permuted_causal_gradients_equal_the_dense_mask_gradients(tp_results):
     r = tp_results[1]
+    assert r["sdpa"]["grads"] and r["sdpa"]["grads"].keys() == r["permuted_causal"]["grads"].keys()
     for name, g in r["sdpa"]["grads"].items():
         assert torch.allclose(r["permuted_causal"]["grads"][name], g, atol=1e-6, rtol=1e-4), name
 

@@ -31,14 +31,18 @@ def microbatches():
 def train_step(tp, pp, out, tag):
     from megatron.core import parallel_state as ps
 
+    from setdiff_dist.model.pipeline import forward_backward  # (megatron's schedules)
     from setdiff_dist.model.transformer import build_model, global_name, transformer_config, unshard
-    from setdiff_dist.objective import set_diffusion_forward_backward
+    from setdiff_dist.objective import nelbo_step
     from setdiff_dist.parallel import initialize_model_parallel
 
     initialize_model_parallel(tensor=tp, pipeline=pp, seed=1)
     cfg = model_cfg()
     model = build_model(cfg, transformer_config(cfg, tensor=tp, pipeline=pp), seed=7)
-    stats = set_diffusion_forward_backward(model, microbatches(), L, B, "sdpa")
+    # megatron's schedule over (tokens, orders) micro-batches, the NELBO per target token the
+    # loss step it is given (as megatron's forward_step_func)
+    stats = forward_backward(model, microbatches(), 2 * L, B,
+                             lambda module, mb: nelbo_step(module, mb[0], mb[1], "sdpa"))
     grads = {global_name(model, n): unshard(p.grad, p)[: V + 1]
              if "embedding" in global_name(model, n) else unshard(p.grad, p)
              for n, p in model.named_parameters()}

@@ -84,17 +84,6 @@ def _plot_orders(samples, L, path):
     plt.close(fig)
 
 
-def lr_at(step: int, opt_cfg, total: int) -> float:
-    if step < opt_cfg.warmup_steps:
-        return opt_cfg.lr * (step + 1) / opt_cfg.warmup_steps
-    frac = (step - opt_cfg.warmup_steps) / max(1, total - opt_cfg.warmup_steps)
-    if opt_cfg.schedule == "cosine":
-        return opt_cfg.min_lr + 0.5 * (opt_cfg.lr - opt_cfg.min_lr) * (1 + math.cos(math.pi * frac))
-    if opt_cfg.schedule == "linear":
-        return opt_cfg.lr - (opt_cfg.lr - opt_cfg.min_lr) * frac
-    return opt_cfg.lr
-
-
 def eval_bound(model, shards, objective, batches: int, batch_size: int) -> float:
     """NELBO PPL bound over the first samples of ``shards`` with fixed, seeded orders (the
     same numbers on every run)."""
@@ -172,10 +161,13 @@ def train(cfg, steps: int) -> dict:
                          micro_batch=cfg.data.micro_batch_size, seed=cfg.train.seed,
                          shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers)
     start, seen = time.perf_counter(), 0
+    from setdiff_dist.train.schedule import lr_multiplier  # (the trainer's, clamped)
+
+    schedule = lr_multiplier(cfg.optimizer, steps)
     with open(os.path.join(cfg.run_dir, "metrics.jsonl"), "w") as metrics:
         for step, micro_batches in zip(range(steps), loader):
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg.optimizer, steps)
+                group["lr"] = cfg.optimizer.lr * schedule(step)
             opt.zero_grad(set_to_none=True)
             terms = [objective.step(trained, b) for b in micro_batches]
             bounds = [fn(out) for out, fn in terms]

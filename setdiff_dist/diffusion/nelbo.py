@@ -53,10 +53,6 @@ class Nelbo:
         """The training loss: the NELBO per target token."""
         return self.total / self.tokens.clamp_min(1)
 
-    @property
-    def per_sample(self) -> torch.Tensor:
-        return self.terms.sum(dim=1)
-
 
 def nelbo(nll: torch.Tensor, sample: OrderSample, scored: torch.Tensor | None = None) -> Nelbo:
     """Weight per-token ``nll [B, L]`` (from the noisy half) by the sample's loss weights.

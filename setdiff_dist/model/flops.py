@@ -28,10 +28,6 @@ class ParamCount:
     def total(self) -> int:
         return self.embedding + self.layers + self.output + self.final_norm
 
-    @property
-    def non_embedding(self) -> int:
-        return self.layers + self.final_norm
-
 
 def _layer(m):
     """(hidden, head_dim, heads, matmul params of one layer, norm params of one layer)."""

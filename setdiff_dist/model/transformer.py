@@ -327,13 +327,6 @@ def global_name(model: SetDiffusionTransformer, name: str) -> str:
     return layout_free_name(name, layer, model.tie)
 
 
-def full_shape(param: torch.Tensor) -> list[int]:
-    shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= ps.get_tensor_model_parallel_world_size()
-    return shape
-
-
 def shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """This TP rank's slice of ``full`` for ``param`` (per its megatron attributes)."""
     if not getattr(param, "tensor_model_parallel", False):

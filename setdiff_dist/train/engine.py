@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import math
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from setdiff_dist.checkpoint.manifest import optimizer_form
+from setdiff_dist.train.schedule import lr_multiplier
 
 
 class MegatronMPU:
@@ -254,24 +254,6 @@ def time_gradient_reduction(engine, timers) -> None:
     opt = engine.optimizer
     if hasattr(opt, "reduce_ipg_grads"):
         opt.reduce_ipg_grads = timers.timed("grad_reduce", opt.reduce_ipg_grads)
-
-
-def lr_multiplier(opt_cfg, total_steps: int):
-    """The LR schedule as a multiplier of ``optimizer.lr`` for each optimizer step."""
-    floor = opt_cfg.min_lr / opt_cfg.lr if opt_cfg.lr else 0.0
-    warm = opt_cfg.warmup_steps
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        frac = min(1.0, (step - warm) / max(1, total_steps - warm))
-        if opt_cfg.schedule == "cosine":
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
-        if opt_cfg.schedule == "linear":
-            return 1 - (1 - floor) * frac
-        return 1.0
-
-    return f
 
 
 # the optimizer settings that define the LR of every step, and the other hyperparameters a

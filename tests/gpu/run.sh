@@ -28,7 +28,9 @@
 # Logs go to $OUT (default gpu-results/): one file per stage and summary.txt, whose lines are
 # the stages' results. The CPU rehearsal runs the machine's torch (2.11, its CUDA 13 build on
 # the CPU), the smoke stage, every check of tests/gpu/checks.py and the decode stage on tiny
-# shapes.
+# shapes; its stand-in python is built once per stamp and kept outside the checkout
+# (SETDIFF_REHEARSAL_CACHE, default ~/.cache/setdiff-rehearsal), so that CI's clean clones
+# reuse it.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 2
@@ -38,7 +40,7 @@ for arg in "$@"; do
     case "$arg" in
         --cpu-rehearsal) MODE=cpu ;;
         --no-install) INSTALL=0 ;;
-        -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,33p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "run.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -76,24 +78,35 @@ if [ "$MODE" = cpu ]; then
     fi
     want=$(cat tests/gpu/carry.txt tests/gpu/machine-packages.txt docker/requirements.txt \
            <(echo "$RPV $RTORCH transformers") | sha256sum | cut -c1-16)
-    if [ "$(cat "$REH/base/.stamp" 2>/dev/null)" != "$want" ]; then
+    # The stand-in (about 5 GB, minutes to install) is kept between runs outside the checkout,
+    # one per stamp (what it is built from), so that a clean clone (CI) reuses it: built in a
+    # folder of its own and moved into place once complete, older stamps' removed
+    CACHE=${SETDIFF_REHEARSAL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/setdiff-rehearsal}
+    BASE="$CACHE/base-$want"
+    if [ "$(cat "$BASE/.stamp" 2>/dev/null)" != "$want" ]; then
         t0=$(date +%s)
-        rm -rf "$REH/base"
-        "$HOSTPY" -m venv "$REH/base"
+        mkdir -p "$CACHE"
+        building="$CACHE/.building-$want-$$"
+        rm -rf "$building"
+        "$HOSTPY" -m venv "$building"
         mapfile -t provided < <("$HOSTPY" tests/gpu/wheelset.py machine-requirements \
                                 --wheels "$WHEELS" --python "$RPV")
         provided+=(transformers)  # (the machine has it; the decode stage compares with it)
-        "$REH/base/bin/python" -m pip install -q --disable-pip-version-check \
+        "$building/bin/python" -m pip install -q --disable-pip-version-check \
             "torch==$RTORCH" 2> >(grep -v "^WARNING: Location" >&2) &&
-        "$REH/base/bin/python" -m pip install -q --disable-pip-version-check \
+        "$building/bin/python" -m pip install -q --disable-pip-version-check \
             "torch==$RTORCH" -c docker/requirements.txt "${provided[@]}" \
-            2> >(grep -v "^WARNING: Location" >&2) || { echo "run.sh: could not build the" \
-            "stand-in python in $REH/base" >&2; exit 1; }
-        echo "$want" > "$REH/base/.stamp"
+            2> >(grep -v "^WARNING: Location" >&2) || { rm -rf "$building"; echo "run.sh:" \
+            "could not build the stand-in python in $building" >&2; exit 1; }
+        echo "$want" > "$building/.stamp"
+        rm -rf "$BASE" && mv -T "$building" "$BASE" || rm -rf "$building"
+        for old in "$CACHE"/base-*; do [ "$old" = "$BASE" ] || rm -rf "$old"; done
         say "rehearsal: stand-in python $RPV with torch and ${#provided[@]} of the machine's" \
-            "packages built in $(( $(date +%s) - t0 )) s ($REH/base)"
+            "packages built in $(( $(date +%s) - t0 )) s ($BASE)"
+    else
+        say "rehearsal: stand-in python $RPV reused ($BASE, stamp $want)"
     fi
-    PY="$REH/base/bin/python"
+    PY="$BASE/bin/python"
     export SETDIFF_GPU_SITE=${SETDIFF_GPU_SITE:-$REH/site}
 fi
 WHEELS=${WHEELS:-$ROOT/wheels}
