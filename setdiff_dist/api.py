@@ -40,6 +40,9 @@ class Generation:
     trace: list             # per forward step: the absolute positions committed in it
     trace_confidence: list  # and the confidence of each
     seed: Optional[int] = None  # the sampling seed it ran with (give it again to repeat it)
+    # "stop": it ended at an end-of-text, a stop string or a repeated run; "length": it
+    # reached max_new_tokens (OpenAI's and transformers' meaning)
+    finish_reason: str = "length"
 
     @property
     def tokens_per_step(self) -> float:
@@ -88,16 +91,25 @@ class Model:
                  max_new_tokens: Optional[int] = None, window: Optional[int] = None,
                  threshold: Optional[float] = None, greedy: Optional[bool] = None,
                  temperature: Optional[float] = None, top_p: Optional[float] = None,
-                 repetition_penalty: Optional[float] = None,
+                 top_k: Optional[int] = None, repetition_penalty: Optional[float] = None,
                  max_repeat_run: Optional[int] = None, stop: Iterable[str] = (),
                  eos_stop: bool = True, seed: Optional[int] = None,
-                 preset: Optional[str] = None
+                 preset: Optional[str] = None, n: int = 1
                  ) -> Union[Generation, list[Generation]]:
         """Continue each prompt (one string: one :class:`Generation`; a list: a list, decoded
         as one batch of ragged prompts; None or "": unconditional, from the end-of-text token).
         ``stop``: strings (``re:`` for a regex) added to the checkpoint's; ``eos_stop``: stop
         at end-of-text; ``seed``: the sampling seed (None: a fresh one each call, returned as
-        ``Generation.seed``; give it again to repeat a sampled call)."""
+        ``Generation.seed``; give it again to repeat a sampled call); ``top_k``: sample from
+        the k most likely tokens (0: all); ``n``: completions per prompt, the k-th sampled with
+        ``seed + k`` (as setdiff-serve's ``n``), a list prompt-major (prompt i's k-th at
+        ``i * n + k``), also for one prompt when ``n`` > 1. Each :class:`Generation` says why
+        it ended (``finish_reason``: "stop" or "length").
+
+        The horizon matters to set decoding: the window of candidates is clipped at the end of
+        the ``max_new_tokens`` span, so near its end fewer positions compete, and a greedy
+        continuation of 4 tokens need not be the first 4 of one of 16 (it is with ``window=1``,
+        and for causal checkpoints). Compare outputs at the same ``max_new_tokens``."""
         from setdiff_dist.inference.decoder import check_text
 
         single = isinstance(prompts, str) or prompts is None
@@ -107,25 +119,32 @@ class Model:
             for text in items:
                 check_text(what, text)
         d = self.settings(preset, window=window, threshold=threshold, greedy=greedy,
-                          temperature=temperature, top_p=top_p,
+                          temperature=temperature, top_p=top_p, top_k=top_k,
                           repetition_penalty=repetition_penalty,
                           max_new_tokens=max_new_tokens, max_repeat_run=max_repeat_run,
                           stop=list(stop))
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            from setdiff_dist.inference.decoder import DecodeError
+
+            raise DecodeError(f"n={n!r}: completions per prompt, an integer of 1 or more")
         tok = self.tokenizer
         # None or "": unconditional, from end-of-text (as setdiff-serve takes an empty prompt)
         ids = [tok.encode(t) if t else [tok.eos_id] for t in texts]
-        results = self._decoder.generate(
+        seed = _seed(seed)
+        seeds = [(seed + k) % 2 ** 63 for k in range(n)]  # (setdiff-serve's n: the same)
+        runs = [[_generation(r, s) for r in self._decoder.generate(
             ids, d["max_new_tokens"], window=d["window"], threshold=d["threshold"],
-            sampling=self._sampling(d, seed := _seed(seed)), stop=self._stop(d, eos_stop))
-        out = [_generation(r, seed) for r in results]
-        return out[0] if single else out
+            sampling=self._sampling(d, s), stop=self._stop(d, eos_stop))] for s in seeds]
+        out = [runs[k][i] for i in range(len(ids)) for k in range(n)]
+        return out[0] if single and n == 1 else out
 
     def infill(self, left: Union[str, Sequence[str]], right: Union[str, Sequence[str]],
                length: Union[int, Sequence[int]], *, window: Optional[int] = None,
                threshold: Optional[float] = None, greedy: Optional[bool] = None,
                temperature: Optional[float] = None, top_p: Optional[float] = None,
-               repetition_penalty: Optional[float] = None, seed: Optional[int] = None,
-               preset: Optional[str] = None) -> Union[Generation, list[Generation]]:
+               top_k: Optional[int] = None, repetition_penalty: Optional[float] = None,
+               seed: Optional[int] = None, preset: Optional[str] = None
+               ) -> Union[Generation, list[Generation]]:
         """Fill ``length`` tokens between ``left`` and ``right`` (strings, or lists of them
         with a list of lengths); a set-diffusion model sees both sides from the start."""
         single = isinstance(left, str)
@@ -133,7 +152,7 @@ class Model:
         rights = [right] if isinstance(right, str) else list(right)
         lengths = [length] * len(lefts) if isinstance(length, int) else list(length)
         d = self.settings(preset, window=window, threshold=threshold, greedy=greedy,
-                          temperature=temperature, top_p=top_p,
+                          temperature=temperature, top_p=top_p, top_k=top_k,
                           repetition_penalty=repetition_penalty)
         tok = self.tokenizer
         results = self._decoder.infill(
@@ -172,10 +191,9 @@ class Model:
 
     @staticmethod
     def _sampling(d: dict, seed: int):
-        from setdiff_dist.inference.decoder import Sampling
+        from setdiff_dist.inference.settings import sampling_of
 
-        return Sampling(greedy=d["greedy"], temperature=d["temperature"], top_p=d["top_p"],
-                        repetition_penalty=d["repetition_penalty"], seed=seed)
+        return sampling_of(d, seed)
 
     def _stop(self, d: dict, eos_stop: bool):
         from setdiff_dist.inference.decoder import StopCriteria
@@ -195,7 +213,8 @@ def _seed(seed: Optional[int]) -> int:
 
 def _generation(r, seed: int) -> Generation:
     return Generation(text=r.text, tokens=list(r.tokens), steps=r.steps, seconds=r.seconds,
-                      trace=r.trace or [], trace_confidence=r.trace_confidence or [], seed=seed)
+                      trace=r.trace or [], trace_confidence=r.trace_confidence or [], seed=seed,
+                      finish_reason=r.finish_reason)
 
 
 def load(path: Union[str, os.PathLike], tensor_parallel: int = 1,

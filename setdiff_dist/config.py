@@ -342,6 +342,8 @@ class DecodeConfig:
     greedy: bool = _f(False, "argmax instead of sampling")
     temperature: float = _f(1.0, "sampling temperature", min=0.0)
     top_p: float = _f(1.0, "nucleus sampling mass", min=0.0, max=1.0)
+    top_k: int = _f(0, "sample from the k most likely tokens only (before top_p); 0 = all",
+                    min=0)
     repetition_penalty: float = _f(1.0, "CTRL-style repetition penalty; 1 = off", min=0.0)
     max_new_tokens: int = _f(128, "length limit of the generated text", min=1)
     stop: list[str] = _f(default_factory=list, help="stop strings (a leading 're:' makes a regex)")

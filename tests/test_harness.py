@@ -124,6 +124,15 @@ def test_causal_export_scores_the_same_through_lm_evals_hf_model(runs, tmp_path)
                                                                    "bits_per_byte,none")}
     for k, v in rolling.items():
         assert v == pytest.approx(hf["results"]["setdiff_rolling"][k], rel=1e-4)
+    # lm-eval's own models stay available through setdiff-lm-eval (ours registered beside them)
+    res = run_cli("setdiff_dist.cli.lm_eval", "--model", "hf", "--model_args",
+                  f"pretrained={export},dtype=float32", "--tasks", "setdiff_choice",
+                  "--include_path", TASKS, "--batch_size", "4", "--output_path",
+                  tmp_path / "hf-out")
+    assert res.returncode == 0, res.stderr[-3000:]
+    files = [p for p in (tmp_path / "hf-out").rglob("results_*.json")]
+    got = json.loads(files[0].read_text())["results"]["setdiff_choice"]
+    assert got["acc,none"] == hf["results"]["setdiff_choice"]["acc,none"]
 
 
 def test_set_model_ar_loglikelihood_equals_one_token_at_a_time(runs):
@@ -195,12 +204,15 @@ def test_lm_evals_own_command_line_runs_our_model_and_its_tooling_reads_the_outp
     out = tmp_path / "lm-eval"
     env = child_env({**os.environ, **OFFLINE, "HF_HOME": str(runs["cache"])})
     res = subprocess.run([sys.executable, "-m", "setdiff_dist.cli.lm_eval", "--model",
-                          "setdiff", "--model_args", f"checkpoint={runs['staggered']}",
+                          "setdiff", "--model_args", f"pretrained={runs['staggered']}",
                           "--tasks", "setdiff_choice", "--include_path", TASKS,
                           "--num_fewshot", "0", "--output_path", str(out), "--log_samples"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     files = [str(p) for p in out.rglob("*") if p.is_file()]
+    # (pretrained=, lm-eval's name for the model, names the run's directory as for its models)
+    assert all(os.path.basename(str(runs["staggered"])) in os.path.relpath(f, out)
+               for f in files), files
     results = json.loads(open(get_latest_filename(get_results_filenames(files))).read())
     assert "setdiff_choice" in make_table(results)
     assert results["n-shot"]["setdiff_choice"] == 0
@@ -215,9 +227,9 @@ def test_lm_evals_own_command_line_runs_our_model_and_its_tooling_reads_the_outp
 def test_long_five_shot_prompts_are_cut_as_lm_evals_hf_cuts_them(runs, tmp_path):
     """A generation task in GSM8K's schema and format, 5-shot, whose prompts are several times
     the context: our class on the causal checkpoint and lm-eval's own ``hf`` model on its
-    ``--to-hf`` export keep the same last tokens of each prompt (saying so) and generate the
-    same text. The results record the few-shot count and go to lm-eval's own layout too, which
-    its helpers read."""
+    ``--to-hf`` export are given the same prompts (the same shots) and keep the same last
+    tokens of each (saying so) and generate the same text. The results record the few-shot
+    count and go to lm-eval's own layout too, which its helpers read."""
     from lm_eval.utils import get_latest_filename, get_results_filenames, make_table
 
     export = tmp_path / "hf"
@@ -244,6 +256,15 @@ def test_long_five_shot_prompts_are_cut_as_lm_evals_hf_cuts_them(runs, tmp_path)
     mine = {s["doc_id"]: s["resps"][0][0] for s in ours["samples"]["setdiff_gsm_long"]}
     assert sorted(mine) == sorted(theirs) == list(range(10))
     assert mine == theirs
+    # the same prompts, byte for byte: the same five shots, drawn with lm-eval's own seeds
+    # (0 / 1234 / 1234 / 1234), not ours
+    def context(sample):  # (lm-eval's "arguments": {"gen_args_0": {"arg_0": ...}} or tuples)
+        args = sample["arguments"]
+        return next(iter(args.values()))["arg_0"] if isinstance(args, dict) else args[0][0]
+
+    prompts = {s["doc_id"]: context(s) for s in ours["samples"]["setdiff_gsm_long"]}
+    assert prompts == {s["doc_id"]: context(s) for s in hf["samples"]["setdiff_gsm_long"]}
+    assert all(p.count("Question:") == 6 for p in prompts.values()), prompts[0]  # (5 shots)
     files = [str(p) for p in layout.rglob("*") if p.is_file()]
     written = json.loads(open(get_latest_filename(get_results_filenames(files))).read())
     assert written["n-shot"]["setdiff_gsm_long"] == 5 and "setdiff_gsm_long" in \
@@ -290,8 +311,10 @@ LM_EVAL_ERRORS = [
     ("an unknown key", ["--model_args", "checkpoint={missing},windw=4,beams=2"],
      ["unknown model argument(s) beams, windw of --model setdiff: windw (did you mean window?)",
       "Its model arguments are checkpoint, tensor_parallel, dtype"]),
-    ("hf's pretrained", ["--model_args", "pretrained={missing}"],
-     ["pretrained (did you mean checkpoint?)"]),
+    ("hf's pretrained=, a missing one", ["--model_args", "pretrained={missing}"],
+     ["--model_args pretrained={missing}: no such directory"]),
+    ("checkpoint and pretrained both", ["--model_args", "checkpoint={missing},pretrained=x"],
+     ["name two models; give one"]),
     ("lm-eval's own flag as a model argument", ["--model_args", "checkpoint={missing},device=cpu"],
      ["--model_args device: lm-eval sets this with its own flag: give --device ... instead"]),
     ("tensor_parallel=0", ["--model_args", "checkpoint={missing},tensor_parallel=0"],

@@ -336,12 +336,23 @@ def test_the_python_api_from_a_fresh_interpreter(run):
             "                          eos_stop=False) for _ in range(4)]\n"
             "again = model.generate('Shall I', max_new_tokens=8, greedy=False, eos_stop=False,\n"
             "                       seed=sampled[1].seed)\n"
+            "cut = model.generate('Shall I compare thee', max_new_tokens=12, window=4,\n"
+            "    threshold=0.2, greedy=True, eos_stop=False, stop=[one.text[:1]])\n"
+            "k1 = model.generate('Shall I', max_new_tokens=8, window=1, greedy=False, top_k=1,\n"
+            "                    eos_stop=False)\n"
+            "g1 = model.generate('Shall I', max_new_tokens=8, window=1, greedy=True,\n"
+            "                    eos_stop=False)\n"
+            "three = model.generate('Shall I', max_new_tokens=8, greedy=False, eos_stop=False,\n"
+            "                       seed=sampled[0].seed, n=3)\n"
             "print(json.dumps({'tokens': [g.tokens for g in out], 'one': one.tokens,\n"
             "    'text': one.text, 'steps': one.steps, 'trace': one.trace, 'll': ll,\n"
             "    'score': model.score(['Shall I compare thee', 'Love']),\n"
             "    'score1': model.score('Love'), 'exact': model.exact, 'repr': repr(model),\n"
             "    'empty': empty, 'sampled': [[g.tokens, g.seed] for g in sampled],\n"
             "    'again': [again.tokens, again.seed],\n"
+            "    'finish': [one.finish_reason, cut.finish_reason, cut.text],\n"
+            "    'top_k': [k1.tokens, g1.tokens],\n"
+            "    'n': [[g.tokens, g.seed] for g in three],\n"
             "    'first_token_s': t1 - t0, 'modules': sorted({'megatron', 'megatron.core',\n"
             "    'deepspeed', 'transformer_engine', 'apex'} & set(sys.modules))}))\n")
     res = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True,
@@ -363,6 +374,12 @@ def test_the_python_api_from_a_fresh_interpreter(run):
     tokens, seeds = zip(*got["sampled"])
     assert len({tuple(t) for t in tokens}) > 1 and len(set(seeds)) == 4
     assert got["again"] == [tokens[1], seeds[1]]
+    # finish_reason as OpenAI and transformers say it; top_k=1 samples the argmax
+    assert got["finish"][:2] == ["length", "stop"] and len(got["finish"][2]) < len(got["text"])
+    assert got["top_k"][0] == got["top_k"][1]
+    # n completions: the k-th sampled with seed + k (the first is the seeded call's own)
+    assert len(got["n"]) == 3 and got["n"][0] == list(got["sampled"][0])
+    assert [s for _, s in got["n"]] == [(seeds[0] + k) % 2 ** 63 for k in range(3)]
     # scoring: what setdiff-eval's scorer answers (one and the same code), in nats; the
     # process group this sets up (as at TP=1: no megatron) ends with the test, as do the
     # variables it sets: none may stay in this process

@@ -320,3 +320,28 @@ def test_variable_length_samples_stop_and_are_drawn_again_as_the_reference_does(
     assert out["draws"] == 4 and out["stops"] == {"drawn_again": 2, "eos": 1, "length": 1}
     assert out["mean_length"] == (81 + 150) / 2 and out["examples"][0] == Tok().decode(
         varied[:80])
+
+
+def test_top_k_samples_among_the_k_most_likely_tokens_only():
+    """Sampling(top_k=k): every draw is one of the k largest logits (before top_p, as
+    transformers' warpers); k = 1 is the argmax; 0 is every token; a negative k is refused."""
+    from setdiff_dist.inference.decoding import DecodeError, Sampling
+    from setdiff_dist.inference.sampling import pick
+
+    logits = torch.randn(4, 6, 50, generator=torch.Generator().manual_seed(0))
+    top3 = logits.topk(3, dim=-1).indices
+    seen = set()
+    for seed in range(40):
+        gen = torch.Generator().manual_seed(seed)
+        toks, conf = pick(logits, Sampling(temperature=1.5, top_k=3), gen)
+        t = torch.tensor(toks)
+        assert (top3 == t[..., None]).any(-1).all()
+        seen |= set(t.flatten().tolist())
+        one, _ = pick(logits, Sampling(temperature=1.5, top_k=1), gen)
+        assert one == logits.argmax(-1).tolist()
+    assert len(seen) > 12  # (it does sample: not always the argmax)
+    every = {t for seed in range(40) for row in pick(
+        logits, Sampling(temperature=3.0), torch.Generator().manual_seed(seed))[0] for t in row}
+    assert len(every) > len(seen)
+    with pytest.raises(DecodeError, match="top_k=-1"):
+        Sampling(top_k=-1)

@@ -63,15 +63,21 @@ class Server:
                                               **kw)
 
     def metrics(self) -> dict:
-        """The Prometheus samples without labels, and ``requests_<outcome>``."""
+        """The Prometheus samples by name (every one carries the served model's name, as
+        vLLM's do; histogram buckets left out), ``requests_<outcome>`` and
+        ``success_<finished_reason>``."""
         out = {}
         for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith("#"):
+            if line.startswith("#") or 'le="' in line:
                 continue
             name, value = line.rsplit(" ", 1)
-            if name.startswith("setdiff_requests_total{"):
-                name = "requests_" + name.split('"')[1]
-            out[name] = float(value)
+            base, labels = name.split("{", 1)
+            assert f'model_name="{self.name}"' in labels, line
+            if base == "setdiff_requests_total":
+                base = "requests_" + labels.split('outcome="')[1].split('"')[0]
+            elif base == "vllm:request_success_total":
+                base = "success_" + labels.split('finished_reason="')[1].split('"')[0]
+            out[base] = float(value)
         return out
 
     def wait_for(self, what, timeout=60):
@@ -161,7 +167,7 @@ def test_a_greedy_completion_equals_setdiff_generate_alone_and_beside_others(ser
                enumerate(others)]
     for t in threads:
         t.start()
-    server.wait_for(lambda m: m["setdiff_batch_size"] >= 4)
+    server.wait_for(lambda m: m["vllm:num_requests_running"] >= 4)
     ask("target", prompt=prompt, return_token_ids=True, **GREEDY)
     for t in threads:
         t.join()
@@ -217,6 +223,11 @@ def test_n_completions_are_independent_rows_each_repeatable_from_its_seed(server
     assert two.usage.completion_tokens == sum(
         server.complete(p, **dict(seeded, seed=11 + k)).usage.completion_tokens
         for p in ("Rough winds", "Shall I") for k in range(2))
+    # vLLM's top_k: 1 samples the argmax (one candidate a step: window 1), whatever the seed
+    argmax = [server.complete("Rough winds", window=1, max_tokens=8, temperature=1.0, seed=s,
+                              extra_body={"top_k": 1}).choices[0].text for s in (1, 2)]
+    greedy = server.complete("Rough winds", window=1, max_tokens=8, temperature=0)
+    assert argmax == [greedy.choices[0].text] * 2
 
 
 def test_stop_strings_end_the_text_before_them(server):
@@ -292,13 +303,29 @@ def test_models_health_and_metrics(server):
     assert [m.id for m in models] == ["tiny"] and models[0].max_model_len == 32
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
     m = server.metrics()
-    for name in ("setdiff_generation_tokens_total", "setdiff_prompt_tokens_total",
-                 "setdiff_tokens_per_step_count", "setdiff_queue_depth", "setdiff_batch_size",
-                 "setdiff_request_latency_seconds_count",
-                 "setdiff_time_to_first_token_seconds_count", "setdiff_step_seconds_count"):
+    # vLLM's names and model_name label (its dashboards apply), and set decoding's own
+    for name in ("vllm:generation_tokens_total", "vllm:prompt_tokens_total",
+                 "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:time_to_first_token_seconds_count",
+                 "vllm:time_per_output_token_seconds_count",
+                 "vllm:request_queue_time_seconds_count", "setdiff_tokens_per_step_count",
+                 "setdiff_step_seconds_count", "setdiff_step_batch_size_count"):
         assert name in m, name
-    assert m["setdiff_generation_tokens_total"] > 0 and m["requests_completed"] > 0
+    assert m["vllm:generation_tokens_total"] > 0 and m["requests_completed"] > 0
+    assert m["success_stop"] + m["success_length"] == m["requests_completed"]
+    assert m["vllm:time_per_output_token_seconds_count"] > 0
     assert not [k for k in m if k.endswith("_created")]  # (no series dashboards never read)
+    # vLLM's /tokenize and /detokenize, under the model's tokenizer, both ways
+    ids = httpx.post(f"{server.url}/tokenize", json={"model": "tiny",
+                                                      "prompt": "Rough winds"}).json()
+    assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_model_len"] == 32
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids["tokens"]}).json()
+    assert text == {"prompt": "Rough winds"}
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [10 ** 9]})
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+    other = httpx.post(f"{server.url}/tokenize", json={"model": "x", "prompt": "a"})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
 
 def _long(small, **kw):
@@ -310,12 +337,12 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_frees_its_row(small):
     base = small.metrics()
     stream = _long(small, stream=True)
     next(iter(stream))  # it runs
-    small.wait_for(lambda m: m["setdiff_batch_size"] == 1)
+    small.wait_for(lambda m: m["vllm:num_requests_running"] == 1)
     queued = {}
     waiter = threading.Thread(target=lambda: queued.setdefault(
         "r", small.complete("Shall I", max_tokens=5, temperature=0)))
     waiter.start()
-    small.wait_for(lambda m: m["setdiff_queue_depth"] == 1)
+    small.wait_for(lambda m: m["vllm:num_requests_waiting"] == 1)
     res = httpx.post(f"{small.url}/v1/completions", timeout=30, json={
         "model": "tiny", "prompt": "Shall I", "max_tokens": 5})
     assert res.status_code == 429 and res.headers["Retry-After"] == "1"
@@ -333,7 +360,7 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_frees_its_row(small):
     with pytest.raises(openai.APITimeoutError):
         _long(small, timeout=1.0)
     small.wait_for(lambda m: m["requests_cancelled"] - base["requests_cancelled"] == 2
-                   and m["setdiff_batch_size"] == 0, timeout=30)
+                   and m["vllm:num_requests_running"] == 0, timeout=30)
 
 
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(small):
@@ -348,9 +375,10 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(small):
 
     threads = [threading.Thread(target=ask) for _ in range(2)]
     threads[0].start()  # it runs (one row) ...
-    small.wait_for(lambda m: m["setdiff_batch_size"] == 1)
+    small.wait_for(lambda m: m["vllm:num_requests_running"] == 1)
     threads[1].start()  # ... and this one waits (a queue of one)
-    small.wait_for(lambda m: m["setdiff_batch_size"] == 1 and m["setdiff_queue_depth"] == 1)
+    small.wait_for(lambda m: m["vllm:num_requests_running"] == 1
+                   and m["vllm:num_requests_waiting"] == 1)
     small.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     with pytest.raises(httpx.ConnectError):  # no new connections
@@ -452,7 +480,7 @@ def test_tensor_parallel_serving_under_torchrun_answers_as_tp1(server, set_run, 
         asker = threading.Thread(target=lambda: failed.append(pytest.raises(
             openai.APIStatusError, _long, two).value))
         asker.start()
-        two.wait_for(lambda m: m["setdiff_batch_size"] == 1)
+        two.wait_for(lambda m: m["vllm:num_requests_running"] == 1)
         os.kill(rank1[0], signal.SIGKILL)
         asker.join(timeout=60)
         assert failed and "tensor-parallel" in str(failed[0]), failed
@@ -525,7 +553,7 @@ def test_bad_requests_beside_three_running_get_a_400_and_the_three_finish(server
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    server.wait_for(lambda m: m["setdiff_batch_size"] >= 3)
+    server.wait_for(lambda m: m["vllm:num_requests_running"] >= 3)
     url = f"{server.url}/v1/completions"
     cases = [(dict(max_tokens=10 ** 12), "max_tokens=1000000000000 is more than this server "
               "allows (4096"), (dict(max_tokens=2 ** 63), "allows (4096"),
@@ -549,7 +577,7 @@ def test_bad_requests_beside_three_running_get_a_400_and_the_three_finish(server
         assert res.status_code == 400 and said in res.json()["error"]["message"], res.text
     res = httpx.get(f"{server.url}/v1/nothing", timeout=30)
     assert res.status_code == 404 and res.json()["error"]["message"] == "Not Found"
-    assert server.metrics()["setdiff_batch_size"] >= 3  # (all of it beside the three)
+    assert server.metrics()["vllm:num_requests_running"] >= 3  # (all of it beside the three)
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
@@ -794,7 +822,7 @@ def test_sigterm_drains_within_its_deadline(guarded):
         (openai.APIError, httpx.HTTPError), guarded.complete, "Shall I", max_tokens=100000,
         window=1, ignore_eos=True, temperature=0)))
     asker.start()
-    guarded.wait_for(lambda m: m["setdiff_batch_size"] == 1)
+    guarded.wait_for(lambda m: m["vllm:num_requests_running"] == 1)
     start = time.monotonic()
     guarded.proc.send_signal(signal.SIGTERM)
     assert guarded.proc.wait(timeout=60) == 0, guarded.output()

@@ -145,6 +145,8 @@ def add_decode_arguments(ap) -> None:
                     help="sampling temperature (with --no-greedy; 0 = greedy)")
     ap.add_argument("--top-p", type=float, help="nucleus sampling: keep the smallest set of "
                     "tokens whose probabilities add up to p (1 = all)")
+    ap.add_argument("--top-k", type=count(0), help="sample from the k most likely tokens "
+                    "only, before --top-p (0 = all)")
     ap.add_argument("--repetition-penalty", type=float,
                     help="penalize the tokens the sample already holds (CTRL's rule: a "
                          "positive logit divided by it, a negative one multiplied; 1 = none)")
@@ -166,6 +168,7 @@ def check_decode_flags(args) -> None:
     from setdiff_dist.inference.decoder import Sampling, check_threshold
 
     Sampling(**{k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
+                                  ("top_k", args.top_k),
                                   ("repetition_penalty", args.repetition_penalty))
                 if v is not None})
     if args.threshold is not None:

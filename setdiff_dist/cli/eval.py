@@ -144,8 +144,8 @@ def main(argv=None) -> int:
     from setdiff_dist.api import load
     from setdiff_dist.checkpoint.weights import provenance
     from setdiff_dist.eval import tasks
-    from setdiff_dist.inference.decoder import DecodeError, Sampling, check_text
-    from setdiff_dist.inference.settings import decode_settings
+    from setdiff_dist.inference.decoder import DecodeError, check_text
+    from setdiff_dist.inference.settings import decode_settings, sampling_of
 
     # everything that can be checked before a model load is
     check_decode_flags(args)
@@ -263,8 +263,7 @@ def main(argv=None) -> int:
                  else args.greedy)
     d = decode_settings(cfg, args.preset or {"gsm": "gsm", "infill": "infill"}.get(args.task),
                         **flags)
-    sampling = Sampling(greedy=d["greedy"], temperature=d["temperature"], top_p=d["top_p"],
-                        repetition_penalty=d["repetition_penalty"])
+    sampling = sampling_of(d)
     if args.task == "harness":
         lm = harness.SetdiffLM(loaded=(model, cfg, tok), batch_size=args.batch_size,
                                preset=args.preset, **flags)
@@ -325,7 +324,8 @@ def main(argv=None) -> int:
     result = {"task": args.task, **provenance(args.checkpoint, args.raw_weights), **result}
     if args.task not in ("ppl", "choice", "harness"):
         result["decode"] = {k: d[k] for k in ("window", "threshold", "greedy", "temperature",
-                                              "top_p", "repetition_penalty", "max_new_tokens")}
+                                              "top_p", "top_k", "repetition_penalty",
+                                              "max_new_tokens")}
         if args.mdlm_block is not None:
             result["decode"]["mdlm_block"] = args.mdlm_block
     # (harness: each task's requests carry their own max_gen_toks and until; the results'

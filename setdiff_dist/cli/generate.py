@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         results = model.infill([args.infill_left or ""], [args.infill_right or ""],
                                [args.infill_length], seed=args.seed, preset=args.preset,
                                **{k: flags[k] for k in ("window", "threshold", "greedy",
-                                                        "temperature", "top_p",
+                                                        "temperature", "top_p", "top_k",
                                                         "repetition_penalty")})
         prompts = [args.infill_left or ""]
     else:

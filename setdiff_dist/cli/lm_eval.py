@@ -8,7 +8,9 @@ imported: an installed package cannot register one for ``lm_eval --model setdiff
 has no plug-in entry point for models). This command imports our class
 (:class:`setdiff_dist.eval.harness.SetdiffLM`, registered as ``setdiff``) and then runs
 ``lm_eval``'s command line as is, with all its arguments, outputs and tooling (``--device``
-defaults to a GPU when there is one, else the CPU, where lm-eval's is ``cuda:0``).
+defaults to a GPU when there is one, else the CPU, where lm-eval's is ``cuda:0``); lm-eval's own
+models (``--model hf``, ``local-completions``, ...) stay available. ``--model_args
+pretrained=DIR`` names the checkpoint as lm-eval's models do (``checkpoint=DIR`` too).
 
 With ``--model setdiff``, what the user can get wrong is said in one line
 (``setdiff-lm-eval: error: ...``, exit code 2) rather than as a traceback: the model arguments
@@ -45,6 +47,10 @@ def main(argv=None) -> int:
         ns = cli.parse_args()
     finally:
         sys.argv = saved
+    if getattr(ns, "command", None) == "run" and getattr(ns, "model", None) != "setdiff":
+        # lm-eval loads its own models only while its registry is empty, and ours is in it:
+        # load them as it would have (--model hf, vllm, local-completions, ...)
+        import lm_eval.models  # noqa: F401
     if getattr(ns, "command", None) == "run" and getattr(ns, "model", None) == "setdiff":
         harness.batch_rows(getattr(ns, "batch_size", None), getattr(ns, "max_batch_size", None))
         harness.check_model_args(dict(getattr(ns, "model_args", None) or {}),

@@ -154,7 +154,7 @@ def serve(model, args, channel) -> int:
     from setdiff_dist.serve.scheduler import Scheduler
 
     name = args.served_model_name or _model_name(args.checkpoint)
-    metrics = Metrics(name)
+    metrics = Metrics(name, max_batch=args.max_batch_size)
     scheduler = Scheduler(model.decoder, max_batch=args.max_batch_size,
                           max_queue=args.max_queue, metrics=metrics, channel=channel)
     ctx = mp.get_context("spawn")  # (not fork: this process has torch's and gloo's threads)

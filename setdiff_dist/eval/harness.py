@@ -40,17 +40,23 @@ class SetdiffLM(TemplateLM):
     def __init__(self, checkpoint: Optional[str] = None, *, loaded=None, tensor_parallel: int = 1,
                  dtype: str = "auto", batch_size=8, raw_weights: bool = False,
                  preset: Optional[str] = None, device: Optional[str] = None,
-                 max_batch_size=None, **decode):
+                 max_batch_size=None, pretrained: Optional[str] = None, **decode):
         """``checkpoint``: a checkpoint or export directory (or ``loaded``: ``(model, config,
-        tokenizer)`` already built). ``decode``: decoding settings over the checkpoint's
-        ``decode`` section and ``preset`` (window, threshold, greedy, temperature, top_p,
-        repetition_penalty, max_new_tokens, max_repeat_run). ``device``, ``batch_size`` and
-        ``max_batch_size`` are what lm-eval's command line passes every model (``batch_size``
-        "auto": 8; ``max_batch_size``: its cap)."""
+        tokenizer)`` already built); ``pretrained``, the name lm-eval's own models take (and
+        names its output directories by), says the same. ``decode``: decoding settings over
+        the checkpoint's ``decode`` section and ``preset`` (window, threshold, greedy,
+        temperature, top_p, top_k, repetition_penalty, max_new_tokens, max_repeat_run).
+        ``device``, ``batch_size`` and ``max_batch_size`` are what lm-eval's command line
+        passes every model (``batch_size`` "auto": 8; ``max_batch_size``: its cap)."""
         super().__init__()
         from setdiff_dist.inference.decoder import decoder_for
         from setdiff_dist.inference.settings import decode_settings
 
+        if pretrained is not None:
+            if checkpoint is not None and checkpoint != pretrained:
+                raise ScoreError(f"--model_args: checkpoint={checkpoint} and pretrained="
+                                 f"{pretrained} name two models; give one")
+            checkpoint = pretrained
         given = dict(decode, tensor_parallel=tensor_parallel, dtype=dtype,
                      raw_weights=raw_weights, preset=preset)
         if loaded is None:
@@ -142,13 +148,15 @@ class SetdiffLM(TemplateLM):
         room for the generation (with a line saying so), the text cut at the first ``until``
         string."""
         from setdiff_dist.errors import rank_and_world
-        from setdiff_dist.inference.decoder import Sampling, StopCriteria
+        from setdiff_dist.inference.decoder import StopCriteria
+        from setdiff_dist.inference.settings import sampling_of
 
         g = generation_settings(kwargs, self.max_gen_toks)
         until, max_new, greedy = g["until"], g["max_gen_toks"], g["greedy"]
         d = self.decode
         temperature = g.get("temperature", d["temperature"]) if not greedy else 1.0
         top_p = g.get("top_p", d["top_p"])
+        top_k = g.get("top_k", d["top_k"])
         window = d["window"]
         # what hf keeps of a context: the model's length minus the generation's (set decoding
         # also needs its first window in the cache)
@@ -169,12 +177,13 @@ class SetdiffLM(TemplateLM):
                   f"generated; their left ends are cut (up to {max(cut)} tokens), as lm-eval's "
                   "hf model cuts them", file=sys.stderr, flush=True)
         prompts = [e[-keep:] for e in encoded]
-        sampling = Sampling(greedy=greedy, temperature=temperature, top_p=top_p,
-                            repetition_penalty=d["repetition_penalty"])
+        sampling = sampling_of(dict(d, greedy=greedy, temperature=temperature, top_p=top_p,
+                                    top_k=top_k))
         stop = StopCriteria(eos_id=self.tok.eos_id, stop=tuple(u for u in until if u),
                             max_repeat_run=d["max_repeat_run"])
         used = json.dumps({"max_new_tokens": max_new, "until": until, "greedy": greedy,
                            "temperature": sampling.temperature, "top_p": top_p,
+                           "top_k": top_k,
                            "window": window, "threshold": d["threshold"],
                            "repetition_penalty": d["repetition_penalty"]}, default=str)
         self.generated[used] = self.generated.get(used, 0) + len(contexts)
@@ -216,6 +225,12 @@ def check_model_args(args: dict, need_checkpoint: bool = True) -> None:
         tensor_parallel_size,
     )
 
+    args, name = dict(args), "pretrained" if "pretrained" in args else "checkpoint"
+    if "pretrained" in args:  # (lm-eval's name for it, which names its output directories)
+        if args.get("checkpoint") not in (None, args["pretrained"]):
+            raise ScoreError(f"--model_args: checkpoint={args['checkpoint']} and pretrained="
+                             f"{args['pretrained']} name two models; give one")
+        args["checkpoint"] = args.pop("pretrained")
     flags = [k for k in args if k in LM_EVAL_FLAGS]
     if flags:
         raise ScoreError(f"--model_args {', '.join(flags)}: lm-eval sets "
@@ -226,7 +241,7 @@ def check_model_args(args: dict, need_checkpoint: bool = True) -> None:
     if unknown:
         hints = []
         for key in unknown:
-            near = ["checkpoint"] if key in ("pretrained", "path", "model") else \
+            near = ["checkpoint"] if key in ("path", "model") else \
                 difflib.get_close_matches(key, known, n=1)
             if near:
                 hints.append(f"{key} (did you mean {near[0]}?)")
@@ -235,15 +250,16 @@ def check_model_args(args: dict, need_checkpoint: bool = True) -> None:
                          f"arguments are {', '.join(MODEL_ARGS)} and the decoding settings "
                          f"{', '.join(DECODE_KEYS)}")
     if need_checkpoint and not args.get("checkpoint"):
-        raise ScoreError("--model_args: give checkpoint=DIR (a training run, a checkpoint or a "
-                         "setdiff-convert export directory): --model_args checkpoint=runs/NAME")
+        raise ScoreError("--model_args: give checkpoint=DIR or pretrained=DIR (a training run, a "
+                         "checkpoint or a setdiff-convert export directory): --model_args "
+                         "pretrained=runs/NAME")
     try:
         if args.get("dtype") is not None:
             model_dtype(args["dtype"], "dtype")
         if args.get("tensor_parallel") is not None:
             tensor_parallel_size(args["tensor_parallel"], "tensor_parallel")
         if need_checkpoint:
-            check_model_path(args["checkpoint"], "checkpoint")
+            check_model_path(args["checkpoint"], name)
     except LoadError as exc:
         raise ScoreError(f"--model_args {exc}") from None
     raw = args.get("raw_weights")
@@ -288,15 +304,15 @@ def _progress(total: int, what: str, disable: bool):
 
 
 SUPPORTED = ("until", "max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens",
-             "do_sample", "temperature", "top_p", "num_beams")
+             "do_sample", "temperature", "top_p", "top_k", "num_beams")
 
 
 def generation_settings(kwargs: dict, default_max_gen_toks: int = SetdiffLM.max_gen_toks) -> dict:
     """A generation request's (or a task's) settings as lm-eval's own ``normalize_gen_kwargs``
     reads them (the aliases of ``max_gen_toks``, ``do_sample`` against ``temperature``), and
     what our decoder makes of them: ``until`` (a list), ``max_gen_toks``, ``greedy`` and the
-    sampling ``temperature`` / ``top_p`` given. A setting we cannot honour (beam search, any
-    other key) is a :class:`ScoreError` naming it."""
+    sampling ``temperature`` / ``top_p`` / ``top_k`` given. A setting we cannot honour (beam
+    search, any other key) is a :class:`ScoreError` naming it."""
     from lm_eval.models.utils import normalize_gen_kwargs
 
     unknown = sorted(set(kwargs) - set(SUPPORTED))
@@ -317,6 +333,8 @@ def generation_settings(kwargs: dict, default_max_gen_toks: int = SetdiffLM.max_
         out["greedy"] = True
     if "top_p" in g and g["top_p"] is not None:
         out["top_p"] = float(g["top_p"])
+    if g.get("top_k") is not None:
+        out["top_k"] = int(g["top_k"])
     return out
 
 
@@ -403,8 +421,14 @@ def load_tasks(tasks: list[str], manager) -> tuple[list, list]:
             list(loaded["tasks"].values()))
 
 
+# lm-eval's own seeds (simple_evaluate's and its command line's defaults: python's random,
+# numpy, torch, the few-shot sampler): the same few-shot examples as lm-eval picks
+LM_EVAL_SEEDS = (0, 1234, 1234, 1234)
+
+
 def run(lm: SetdiffLM, manager, tasks: list, limit: Optional[int],
-        num_fewshot: Optional[int] = None, log_samples: bool = False, seed: int = 0,
+        num_fewshot: Optional[int] = None, log_samples: bool = False,
+        seeds: tuple = LM_EVAL_SEEDS,
         gen_kwargs: Optional[str] = None, output_path: Optional[str] = None,
         names: Optional[list[str]] = None, on_result=None) -> dict:
     """Run the harness's ``tasks`` (names, or :func:`load_tasks`' objects) on ``lm``, one at a
@@ -412,7 +436,9 @@ def run(lm: SetdiffLM, manager, tasks: list, limit: Optional[int],
     loses none of the finished ones; with ``output_path``, each task's results and samples in
     lm-eval's own layout there (its ``EvaluationTracker``: what lm-eval's tooling reads). The
     result: the harness's results reduced to JSON, the few-shot count (``n-shot``) and task
-    configs, and the generation settings the requests decoded with (``generation``)."""
+    configs, and the generation settings the requests decoded with (``generation``).
+    ``seeds``: python's, numpy's, torch's and the few-shot sampler's, by default lm-eval's
+    own, so that a task's few-shot examples are the ones lm-eval picks."""
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
 
@@ -423,8 +449,8 @@ def run(lm: SetdiffLM, manager, tasks: list, limit: Optional[int],
         out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit,
                                       num_fewshot=num_fewshot, log_samples=log_samples,
                                       gen_kwargs=gen_kwargs, evaluation_tracker=tracker,
-                                      random_seed=seed, numpy_random_seed=seed,
-                                      torch_random_seed=seed, fewshot_random_seed=seed)
+                                      random_seed=seeds[0], numpy_random_seed=seeds[1],
+                                      torch_random_seed=seeds[2], fewshot_random_seed=seeds[3])
         if out is None:  # (the harness reports on global rank 0 only)
             continue
         samples = out.pop("samples", None)

@@ -44,8 +44,12 @@ class Sampling:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int = 0
+    top_k: int = 0  # the k most likely tokens only (0: all), before top_p, as transformers'
 
     def __post_init__(self):
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise DecodeError(f"top_k={self.top_k!r}: it must be an integer, 0 (all tokens) or "
+                              "the number of most likely tokens to sample from")
         checks = (("temperature", self.temperature,
                    lambda v: v == 0 or FLOAT32_TINY <= v <= FLOAT32_MAX,
                    f"0 (greedy) or from {FLOAT32_TINY:.3g} (float32's smallest normal number: "
@@ -140,7 +144,7 @@ class Rules:
         s = self.sampling
         greedy = s.greedy or s.temperature == 0
         return (greedy, None if greedy else s.temperature, None if greedy else s.top_p,
-                s.repetition_penalty)
+                None if greedy else s.top_k, s.repetition_penalty)
 
 
 @dataclass
@@ -231,7 +235,8 @@ class Sample:
         ids = self.output()
         return Result(ids, tok.decode(ids), self.steps, seconds,
                       trace=[[p for p, _ in step] for step in self.trace],
-                      trace_confidence=[[c for _, c in step] for step in self.trace])
+                      trace_confidence=[[c for _, c in step] for step in self.trace],
+                      finish_reason="stop" if self.end is not None else "length")
 
 
 @dataclass
@@ -242,6 +247,7 @@ class Result:
     seconds: float
     trace: Optional[list] = None  # per forward step: the absolute positions committed in it
     trace_confidence: Optional[list] = None  # and the confidence of each
+    finish_reason: str = "length"  # "stop": a stop criterion ended it; "length": the budget
 
     @property
     def tokens_per_step(self) -> float:

@@ -18,7 +18,7 @@ def fresh_seed() -> int:
 def pick(logits, sampling, gen, seen=None, counts=None, failed=None):
     """Every sample's choices for its candidate rows of ``logits [B, M, V]`` in a few
     batched ops where the logits are (a repetition penalty over ``seen[b]``, the token ids
-    sample ``b`` holds; temperature, top-p, then greedy or a draw); only ``[B, M]`` token ids
+    sample ``b`` holds; temperature, top-k, top-p, then greedy or a draw); only ``[B, M]`` token ids
     and confidences go to the host.
 
     A draw inverts each row's cumulative distribution at a uniform number (the token whose
@@ -68,6 +68,10 @@ def pick(logits, sampling, gen, seen=None, counts=None, failed=None):
         # first, the division cannot reach inf - inf (softmax's own shift)
         scaled = (logits - logits.max(-1, keepdim=True).values) / sampling.temperature
     probs = torch.softmax(scaled, -1)
+    if 0 < sampling.top_k < V:  # (ties with the k-th stay in, as transformers' top-k)
+        kth = probs.topk(sampling.top_k, dim=-1).values[..., -1:]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
     if sampling.top_p < 1.0:
         sorted_p, idx = probs.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p > sampling.top_p

@@ -11,8 +11,23 @@ PRESETS = {
     "gsm": {"window": None, "greedy": True},  # W = D, greedy
     "infill": {"window": 32, "greedy": True, "repetition_penalty": 1.2},  # an S <= 32 model
 }
-DECODE_KEYS = ("window", "threshold", "greedy", "temperature", "top_p", "repetition_penalty",
-               "max_new_tokens", "max_repeat_run")
+DECODE_KEYS = ("window", "threshold", "greedy", "temperature", "top_p", "top_k",
+               "repetition_penalty", "max_new_tokens", "max_repeat_run")
+# the settings that say how a token is chosen (:class:`~.decoding.Sampling`'s, less the seed)
+SAMPLING_KEYS = ("greedy", "temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def sampling_of(settings, seed: int = 0):
+    """The :class:`~setdiff_dist.inference.decoding.Sampling` of resolved decoding settings
+    (a dict with :data:`SAMPLING_KEYS`, or an object with them as attributes): the one
+    conversion every caller makes (the API, setdiff-eval, the harness, the server)."""
+    from setdiff_dist.inference.decoding import Sampling
+
+    get = settings.get if isinstance(settings, dict) else \
+        (lambda k, default=None: getattr(settings, k, default))
+    return Sampling(greedy=bool(get("greedy")), temperature=get("temperature"),
+                    top_p=get("top_p"), top_k=get("top_k", 0) or 0,
+                    repetition_penalty=get("repetition_penalty"), seed=seed)
 
 
 def inference_dtype(name: str):

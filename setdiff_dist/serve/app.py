@@ -3,6 +3,7 @@
 
 - ``POST /v1/completions``: OpenAI's fields (``model``, ``prompt``: a string, a list of them,
   token ids or a list of those; ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
+  vLLM's ``top_k``,
   ``stream``, ``stream_options``, ``n`` = 1, ``user``) and set decoding's (``window``,
   ``threshold``, ``repetition_penalty``, ``max_repeat_run``, ``ignore_eos``,
   ``return_token_ids``). What a request leaves out comes from the checkpoint's ``decode``
@@ -12,7 +13,9 @@
 - ``stream: true``: server-sent events, one chunk per decoding step that makes new text. The
   text is the part of the completion committed and contiguous from the prompt, so the chunks
   add up to exactly the final text although set decoding commits positions out of order.
-- ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+- ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus); vLLM's ``POST
+  /tokenize`` (``{"prompt"}`` -> ``{"tokens", "count", "max_model_len"}``) and ``POST
+  /detokenize`` (``{"tokens"}`` -> ``{"prompt"}``), under the model's own tokenizer.
 
 Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, on every route:
 400 for bad JSON, an unknown field, a value out of range (``max_tokens`` above the server's cap,
@@ -78,6 +81,8 @@ class CompletionRequest(BaseModel):
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    # (vLLM's extension: the k most likely tokens only; 0 or -1: all)
+    top_k: Optional[int] = Field(None, ge=-1)
     stop: Optional[Union[str, list[str]]] = Field(None)
     seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
     stream: bool = False
@@ -116,6 +121,20 @@ class CompletionRequest(BaseModel):
             raise ValueError("threshold is NaN: give a confidence in [0, 1], or inf for one "
                              "token per step")
         return v
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a text's token ids under the model's tokenizer."""
+
+    model: Optional[str] = None
+    prompt: str
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): the text of token ids."""
+
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 class StrictCompletionRequest(CompletionRequest):
@@ -171,7 +190,9 @@ class Service:
         greedy = None if req.temperature is None else req.temperature == 0
         d = self.model.settings(None, window=req.window, threshold=req.threshold,
                                 greedy=greedy, temperature=req.temperature or None,
-                                top_p=req.top_p, repetition_penalty=req.repetition_penalty,
+                                top_p=req.top_p, top_k=None if req.top_k is None
+                                else max(req.top_k, 0),
+                                repetition_penalty=req.repetition_penalty,
                                 max_new_tokens=req.max_tokens,
                                 max_repeat_run=req.max_repeat_run)
         if req.max_tokens is None:  # (the checkpoint's length, within what the server allows)
@@ -202,7 +223,7 @@ class Service:
                             max_tokens=d["max_new_tokens"], window=d["window"],
                             threshold=d["threshold"], greedy=d["greedy"],
                             temperature=d["temperature"], top_p=d["top_p"],
-                            repetition_penalty=d["repetition_penalty"],
+                            top_k=d["top_k"], repetition_penalty=d["repetition_penalty"],
                             seed=(seed + k) % 2 ** 63, stop=tuple(stop),
                             patterns=tuple(d["stop"]), eos_stop=not req.ignore_eos,
                             max_repeat_run=d["max_repeat_run"])
@@ -329,6 +350,35 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
             "owned_by": "setdiff-dist", "max_model_len": service.model.context,
             "decoding": service.model.decoding}]}
 
+    def unknown_model(name):
+        if name is not None and name != service.name:
+            return bad_request(f"the model {name!r} does not exist: this server serves "
+                               f"{service.name!r} (GET /v1/models)", param="model",
+                               code="model_not_found", status=404)
+        return None
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        if (wrong := unknown_model(req.model)) is not None:
+            return wrong
+        try:
+            check_text("prompt", req.prompt)
+        except DecodeError as exc:
+            return bad_request(str(exc), param="prompt")
+        ids = await asyncio.to_thread(service.model.tokenizer.encode, req.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": service.model.context}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        if (wrong := unknown_model(req.model)) is not None:
+            return wrong
+        vocab = service.model.config.model.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            return bad_request(f"token ids outside the vocabulary of {vocab}: {bad[:5]}",
+                               param="tokens")
+        return {"prompt": service.model.tokenizer.decode(req.tokens)}
+
     async def completions(req: CompletionRequest, request: Request):
         if req.model_extra:  # (not strict: ignored, as vLLM does, and said where it is seen)
             logging.getLogger("setdiff.serve").warning(
@@ -338,10 +388,8 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
             return JSONResponse(error_body(f"the server cannot decode: "
                                            f"{service.scheduler.fatal}", type_="server_error"),
                                 status_code=503)
-        if req.model != service.name:
-            return bad_request(f"the model {req.model!r} does not exist: this server serves "
-                               f"{service.name!r} (GET /v1/models)", param="model",
-                               code="model_not_found", status=404)
+        if (wrong := unknown_model(req.model)) is not None:
+            return wrong
         try:  # (tokenizing a long prompt must not hold the event loop)
             specs = await asyncio.to_thread(service.specs, req)
         except DecodeError as exc:

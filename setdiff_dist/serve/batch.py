@@ -27,12 +27,12 @@ from setdiff_dist.inference.decoding import (
     DecodeError,
     Rules,
     Sample,
-    Sampling,
     StopCriteria,
     check_max_new_tokens,
     check_prompt,
 )
 from setdiff_dist.inference.kv_cache import KVCache
+from setdiff_dist.inference.settings import sampling_of
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class Spec:
     top_p: float
     repetition_penalty: float
     seed: int
+    top_k: int = 0
     stop: tuple = ()       # literal stop strings (OpenAI's meaning: the text ends before one)
     patterns: tuple = ()   # the checkpoint's decode.stop (setdiff-generate's meaning)
     eos_stop: bool = True
@@ -63,8 +64,7 @@ def check_spec(spec: Spec, context: int, index: int = 0,
     ``max_tokens``: the server's cap on a request's new tokens."""
     check_max_new_tokens(spec.max_tokens, max_tokens, what="max_tokens")
     check_prompt(index, spec.prompt, spec.window, context)
-    Sampling(greedy=spec.greedy, temperature=spec.temperature, top_p=spec.top_p,
-             repetition_penalty=spec.repetition_penalty, seed=spec.seed)
+    sampling_of(spec, spec.seed)
 
 
 @dataclass
@@ -125,9 +125,7 @@ class ContinuousBatch:
         check_max_new_tokens(spec.max_tokens, what="max_tokens")
         sample = Sample.continuation(spec.prompt, spec.max_tokens)
         sample.pending = list(enumerate(spec.prompt))
-        sampling = Sampling(greedy=spec.greedy, temperature=spec.temperature,
-                            top_p=spec.top_p, repetition_penalty=spec.repetition_penalty,
-                            seed=spec.seed)
+        sampling = sampling_of(spec, spec.seed)
         stop = StopCriteria(eos_id=self.decoder.tok.eos_id if spec.eos_stop else None,
                             stop=list(spec.patterns) + [literal(s) for s in spec.stop],
                             max_repeat_run=spec.max_repeat_run)

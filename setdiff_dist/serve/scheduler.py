@@ -235,8 +235,7 @@ class Scheduler:
         running = list(self.batch.rows)
         finished = self.batch.step()  # (raising: its forward is every row's, run fails all)
         if self.metrics is not None:
-            self.metrics.step_seconds.observe(time.perf_counter() - start)
-            self.metrics.batch_rows.observe(len(running))
+            self.metrics.step(len(running), time.perf_counter() - start)
         outbox = []
         for row in running:
             ticket = self._tickets.get(row.spec.id)
@@ -310,12 +309,11 @@ class Scheduler:
 
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:
-            self.metrics.requests.labels(outcome=outcome).inc()
+            self.metrics.count(outcome)
 
     def _gauges(self) -> None:
         if self.metrics is not None:
-            self.metrics.queue_depth.set(len(self._queue))
-            self.metrics.running.set(len(self.batch))
+            self.metrics.rows(len(self.batch), len(self._queue))
 
 
 def deliver_now(outbox: list) -> None:
