@@ -107,10 +107,17 @@ def set_run(trained):
     return trained()
 
 
+# a chat template in Hugging Face's form (Jinja over messages), for /v1/chat/completions
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 @pytest.fixture(scope="module")
 def server(set_run, tmp_path_factory):
-    s = Server(set_run, tmp_path_factory.mktemp("serve"), "--max-batch-size", "16",
-               "--max-completion-tokens", "4096")
+    where = tmp_path_factory.mktemp("serve")
+    (where / "chat.jinja").write_text(CHAT_TEMPLATE)
+    s = Server(set_run, where, "--max-batch-size", "16", "--max-completion-tokens", "4096",
+               "--chat-template", str(where / "chat.jinja"))
     yield s
     s.close()
 
@@ -230,6 +237,31 @@ def test_n_completions_are_independent_rows_each_repeatable_from_its_seed(server
     assert argmax == [greedy.choices[0].text] * 2
 
 
+def test_chat_completions_render_the_template_and_answer_as_openai_does(server, small):
+    """/v1/chat/completions: the messages through the chat template (--chat-template), then a
+    completion of that prompt, answered as OpenAI's chat objects (message; streamed: deltas
+    that add up to it, the role in the first); a checkpoint without a template says how to
+    give one."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Rough"}]}]  # (context 32)
+    chat = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                                 temperature=0, seed=5,
+                                                 extra_body={"window": 4, "threshold": 0.3})
+    plain = server.complete("user: Rough\nassistant:", max_tokens=8,
+                            temperature=0, window=4, threshold=0.3)
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    message = chat.choices[0].message
+    assert message.role == "assistant" and message.content == plain.choices[0].text
+    assert chat.usage.prompt_tokens == plain.usage.prompt_tokens
+    parts = list(server.client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True,
+        extra_body={"window": 4, "threshold": 0.3}))
+    assert all(p.object == "chat.completion.chunk" for p in parts)
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == message.content
+    with pytest.raises(openai.BadRequestError, match="--chat-template"):
+        small.client.chat.completions.create(model=small.name, messages=messages, max_tokens=4)
+
+
 def test_stop_strings_end_the_text_before_them(server):
     whole = server.complete("Shall I compare thee", **SAMPLED).choices[0].text
     stop = whole[8:10]
@@ -302,6 +334,7 @@ def test_models_health_and_metrics(server):
     models = server.client.models.list().data
     assert [m.id for m in models] == ["tiny"] and models[0].max_model_len == 32
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    server.complete("Rough winds", max_tokens=6, temperature=0)  # (something to count)
     m = server.metrics()
     # vLLM's names and model_name label (its dashboards apply), and set decoding's own
     for name in ("vllm:generation_tokens_total", "vllm:prompt_tokens_total",
@@ -326,6 +359,14 @@ def test_models_health_and_metrics(server):
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
     other = httpx.post(f"{server.url}/tokenize", json={"model": "x", "prompt": "a"})
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    # /tokenizer_info, which lm-eval's remote tokenizer reads: its eos_token tokenizes to the
+    # end-of-text id (lm-eval takes encode(eos_token)[0])
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    eos = httpx.post(f"{server.url}/tokenize", json={"prompt": info["eos_token"]}).json()
+    assert eos["tokens"] == [256] and info["chat_template"] == CHAT_TEMPLATE
+    both = httpx.post(f"{server.url}/tokenize",
+                      json={"prompt": "a" + info["eos_token"] + "b"}).json()["tokens"]
+    assert both == [ord("a"), 256, ord("b")]
 
 
 def _long(small, **kw):

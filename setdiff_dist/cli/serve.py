@@ -85,6 +85,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shutdown-timeout", type=float, default=120.0,
                     help="on SIGTERM, seconds to finish the requests in flight; what is left "
                          "then is cancelled and the server exits")
+    ap.add_argument("--chat-template", metavar="FILE", default=None,
+                    help="the Jinja template /v1/chat/completions renders messages with (as a "
+                         "Hugging Face tokenizer's chat_template; default: chat_template.jinja "
+                         "or tokenizer_config.json's beside the checkpoint's tokenizer; none: "
+                         "chat requests get a 400 saying so)")
     ap.add_argument("--strict", action="store_true",
                     help="refuse a request with a field OpenAI's completions do not define "
                          "(default: ignore it with a warning in this log, as vLLM does)")
@@ -120,6 +125,13 @@ def main(argv=None) -> int:
                          "many ranks as its tensor-parallel size (torchrun --nproc-per-node N "
                          "... --tensor-parallel N)")
 
+    from setdiff_dist.inference.decoding import DecodeError
+    from setdiff_dist.serve.chat import find_chat_template
+
+    try:  # (before the model loads: a wrong path costs nothing)
+        args.chat_template = find_chat_template(args.checkpoint, args.chat_template)
+    except DecodeError as exc:
+        raise ServeError(str(exc)) from None
     _set_threads(args.threads)
     from setdiff_dist.api import load
 
@@ -162,7 +174,7 @@ def serve(model, args, channel) -> int:
     host = EngineHost(scheduler, here, metrics)
     cap = args.max_completion_tokens or model.context
     options = {"host": args.host, "port": args.port, "log_level": args.log_level,
-               "strict": args.strict,
+               "strict": args.strict, "chat_template": args.chat_template,
                "ready_file": args.ready_file, "api_key": args.api_key,
                "max_tokens": cap, "max_prompts": max(args.max_queue, 1),
                "max_body_bytes": args.max_body_bytes, "max_connections": args.max_connections,

@@ -13,9 +13,12 @@
 - ``stream: true``: server-sent events, one chunk per decoding step that makes new text. The
   text is the part of the completion committed and contiguous from the prompt, so the chunks
   add up to exactly the final text although set decoding commits positions out of order.
+- ``POST /v1/chat/completions``: OpenAI's chat, the messages rendered by the chat template
+  (``--chat-template``, or the checkpoint's), then decoded as a completion (:mod:`.chat`).
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus); vLLM's ``POST
-  /tokenize`` (``{"prompt"}`` -> ``{"tokens", "count", "max_model_len"}``) and ``POST
-  /detokenize`` (``{"tokens"}`` -> ``{"prompt"}``), under the model's own tokenizer.
+  /tokenize`` (``{"prompt"}`` -> ``{"tokens", "count", "max_model_len"}``), ``POST
+  /detokenize`` (``{"tokens"}`` -> ``{"prompt"}``) and ``GET /tokenizer_info``, under the
+  model's own tokenizer (lm-eval's remote tokenizer reads these three).
 
 Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, on every route:
 400 for bad JSON, an unknown field, a value out of range (``max_tokens`` above the server's cap,
@@ -41,11 +44,19 @@ from typing import Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from starlette.exceptions import HTTPException
 
 from setdiff_dist.inference.decoding import DecodeError, check_text
 from setdiff_dist.inference.sampling import fresh_seed
+from setdiff_dist.serve.chat import ChatCompletionRequest, chat_body, render
 
 from .batch import Spec, check_spec
 from .guard import error_body
@@ -123,6 +134,25 @@ class CompletionRequest(BaseModel):
         return v
 
 
+def eos_text(tok) -> str:
+    """The end-of-text token's text (an HF tokenizer's own, else ``<|endoftext|>``)."""
+    from setdiff_dist.data.tokenizers import EOT
+
+    return getattr(tok, "eos_token", None) or EOT
+
+
+def encode_with_eos(tok, text: str) -> list:
+    """``text``'s ids, its end-of-text token's text as that token's id (as a Hugging Face
+    tokenizer reads a special token in text)."""
+    ids = []
+    for k, part in enumerate(text.split(eos_text(tok))):
+        if k:
+            ids.append(tok.eos_id)
+        if part:
+            ids += tok.encode(part)
+    return ids
+
+
 class TokenizeRequest(BaseModel):
     """``POST /tokenize`` (vLLM's): a text's token ids under the model's tokenizer."""
 
@@ -143,6 +173,12 @@ class StrictCompletionRequest(CompletionRequest):
     model_config = ConfigDict(extra="forbid")
 
 
+class StrictChatCompletionRequest(ChatCompletionRequest):
+    """``setdiff-serve --strict`` for chat requests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class Limits:
     """What the server allows a request: at most ``max_tokens`` new tokens (default: the
     model's context) and ``max_prompts`` prompts (the queue's size: more could never be
@@ -158,9 +194,11 @@ class Service:
     which answers as the :class:`~setdiff_dist.serve.scheduler.Scheduler` would) and the
     metrics."""
 
-    def __init__(self, model, name: str, scheduler, metrics, limits: Optional[Limits] = None):
+    def __init__(self, model, name: str, scheduler, metrics, limits: Optional[Limits] = None,
+                 chat_template: Optional[str] = None):
         self.model, self.name, self.scheduler, self.metrics = model, name, scheduler, metrics
         self.limits = limits or Limits(model.context, 1 << 30)
+        self.chat_template = chat_template  # (None: /v1/chat/completions says how to give one)
         self.created = int(time.time())
 
     def count(self, outcome: str) -> None:
@@ -365,8 +403,18 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
             check_text("prompt", req.prompt)
         except DecodeError as exc:
             return bad_request(str(exc), param="prompt")
-        ids = await asyncio.to_thread(service.model.tokenizer.encode, req.prompt)
+        ids = await asyncio.to_thread(encode_with_eos, service.model.tokenizer, req.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": service.model.context}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        # (vLLM's: what lm-eval's remote tokenizer reads, with /tokenize and /detokenize, so
+        # that lm_eval --model local-completions needs no copy of the tokenizer)
+        tok = service.model.tokenizer
+        return {"eos_token": eos_text(tok), "bos_token": None, "pad_token": None,
+                "chat_template": service.chat_template,
+                "model_max_length": service.model.context,
+                "tokenizer_class": type(tok).__name__, "vocab_size": tok.vocab_size}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -379,7 +427,24 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
                                param="tokens")
         return {"prompt": service.model.tokenizer.decode(req.tokens)}
 
-    async def completions(req: CompletionRequest, request: Request):
+    async def chat_completions(chat: ChatCompletionRequest, request: Request):
+        if chat.model_extra:
+            logging.getLogger("setdiff.serve").warning(
+                "fields this server does not take were ignored: %s",
+                ", ".join(sorted(chat.model_extra)))
+        if (wrong := unknown_model(chat.model)) is not None:
+            return wrong
+        try:
+            prompt = render(service.chat_template, chat.messages, service.model.tokenizer)
+            req = CompletionRequest(**chat.completion_fields(prompt))
+        except DecodeError as exc:
+            return bad_request(str(exc), param="messages")
+        except ValidationError as exc:
+            return bad_request("; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: "
+                                         f"{e.get('msg')}" for e in exc.errors()))
+        return await completions(req, request, chat=True)
+
+    async def completions(req: CompletionRequest, request: Request, chat: bool = False):
         if req.model_extra:  # (not strict: ignored, as vLLM does, and said where it is seen)
             logging.getLogger("setdiff.serve").warning(
                 "fields this server does not take were ignored: %s",
@@ -403,9 +468,9 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
                                            type_="rate_limit_error",
                                            code="rate_limit_exceeded"),
                                 status_code=429, headers={"Retry-After": "1"})
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if req.stream:
-            return StreamingResponse(_stream(service, req, specs, events, rid),
+            return StreamingResponse(_stream(service, req, specs, events, rid, chat),
                                      media_type="text/event-stream")
         outs, finished = {}, set()
         getter = asyncio.ensure_future(events.get())
@@ -432,25 +497,36 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
             service.count("failed")
             return JSONResponse(error_body(failed[0], type_="server_error"), status_code=500)
         ordered = [outs[i] for i in range(len(specs))]
-        return service.completion(rid, [
+        body = service.completion(rid, [
             service.choice(i, o, req.return_token_ids) for i, o in enumerate(ordered)],
             usage=service.usage(ordered), seed=specs[0].seed)
+        return chat_body(body, False, set()) if chat else body
 
     # the body model chosen here (annotations are strings under __future__: FastAPI reads the
     # one set on the function)
     completions.__annotations__["req"] = StrictCompletionRequest if strict else \
         CompletionRequest
-    app.post("/v1/completions")(completions)
+    chat_completions.__annotations__["chat"] = StrictChatCompletionRequest if strict else \
+        ChatCompletionRequest
+
+    async def text_completions(req: CompletionRequest, request: Request):
+        return await completions(req, request)
+
+    text_completions.__annotations__["req"] = completions.__annotations__["req"]
+    app.post("/v1/completions")(text_completions)
+    app.post("/v1/chat/completions")(chat_completions)
     return app
 
 
-async def _stream(service: Service, req: CompletionRequest, specs, events, rid):
-    """The server-sent events of a streamed completion (the client going away cancels this
-    generator: its rows leave the batch)."""
-    finished, outs, backlog = set(), {}, collections.deque()
+async def _stream(service: Service, req: CompletionRequest, specs, events, rid,
+                  chat: bool = False):
+    """The server-sent events of a streamed completion (``chat``: chat completion chunks; the
+    client going away cancels this generator: its rows leave the batch)."""
+    finished, outs, backlog, first = set(), {}, collections.deque(), set()
 
     def chunk(choices, usage=None):
-        return f"data: {json.dumps(service.completion(rid, choices, usage, specs[0].seed))}\n\n"
+        body = service.completion(rid, choices, usage, specs[0].seed)
+        return f"data: {json.dumps(chat_body(body, True, first) if chat else body)}\n\n"
 
     try:
         while len(finished) < len(specs):

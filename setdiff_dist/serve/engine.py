@@ -242,7 +242,8 @@ def http_main(conn, view: ModelView, name: str, options: dict) -> None:
     raise_open_files_limit()
     client = EngineClient(conn)
     service = Service(view, name, client, client,
-                      Limits(options["max_tokens"], options["max_prompts"]))
+                      Limits(options["max_tokens"], options["max_prompts"]),
+                      chat_template=options.get("chat_template"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
