@@ -71,9 +71,10 @@ setup(
                  "pytest-cov==7.1.0", "coverage==7.17.5",
                  # the W&B logger's test (offline: nothing leaves the machine)
                  "wandb==0.31.0",
-                 # the server's tests talk to it with the real OpenAI client
+                 # the server's tests talk to it with the real OpenAI client, and with
+                 # lm-eval's local-completions model (which needs tenacity)
                  "fastapi==0.165.0", "uvicorn==0.55.0", "prometheus-client==0.26.0",
-                 "openai==3.60.0"],
+                 "openai==3.60.0", "tenacity==9.2.1"],
     },
     entry_points={
         "console_scripts": [

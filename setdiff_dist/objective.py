@@ -166,6 +166,35 @@ def token_scores(module, causal_lm: bool, tokens: torch.Tensor, context: torch.T
     return torch.where(scored, logp, 0.0), greedy | ~scored
 
 
+def token_logprobs(module, causal_lm: bool, ids: list, k: int = 1, vocab: int = None) -> list:
+    """For each position ``j >= 1`` of the sequence ``ids``: ``(log p(x_j | x_<j), [(token,
+    log p)] of the k most likely tokens)``, as :func:`token_scores` scores them (the causal
+    LM's, or the set-diffusion model's under the autoregressive order: position 0 is context);
+    what OpenAI's completions return for ``echo`` and ``logprobs``. The whole vocabulary must
+    be on this rank (tensor-parallel size 1); ``vocab``: the tokenizer's (the top tokens are
+    real tokens, never [MASK] or padding)."""
+    from setdiff_dist.inference.decoding import model_device
+
+    L = len(ids)
+    tokens = torch.tensor([ids], dtype=torch.long, device=model_device(module))
+    with torch.no_grad():
+        if causal_lm:
+            inp = causal_lm_inputs(tokens)
+            rows = module(inp.tokens, inp.positions, None)[:-1, 0]  # row l - 1 predicts x_l
+        else:
+            context = first_clean(torch.zeros(1, L, dtype=torch.bool))
+            sample = sample_orders(make_schedule("autoregressive", L), L, range(1), 0,
+                                   context=context, padding=torch.zeros(1, L, dtype=torch.bool))
+            inp = set_diffusion_inputs(tokens, sample, module.mask_id, "sdpa")
+            rows = module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)[1:, 0]
+        lsm = rows.float().log_softmax(-1)
+    targets = tokens[0, 1:]
+    own = lsm.gather(-1, targets[:, None])[:, 0].tolist()
+    top_lp, top_id = lsm[:, :vocab or lsm.shape[-1]].topk(k, dim=-1)
+    return [(lp, list(zip(ids_, lps))) for lp, ids_, lps in
+            zip(own, top_id.tolist(), top_lp.tolist())]
+
+
 def _is_argmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``[b, s]``: whether each target's logit is the largest of its row, for vocab-parallel
     ``logits [s, b, V/TP]`` (the target's logit and the row maximum reduced exactly over the

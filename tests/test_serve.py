@@ -262,6 +262,57 @@ def test_chat_completions_render_the_template_and_answer_as_openai_does(server, 
         small.client.chat.completions.create(model=small.name, messages=messages, max_tokens=4)
 
 
+def test_lm_evals_local_completions_scores_as_setdiff_lm_eval_does(small, trained, set_run,
+                                                                     server, tmp_path):
+    """echo + logprobs, as lm-eval's local-completions asks them (its remote tokenizer reading
+    /tokenizer_info, /tokenize): lm-eval's own API model against the server gives the
+    per-choice log-likelihoods setdiff-lm-eval gives on the checkpoint itself (1e-4); on a
+    set-diffusion checkpoint, the echoed log-probs are the API's loglikelihood."""
+    import glob
+
+    def choice_lls(where):
+        path = glob.glob(str(where / "**" / "samples_setdiff_choice_*.jsonl"), recursive=True)
+        return {s["doc_id"]: [float(r[0][0]) for r in s["resps"]]
+                for s in map(json.loads, open(path[0]))}
+
+    args = ["--tasks", "setdiff_choice", "--include_path", os.path.join("tests", "harness"),
+            "--log_samples", "--output_path"]
+    res = run_cli("setdiff_dist.cli.lm_eval", "--model", "local-completions", "--model_args",
+                  f"base_url={small.url}/v1/completions,model={small.name},"
+                  "tokenizer_backend=remote,tokenized_requests=True,num_concurrent=1,"
+                  "max_retries=1", *args, tmp_path / "remote")
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = trained("order.kind=causal", tokenizer="bpe:300")
+    res = run_cli("setdiff_dist.cli.lm_eval", "--model", "setdiff", "--model_args",
+                  f"pretrained={run}", *args, tmp_path / "local")
+    assert res.returncode == 0, res.stderr[-3000:]
+    remote, local = choice_lls(tmp_path / "remote"), choice_lls(tmp_path / "local")
+    assert sorted(remote) == sorted(local) == list(range(8))
+    for i in local:
+        assert remote[i] == pytest.approx(local[i], abs=1e-4), i
+    # a set-diffusion checkpoint: its autoregressive-order log-likelihood, echoed
+    prompt = [ord(c) for c in "Rough winds"]
+    out = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=1,
+                                           temperature=0, echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.tokens[:len(prompt)] == list("Rough winds") and lp.token_logprobs[0] is None
+    assert len(lp.top_logprobs[1]) == 2 and out.choices[0].text.startswith("Rough winds")
+    import setdiff_dist
+    from setdiff_dist.parallel import destroy_model_parallel
+
+    saved = dict(os.environ)
+    try:  # (the process group and variables load sets up end with the test)
+        want = setdiff_dist.load(set_run).loglikelihood([("Rough", " winds")])[0][0]
+    finally:
+        destroy_model_parallel()
+        os.environ.clear()
+        os.environ.update(saved)
+    assert sum(lp.token_logprobs[5:len(prompt)]) == pytest.approx(want, abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="without stream"):
+        server.client.completions.create(model="tiny", prompt="a", max_tokens=1, echo=True,
+                                         stream=True)
+
+
 def test_stop_strings_end_the_text_before_them(server):
     whole = server.complete("Shall I compare thee", **SAMPLED).choices[0].text
     stop = whole[8:10]
@@ -279,7 +330,7 @@ def test_bad_requests_get_an_openai_error_and_nothing_else_changes(server):
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
     assert raw.json()["error"]["type"] == "invalid_request_error"
     cases = [(dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported"),
-             (dict(echo=True), "echo=True is not supported"),
+             (dict(echo=True, stream=True), "without stream"), (dict(logprobs=21), "logprobs"),
              (dict(temperature=5), "temperature"), (dict(top_p=0), "top_p"),
              (dict(max_tokens=0), "max_tokens"), (dict(window=0), "window"),
              (dict(n=0), "n"), (dict(threshold=-1), "threshold"),

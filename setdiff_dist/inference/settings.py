@@ -78,6 +78,8 @@ def decode_settings(cfg, preset: Optional[str] = None, **flags) -> dict:
         raise DecodeError(problem)
     if out["window"] is None or order.fixed_window:
         out["window"] = order.default_window(cfg.order)
+    if order.causal_lm and asked is None:  # (one token a step: a config's window is not its)
+        out["window"] = 1
 
     check_threshold(out["threshold"])
     s_max = order.largest_set(cfg.order)

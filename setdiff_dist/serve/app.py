@@ -3,8 +3,10 @@
 
 - ``POST /v1/completions``: OpenAI's fields (``model``, ``prompt``: a string, a list of them,
   token ids or a list of those; ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
-  vLLM's ``top_k``,
-  ``stream``, ``stream_options``, ``n`` = 1, ``user``) and set decoding's (``window``,
+  vLLM's ``top_k``, ``stream``, ``stream_options``, ``n``, ``user``, ``echo`` and
+  ``logprobs``: each token's log-probability and the k most likely at its place, scored as
+  setdiff-eval scores them, between decoding steps; TP=1, not streamed) and set decoding's
+  (``window``,
   ``threshold``, ``repetition_penalty``, ``max_repeat_run``, ``ignore_eos``,
   ``return_token_ids``). What a request leaves out comes from the checkpoint's ``decode``
   section, as in ``setdiff-generate``. The answer is OpenAI's completion object; each choice
@@ -74,15 +76,15 @@ class StreamOptions(BaseModel):
 # what to use instead)
 _NO_OPS = {"presence_penalty": ((None, 0), "repetition_penalty is this server's"),
            "frequency_penalty": ((None, 0), "repetition_penalty is this server's"),
-           "logit_bias": ((None, {}), ""), "echo": ((False,), ""),
-           "best_of": ((None, 1), "send the request again"), "logprobs": ((None,), ""),
+           "logit_bias": ((None, {}), ""),
+           "best_of": ((None, 1), "send the request again"),
            "suffix": ((None, ""), "setdiff-generate --infill-right infills")}
 
 
 class CompletionRequest(BaseModel):
     """The body of ``POST /v1/completions``. OpenAI's fields this server does not implement
     are taken at their no-op values (what client libraries send: ``presence_penalty=0``,
-    ``logit_bias={}``, ``echo=False``, ``best_of=1``) and refused otherwise, naming them;
+    ``logit_bias={}``, ``best_of=1``) and refused otherwise, naming them;
     fields OpenAI does not define are ignored with a warning in the server's log, as vLLM does
     (``setdiff-serve --strict``: refused, :class:`StrictCompletionRequest`)."""
 
@@ -104,10 +106,14 @@ class CompletionRequest(BaseModel):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
-    echo: bool = False
     best_of: Optional[int] = None
-    logprobs: Optional[int] = None
     suffix: Optional[str] = None
+    # the prompt back before the completion (with logprobs: the prompt's token log-probs too),
+    # and the log-probability of each token with the ``logprobs`` most likely at its place
+    # (scored as setdiff-eval scores them: the causal LM's, or the set-diffusion model's under
+    # the autoregressive order); not streamed
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
     # set decoding's own
     window: Optional[int] = Field(None, ge=1)
     threshold: Optional[float] = Field(None, ge=0)  # (inf: one token per step)
@@ -123,6 +129,12 @@ class CompletionRequest(BaseModel):
                for k, (allowed, instead) in _NO_OPS.items() if getattr(self, k) not in allowed]
         if bad:
             raise ValueError("; ".join(bad))
+        return self
+
+    @model_validator(mode="after")
+    def _scored_not_streamed(self):
+        if self.stream and (self.echo or self.logprobs is not None):
+            raise ValueError("echo and logprobs are answered whole: send them without stream")
         return self
 
     @field_validator("threshold", mode="before")
@@ -309,6 +321,44 @@ class Service:
         if token_ids:
             c["token_ids"] = out["tokens"]
         return c
+
+    async def scored(self, req: CompletionRequest, specs: list, outs: list,
+                     choices: list) -> None:
+        """``echo`` and ``logprobs`` into ``choices`` (in place): each prompt and its completion
+        scored in one pass on the decoding thread (:meth:`Scheduler.score`); OpenAI's
+        ``logprobs`` object (``tokens``, ``token_logprobs``, ``top_logprobs``,
+        ``text_offset``) over the prompt's tokens and the completion's (``echo``) or the
+        completion's; a completion that ended at end-of-text has that token last, as vLLM
+        returns it."""
+        tok = self.model.tokenizer
+        seqs = []
+        for spec, out in zip(specs, outs):
+            gen = list(out["tokens"])
+            if out["finish_reason"] == "stop" and spec.eos_stop and not spec.stop \
+                    and not spec.patterns:
+                gen.append(tok.eos_id)  # (it stopped at end-of-text: the token it chose)
+            seqs.append((list(spec.prompt), gen))
+        k = max(req.logprobs or 0, 1)
+        scores = await self.scheduler.score([p + g for p, g in seqs], k)
+        for c, (prompt, gen), per in zip(choices, seqs, scores):
+            if req.echo:
+                c["text"] = tok.decode(prompt) + c["text"]
+            if req.logprobs is None:
+                continue
+            ids = prompt + gen
+            first = 0 if req.echo else len(prompt)
+            # (position 0 has no log-probability: nothing before it)
+            rows = [(None, None)] + [(lp, {tok.decode([t]): v for t, v in top[:k]})
+                                     for lp, top in per]
+            pieces = [tok.decode([t]) for t in ids]
+            offsets, at = [], 0
+            for piece in pieces:
+                offsets.append(at)
+                at += len(piece)
+            c["logprobs"] = {"tokens": pieces[first:],
+                             "token_logprobs": [lp for lp, _ in rows[first:]],
+                             "top_logprobs": [top for _, top in rows[first:]],
+                             "text_offset": offsets[first:]}
 
     @staticmethod
     def usage(outs: list) -> dict:
@@ -497,9 +547,19 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
             service.count("failed")
             return JSONResponse(error_body(failed[0], type_="server_error"), status_code=500)
         ordered = [outs[i] for i in range(len(specs))]
-        body = service.completion(rid, [
-            service.choice(i, o, req.return_token_ids) for i, o in enumerate(ordered)],
-            usage=service.usage(ordered), seed=specs[0].seed)
+        choices = [service.choice(i, o, req.return_token_ids) for i, o in enumerate(ordered)]
+        if req.echo or req.logprobs is not None:
+            try:
+                await service.scored(req, specs, ordered, choices)
+            except RuntimeError as exc:
+                bad = "tensor-parallel" in str(exc)
+                if not bad:
+                    service.count("failed")
+                return (bad_request if bad else lambda m: JSONResponse(
+                    error_body(m, type_="server_error"), status_code=500))(
+                    f"echo / logprobs could not be scored: {exc}")
+        body = service.completion(rid, choices, usage=service.usage(ordered),
+                                  seed=specs[0].seed)
         return chat_body(body, False, set()) if chat else body
 
     # the body model chosen here (annotations are strings under __future__: FastAPI reads the

@@ -104,6 +104,12 @@ class EngineHost(_PipeEnd):
                     self.metrics.count(message[1])
             elif kind == "status":
                 self.send(("reply", message[1], self.scheduler.status()))
+            elif kind == "score":  # (echo / logprobs: token log-probabilities of sequences)
+                _, n, seqs, k = message
+                self.scheduler.call(
+                    lambda seqs=seqs, k=k: self.scheduler.score(seqs, k),
+                    lambda value, error, n=n: self.send(
+                        ("reply", n, {"error": error} if error else {"scores": value})))
             elif kind == "metrics":
                 self.send(("reply", message[1], self.metrics.exposition()))
 
@@ -163,6 +169,14 @@ class EngineClient(_PipeEnd):
 
     async def exposition(self) -> tuple:
         return await self._call("metrics")
+
+    async def score(self, seqs: list, k: int) -> list:
+        """Token log-probabilities of each sequence of ids (:meth:`Scheduler.score`), computed
+        on the decoding thread between steps; raises ``RuntimeError`` with why it could not."""
+        out = await self._call("score", seqs, k)
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        return out["scores"]
 
     # -- the pipe ---------------------------------------------------------------------------------
     async def _call(self, kind: str, *args, timeout: float = REPLY_TIMEOUT_S):

@@ -80,6 +80,9 @@ class Scheduler:
         self._queue: collections.deque = collections.deque()
         self._cancels: set = set()
         self._tickets: dict = {}
+        # work that must run on the decoding thread between steps (scoring for echo / logprobs):
+        # (fn, on_done(result, error))
+        self._work: collections.deque = collections.deque()
         self._stopping = False
         self._reset = False
         self.thread: Optional[threading.Thread] = None
@@ -123,6 +126,29 @@ class Scheduler:
             self._gauges()
             self._cond.notify()
 
+    def call(self, fn: Callable[[], object], on_done: Callable[[object, Optional[str]], None]
+             ) -> None:
+        """Run ``fn`` on the decoding thread between two steps (it uses the model the steps
+        use), then ``on_done(result, None)``, or ``on_done(None, why)`` if it raised. At
+        tensor-parallel size 1 only: the other ranks would not take part."""
+        if self.channel is not None:
+            on_done(None, "this needs --tensor-parallel 1")
+            return
+        with self._cond:
+            self._work.append((fn, on_done))
+            self._cond.notify()
+
+    def _run_work(self) -> None:
+        with self._cond:
+            work, self._work = list(self._work), collections.deque()
+        for fn, on_done in work:
+            try:
+                result = fn()
+            except Exception as exc:  # (the request's own failure: the others go on)
+                on_done(None, f"{type(exc).__name__}: {exc}")
+                continue
+            on_done(result, None)
+
     def start(self) -> None:
         self.thread = threading.Thread(target=self.run, name="setdiff-decode", daemon=True)
         self.thread.start()
@@ -152,6 +178,16 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._queue)
 
+    def score(self, seqs: list, k: int) -> list:
+        """For each sequence of token ids, each position's ``(log p, top k [(id, log p)])``
+        after the first (:func:`setdiff_dist.objective.token_logprobs`): on the decoding
+        thread (:meth:`call`)."""
+        from setdiff_dist.objective import token_logprobs
+
+        d = self.decoder  # (a causal checkpoint decodes "causal": the causal LM's scores)
+        return [token_logprobs(d.model, d.decoding == "causal", list(ids), k, d.tok.vocab_size)
+                for ids in seqs]
+
     def status(self) -> dict:
         """What ``GET /health`` reports."""
         return {"alive": self.alive, "fatal": self.fatal, "running": len(self.batch),
@@ -164,6 +200,7 @@ class Scheduler:
 
     def run(self) -> None:
         while True:
+            self._run_work()
             plan = self._next_plan()
             if plan is None:
                 continue
@@ -203,7 +240,7 @@ class Scheduler:
     def _next_plan(self) -> Optional[Plan]:
         with self._cond:
             idle = lambda: not (self._queue or self._cancels or len(self.batch)  # noqa: E731
-                                or self._stopping)
+                                or self._stopping or self._work)
             if idle():
                 self._cond.wait(HEARTBEAT_S if self.channel is not None else None)
                 if idle():  # (a heartbeat for the other ranks, or a spurious wake-up)
