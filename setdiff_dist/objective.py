@@ -173,10 +173,11 @@ def token_logprobs(module, causal_lm: bool, ids: list, k: int = 1, vocab: int = 
     what OpenAI's completions return for ``echo`` and ``logprobs``. The whole vocabulary must
     be on this rank (tensor-parallel size 1); ``vocab``: the tokenizer's (the top tokens are
     real tokens, never [MASK] or padding)."""
-    from setdiff_dist.inference.decoding import model_device
-
     L = len(ids)
-    tokens = torch.tensor([ids], dtype=torch.long, device=model_device(module))
+    device = getattr(module, "device", None)  # (the lean model's; a torch module's weights')
+    if not isinstance(device, torch.device):
+        device = next(module.parameters()).device
+    tokens = torch.tensor([ids], dtype=torch.long, device=device)
     with torch.no_grad():
         if causal_lm:
             inp = causal_lm_inputs(tokens)
