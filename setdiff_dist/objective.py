@@ -147,16 +147,7 @@ def token_scores(module, causal_lm: bool, tokens: torch.Tensor, context: torch.T
     B, L = tokens.shape
     context = first_clean(context)
     with torch.no_grad():
-        if causal_lm:
-            inp = causal_lm_inputs(tokens)
-            logits = module(inp.tokens, inp.positions, None)[:-1]  # row l - 1 predicts x_l
-            targets = tokens[:, 1:]
-        else:
-            sample = sample_orders(make_schedule("autoregressive", L), L, range(B), 0,
-                                   context=context, padding=padding)
-            inp = set_diffusion_inputs(tokens, sample, module.mask_id, "sdpa")
-            logits = module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)
-            targets = tokens
+        logits, targets = _next_token_logits(module, causal_lm, tokens, context, padding)
         logp = -vocab_parallel_nll(logits, targets)
         greedy = _is_argmax(logits, targets)
     if causal_lm:  # (position 0 is context: never scored)
@@ -164,6 +155,21 @@ def token_scores(module, causal_lm: bool, tokens: torch.Tensor, context: torch.T
         greedy = torch.cat([greedy.new_ones(B, 1), greedy], 1)
     scored = ~(context | padding)
     return torch.where(scored, logp, 0.0), greedy | ~scored
+
+
+def _next_token_logits(module, causal_lm: bool, tokens, context, padding):
+    """The scoring forward of :func:`token_scores` and :func:`token_logprobs`: ``(logits [s,
+    b, V], targets [b, s])``, row ``s`` predicting ``targets[:, s]`` (the causal LM has no
+    row for position 0; the set-diffusion model, under the autoregressive order, has one that
+    ``context`` leaves unscored)."""
+    if causal_lm:
+        inp = causal_lm_inputs(tokens)
+        return module(inp.tokens, inp.positions, None)[:-1], tokens[:, 1:]  # l - 1 predicts l
+    B, L = tokens.shape
+    sample = sample_orders(make_schedule("autoregressive", L), L, range(B), 0, context=context,
+                           padding=padding)
+    inp = set_diffusion_inputs(tokens, sample, module.mask_id, "sdpa")
+    return module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from), tokens
 
 
 def token_logprobs(module, causal_lm: bool, ids: list, k: int = 1, vocab: int = None) -> list:
@@ -178,18 +184,12 @@ def token_logprobs(module, causal_lm: bool, ids: list, k: int = 1, vocab: int = 
     if not isinstance(device, torch.device):
         device = next(module.parameters()).device
     tokens = torch.tensor([ids], dtype=torch.long, device=device)
+    none = torch.zeros(1, L, dtype=torch.bool)
     with torch.no_grad():
-        if causal_lm:
-            inp = causal_lm_inputs(tokens)
-            rows = module(inp.tokens, inp.positions, None)[:-1, 0]  # row l - 1 predicts x_l
-        else:
-            context = first_clean(torch.zeros(1, L, dtype=torch.bool))
-            sample = sample_orders(make_schedule("autoregressive", L), L, range(1), 0,
-                                   context=context, padding=torch.zeros(1, L, dtype=torch.bool))
-            inp = set_diffusion_inputs(tokens, sample, module.mask_id, "sdpa")
-            rows = module(inp.tokens, inp.positions, inp.attention_mask, inp.logits_from)[1:, 0]
-        lsm = rows.float().log_softmax(-1)
-    targets = tokens[0, 1:]
+        logits, targets = _next_token_logits(module, causal_lm, tokens, first_clean(none), none)
+        first = 0 if causal_lm else 1  # (position 0 is context: no log-probability)
+        lsm = logits[first:, 0].float().log_softmax(-1)
+    targets = targets[0, first:]
     own = lsm.gather(-1, targets[:, None])[:, 0].tolist()
     top_lp, top_id = lsm[:, :vocab or lsm.shape[-1]].topk(k, dim=-1)
     return [(lp, list(zip(ids_, lps))) for lp, ids_, lps in

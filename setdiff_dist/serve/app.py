@@ -58,18 +58,18 @@ from starlette.exceptions import HTTPException
 
 from setdiff_dist.inference.decoding import DecodeError, check_text
 from setdiff_dist.inference.sampling import fresh_seed
-from setdiff_dist.serve.chat import ChatCompletionRequest, chat_body, render
+from setdiff_dist.serve.chat import (
+    ChatCompletionRequest,
+    CompletionFields,
+    chat_body,
+    render,
+)
 
 from .batch import Spec, check_spec
 from .guard import error_body
 from .scheduler import QueueFull
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting (non-streamed) request checks for its client
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
 
 
 # OpenAI's completion fields this server takes only at their no-op values: field -> (the values,
@@ -81,31 +81,15 @@ _NO_OPS = {"presence_penalty": ((None, 0), "repetition_penalty is this server's"
            "suffix": ((None, ""), "setdiff-generate --infill-right infills")}
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(CompletionFields):
     """The body of ``POST /v1/completions``. OpenAI's fields this server does not implement
     are taken at their no-op values (what client libraries send: ``presence_penalty=0``,
     ``logit_bias={}``, ``best_of=1``) and refused otherwise, naming them;
     fields OpenAI does not define are ignored with a warning in the server's log, as vLLM does
     (``setdiff-serve --strict``: refused, :class:`StrictCompletionRequest`)."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
-    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
-    # (vLLM's extension: the k most likely tokens only; 0 or -1: all)
-    top_k: Optional[int] = Field(None, ge=-1)
-    stop: Optional[Union[str, list[str]]] = Field(None)
-    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    n: int = Field(1, ge=1, le=128)  # (completions per prompt: independent rows)
-    user: Optional[str] = None
-    # OpenAI's, at their no-op values only (_only_no_ops)
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    # OpenAI's, at their no-op values only (_only_no_ops; and the shared fields' penalties)
     best_of: Optional[int] = None
     suffix: Optional[str] = None
     # the prompt back before the completion (with logprobs: the prompt's token log-probs too),
@@ -114,13 +98,6 @@ class CompletionRequest(BaseModel):
     # the autoregressive order); not streamed
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=20)
-    # set decoding's own
-    window: Optional[int] = Field(None, ge=1)
-    threshold: Optional[float] = Field(None, ge=0)  # (inf: one token per step)
-    repetition_penalty: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
-    max_repeat_run: Optional[int] = Field(None, ge=1)
-    ignore_eos: bool = False
-    return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _only_no_ops(self):
@@ -552,12 +529,11 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
             try:
                 await service.scored(req, specs, ordered, choices)
             except RuntimeError as exc:
-                bad = "tensor-parallel" in str(exc)
-                if not bad:
-                    service.count("failed")
-                return (bad_request if bad else lambda m: JSONResponse(
-                    error_body(m, type_="server_error"), status_code=500))(
-                    f"echo / logprobs could not be scored: {exc}")
+                message = f"echo / logprobs could not be scored: {exc}"
+                if "tensor-parallel" in str(exc):  # (the server's layout: the request's to change)
+                    return bad_request(message)
+                service.count("failed")
+                return JSONResponse(error_body(message, type_="server_error"), status_code=500)
         body = service.completion(rid, choices, usage=service.usage(ordered),
                                   seed=specs[0].seed)
         return chat_body(body, False, set()) if chat else body

@@ -10,6 +10,7 @@ no chat format to guess, and a made-up one would decode a prompt it never saw.""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Optional, Union
@@ -38,44 +39,52 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-# the completion fields a chat request shares with /v1/completions (the rest are chat's own)
-SHARED = ("model", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "n", "user", "presence_penalty", "frequency_penalty", "logit_bias", "window",
-          "threshold", "repetition_penalty", "max_repeat_run", "ignore_eos",
-          "return_token_ids")
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI's chat completion request: ``messages`` instead of a prompt, ``max_tokens`` or
-    ``max_completion_tokens``; the other fields as :class:`~.app.CompletionRequest` takes
-    them (no-op values of OpenAI's fields accepted, unknown fields ignored with a warning)."""
+class CompletionFields(BaseModel):
+    """The fields ``/v1/completions`` (:class:`~.app.CompletionRequest`, which adds the prompt
+    and its own checks) and ``/v1/chat/completions`` (:class:`ChatCompletionRequest`) share,
+    defined once: OpenAI's, vLLM's ``top_k`` and set decoding's."""
 
     model_config = ConfigDict(extra="allow")
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    # (vLLM's extension: the k most likely tokens only; 0 or -1: all)
     top_k: Optional[int] = Field(None, ge=-1)
-    stop: Optional[Union[str, list[str]]] = None
+    stop: Optional[Union[str, list[str]]] = Field(None)
     seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
     stream: bool = False
-    stream_options: Optional[dict] = None
-    n: int = Field(1, ge=1, le=128)
+    stream_options: Optional[StreamOptions] = None
+    n: int = Field(1, ge=1, le=128)  # (completions per prompt: independent rows)
     user: Optional[str] = None
+    # OpenAI's, at their no-op values only (CompletionRequest's checks)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
     # set decoding's own
     window: Optional[int] = Field(None, ge=1)
-    threshold: Optional[float] = Field(None, ge=0)
+    threshold: Optional[float] = Field(None, ge=0)  # (inf: one token per step)
     repetition_penalty: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     max_repeat_run: Optional[int] = Field(None, ge=1)
     ignore_eos: bool = False
     return_token_ids: bool = False
+
+
+class ChatCompletionRequest(CompletionFields):
+    """OpenAI's chat completion request: ``messages`` instead of a prompt, ``max_tokens`` or
+    ``max_completion_tokens``; the other fields as :class:`~.app.CompletionRequest` takes
+    them (checked again there: no-op values of OpenAI's fields accepted, unknown fields
+    ignored with a warning)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
 
     @model_validator(mode="after")
     def _no_logprobs(self):
@@ -87,7 +96,8 @@ class ChatCompletionRequest(BaseModel):
     def completion_fields(self, prompt: str) -> dict:
         """The equivalent :class:`~.app.CompletionRequest`'s fields, ``prompt`` the rendered
         messages."""
-        fields = {k: getattr(self, k) for k in SHARED if getattr(self, k) is not None}
+        fields = {k: getattr(self, k) for k in CompletionFields.model_fields
+                  if getattr(self, k) is not None}
         fields["max_tokens"] = self.max_completion_tokens or self.max_tokens
         return dict(fields, prompt=prompt)
 
@@ -118,6 +128,21 @@ def find_chat_template(checkpoint: str, flag: Optional[str] = None) -> Optional[
     return None
 
 
+@functools.lru_cache(maxsize=4)
+def _compiled(template: str):
+    """``template`` compiled once (a server has one; compiling it per request would be
+    wasted), in transformers' sandbox settings."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
 def render(template: Optional[str], messages: list[ChatMessage], tok) -> str:
     """The prompt of ``messages`` under ``template`` (Jinja, sandboxed, as transformers renders
     a ``chat_template``: ``messages``, ``add_generation_prompt``, ``bos_token``,
@@ -128,16 +153,10 @@ def render(template: Optional[str], messages: list[ChatMessage], tok) -> str:
                           "--chat-template FILE (a Jinja template, as a Hugging Face "
                           "tokenizer's chat_template), or use /v1/completions")
     from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
     eos = getattr(tok, "eos_token", None) or tok.decode([tok.eos_id])
     try:
-        return env.from_string(template).render(
+        return _compiled(template).render(
             messages=[{"role": m.role, "content": m.text()} for m in messages],
             add_generation_prompt=True, bos_token="", eos_token=eos)
     except TemplateError as exc:
