@@ -36,6 +36,30 @@ def restartable(code: int) -> bool:
     return code not in EXIT_STOPPED and code not in EXIT_NOT_RESTARTED
 
 
+# What a collective raises on a rank whose peer went away (gloo's and NCCL's own words)
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crash",
+             "Broken pipe", "NCCL communicator was aborted", "remote process exited")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank went away (its own
+    message says why): this rank then stops with one line, not a traceback."""
+    return any(s in str(exc) for s in PEER_LOST)
+
+
+def collective_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` came from torch.distributed rather than this rank's own computation: a
+    peer lost (:func:`peer_lost`), a timeout, or any other error of the process group (gloo,
+    NCCL): the ranks can no longer be assumed to be in step."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")  # (only a process that has one can raise it)
+    text = str(exc).lower()
+    return peer_lost(exc) or (dist is not None and isinstance(exc, getattr(dist, "DistError",
+                                                                           ()))) \
+        or "gloo" in text or "nccl" in text
+
+
 class SetdiffError(Exception):
     """A problem the user can fix; the message says what is wrong and how to fix it.
 

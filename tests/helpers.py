@@ -152,6 +152,7 @@ def resume_check(run_dir, shards, *overrides, tp=1, pp=1, dp=2, **kw):
     from setdiff_dist.checkpoint.manifest import check_resume
     from setdiff_dist.data.loader import TokenLoader
     from setdiff_dist.train.loop import open_data
+    from setdiff_dist.train.optimizer_state import deepspeed_form_change
 
     cfg = train_config(run_dir, shards, *overrides, **kw)
     train_set, _, _ = open_data(cfg)
@@ -159,7 +160,9 @@ def resume_check(run_dir, shards, *overrides, tp=1, pp=1, dp=2, **kw):
     stream = TokenLoader(train_set, global_batch=cfg.data.global_batch_size,
                          micro_batch=cfg.data.micro_batch_size, dp_size=dp,
                          seed=cfg.train.seed, shuffle=cfg.data.shuffle).state_dict()
-    return check_resume(resume_path(cfg), cfg, train_set.manifest["tokenizer"], here, stream)
+    path = resume_path(cfg)
+    return check_resume(path, cfg, train_set.manifest["tokenizer"], here, stream,
+                        form_change=deepspeed_form_change(path, cfg) if path else None)
 
 
 def curve(run_dir):

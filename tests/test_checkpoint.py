@@ -265,13 +265,14 @@ def test_a_change_of_optimizer_state_form_is_converted_or_refused(tmp_path):
     import yaml
 
     from setdiff_dist.checkpoint.format import FORMAT
-    from setdiff_dist.checkpoint.manifest import (
-        check_compatible,
+    from setdiff_dist.checkpoint.manifest import check_compatible
+    from setdiff_dist.config import load_config
+    from setdiff_dist.train.optimizer_state import (
+        deepspeed_form_change,
         optimizer_changes,
         optimizer_form,
         saved_form,
     )
-    from setdiff_dist.config import load_config
 
     assert optimizer_form({}) == "zero"  # fp32
     assert optimizer_form({"train": {"precision": "bf16"}}) == "bf16_optimizer"  # before
@@ -290,13 +291,15 @@ def test_a_change_of_optimizer_state_form_is_converted_or_refused(tmp_path):
                 "tokenizer": {"sha256": "x", "spec": "bytes"}}
     with pytest.raises(CheckpointError) as err:
         check_compatible(manifest, str(tmp_path), cfg, {"sha256": "x", "spec": "bytes"},
-                         dict(manifest["layout"]))
+                         dict(manifest["layout"]), deepspeed_form_change(str(tmp_path), cfg))
     assert "resume with zero.overlap_comm=false" in str(err.value)
     # saved since the optimizer state is named by global names: converted, as without PP
     check_compatible(dict(manifest, optimizer_names="global"), str(tmp_path), cfg,
-                     {"sha256": "x", "spec": "bytes"}, dict(manifest["layout"]))
+                     {"sha256": "x", "spec": "bytes"}, dict(manifest["layout"]),
+                     deepspeed_form_change(str(tmp_path), cfg))
     saved["zero"]["overlap_comm"] = True
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert deepspeed_form_change(str(tmp_path), cfg) is None
     check_compatible(manifest, str(tmp_path), cfg, {"sha256": "x", "spec": "bytes"},
                      dict(manifest["layout"]))
     # megatron's distributed optimizer: to and from DeepSpeed's, and to other buckets, through
@@ -326,6 +329,7 @@ def test_a_change_of_optimizer_state_form_is_converted_or_refused(tmp_path):
     assert optimizer_changes(str(tmp_path), mega) is None
     assert optimizer_changes(str(tmp_path), cfg) == \
         "zero.implementation: checkpoint megatron, this run deepspeed"
+    assert deepspeed_form_change(str(tmp_path), cfg) is None  # (megatron's: converted)
     check_compatible(dict(manifest, layout=dict(manifest["layout"], pipeline=1)),
                      str(tmp_path), cfg, {"sha256": "x", "spec": "bytes"},
                      dict(manifest["layout"]))
@@ -709,11 +713,11 @@ def test_a_run_directory_belongs_to_one_trainer(sonnets, tmp_path):
     from helpers import train_config
 
     from setdiff_dist.checkpoint.files import RunLock
-    from setdiff_dist.cli.train import _claim_run_dir
+    from setdiff_dist.train.run_dir import claim_run_dir
 
     lock = RunLock(str(tmp_path))  # another trainer holds it
     try:
-        refusal = _claim_run_dir(train_config(tmp_path, sonnets), force=False)
+        refusal = claim_run_dir(train_config(tmp_path, sonnets), force=False)
     finally:
         lock.release()
     assert f"is in use by pid {os.getpid()}" in refusal
@@ -724,11 +728,11 @@ def test_a_resume_that_would_change_or_lose_the_run_is_refused(trained, sonnets,
                                                                capsys):
     from helpers import train_config
 
-    from setdiff_dist.cli.train import _claim_run_dir
+    from setdiff_dist.train.run_dir import claim_run_dir
 
     run = copy_run(trained("zero.stage=2"), tmp_path)
     before = tree_hash(run / "checkpoints")
-    refusal = _claim_run_dir(train_config(run, sonnets, *REFERENCE, "resume=never"), False)
+    refusal = claim_run_dir(train_config(run, sonnets, *REFERENCE, "resume=never"), False)
     assert "resume=never would train over the 2 checkpoint(s)" in refusal
     for overrides, words in (
             (("order.kind=block",), "order.kind: checkpoint 'staggered', this run 'block'"),
@@ -1029,7 +1033,7 @@ def test_two_jobs_resuming_one_checkpoint_take_turns_at_its_conversion(trained, 
     import threading
 
     from setdiff_dist.checkpoint.files import ConversionLock
-    from setdiff_dist.cli.train import _clean_leftovers
+    from setdiff_dist.train.run_dir import clean_leftovers
     from setdiff_dist.train.universal import prepare
 
     run = copy_run(trained(), tmp_path)
@@ -1059,10 +1063,10 @@ def test_two_jobs_resuming_one_checkpoint_take_turns_at_its_conversion(trained, 
     (step / "universal.tmp").mkdir()
     lock = ConversionLock(str(step))
     assert lock.acquire()
-    _clean_leftovers(str(run))
+    clean_leftovers(str(run))
     assert (step / "universal.tmp").is_dir()
     lock.release()
-    _clean_leftovers(str(run))
+    clean_leftovers(str(run))
     assert not (step / "universal.tmp").exists()
 
 

@@ -84,6 +84,39 @@ def test_step_directory_names_are_spelled_once():
                 if spelled.search(t)]) >= 5
 
 
+# the run directory's own names (and DeepSpeed's junk in a step directory), each exactly
+RUN_NAMES = ("config.yaml", "exit_status.json", "metrics.jsonl", "tensorboard", "wandb_id",
+             "profile", ".pt.trace.json", "faults.jsonl", ".setdiff.lock", "checkpoints",
+             "watchdog", ".previous", "hang.json", "hang.claim", "stacks-rank",
+             "latest_universal", "nccl_trace")
+# (the names of a rank's files: a piece of an f-string)
+RUN_NAME_PIECES = ("stacks-rank", ".pt.trace.json")
+# a name owned outside checkpoint/format.py: by a layer that may not import checkpoint/
+# (parallel/ turns NCCL's flight recorder on, and names its directory)
+RUN_NAME_OWNERS = {"nccl_trace": "parallel/state.py"}
+
+
+def test_run_directory_names_are_spelled_once():
+    """Every writer and reader of a run directory (the trainer, its metrics, its hang watch, the
+    launcher's housekeeping of leftovers, the commands that find a run's checkpoints) takes its
+    names from ``checkpoint/format.py``, as the step directory's: no other code spells them."""
+    found, owned = [], {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(PACKAGE))
+        for line, text in _literals(path):
+            name = next((n for n in RUN_NAMES if text == n or n in RUN_NAME_PIECES
+                         and n in text), None)
+            if name is None:
+                continue
+            owner = RUN_NAME_OWNERS.get(name, "checkpoint/format.py")
+            if where == owner:
+                owned[name] = owned.get(name, 0) + 1
+            else:
+                found.append(f"{where}:{line}: {text!r} (owned by {owner})")
+    assert not found, "\n".join(found)
+    assert owned == dict.fromkeys(RUN_NAMES, 1), owned  # each spelled there, once
+
+
 def _module_graph() -> dict:
     """Module name -> the package's modules it imports (``from pkg import submodule`` counts
     as the submodule, not the package's ``__init__``)."""

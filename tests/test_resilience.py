@@ -372,7 +372,7 @@ def test_train_sbatch_excludes_a_node_only_when_it_hung_twice(tmp_path, outcome,
     stubbed: the job is requeued without n1 only when the hang reports of this job
     (faults.jsonl) name n1 twice; a crash, a single hang, a divergence or a refusal ends the
     job and excludes no node."""
-    from setdiff_dist.cli.train import _write_exit_status
+    from setdiff_dist.train.run_dir import write_exit_status
 
     stubs = tmp_path / "bin"
     stubs.mkdir()
@@ -380,7 +380,7 @@ def test_train_sbatch_excludes_a_node_only_when_it_hung_twice(tmp_path, outcome,
         (stubs / name).write_text(text)
         (stubs / name).chmod(0o755)
     run, log = tmp_path / "run", tmp_path / "scontrol.log"
-    _write_exit_status(str(run), outcome, code, 4, None)
+    write_exit_status(str(run), outcome, code, 4, None)
     with open(run / "faults.jsonl", "w") as fh:
         hangs = [{"job": "123", "kind": "hang", "node": "n1"}] * hangs_on_n1
         for fault in hangs + [{"job": "99", "kind": "hang", "node": "n2"}] * 2:
@@ -433,10 +433,10 @@ def test_the_exit_status_of_a_hang_has_the_trainers_step(tmp_path):
     heartbeat (another rank's, seconds old)."""
     from types import SimpleNamespace
 
-    from setdiff_dist.cli.train import _record_hang
+    from setdiff_dist.train.run_dir import record_hang
 
     trainer = SimpleNamespace(step=5, last_step_at=None)
-    on_hang = _record_hang(str(tmp_path), trainer)
+    on_hang = record_hang(str(tmp_path), trainer)
     trainer.step, trainer.last_step_at = 9, 1234.5
     on_hang({"rank": 1, "step": 6, "phase": "forward"})
     status = json.loads((tmp_path / "exit_status.json").read_text())
@@ -463,28 +463,28 @@ def test_a_restart_after_a_failure_no_restart_gets_past_ends_at_once(tmp_path, m
     previous start of the same allocation ended diverged (or refused, or stopped on a signal)
     ends at once with its code; after a crash, or a record of another job or allocation, or in
     the first start, it goes on."""
-    from setdiff_dist.cli.train import _write_exit_status, refuse_pointless_restart
     from setdiff_dist.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED
+    from setdiff_dist.train.run_dir import refuse_pointless_restart, write_exit_status
 
     run = str(tmp_path)
     _as_start(monkeypatch, restart=0)
-    _write_exit_status(run, "diverged", EXIT_DIVERGED, 4, None)
+    write_exit_status(run, "diverged", EXIT_DIVERGED, 4, None)
     assert refuse_pointless_restart(run) is None  # (the first start: nothing to go by)
     _as_start(monkeypatch, restart=1)
     assert refuse_pointless_restart(run) == EXIT_DIVERGED
     _as_start(monkeypatch, allocation=0)
-    _write_exit_status(run, "preempted", EXIT_PREEMPTED, 4, None)
+    write_exit_status(run, "preempted", EXIT_PREEMPTED, 4, None)
     _as_start(monkeypatch, restart=2)
     assert refuse_pointless_restart(run) == EXIT_PREEMPTED
     for job, allocation in (("8", 0), ("7", 1)):  # another job; the next allocation
         _as_start(monkeypatch, job=job, allocation=allocation, restart=1)
         assert refuse_pointless_restart(run) is None
     _as_start(monkeypatch)
-    _write_exit_status(run, "failed", EXIT_FAILED, 4, None)
+    write_exit_status(run, "failed", EXIT_FAILED, 4, None)
     _as_start(monkeypatch, restart=1)
     assert refuse_pointless_restart(run) is None
     _as_start(monkeypatch, job=None, restart=1)  # (no launcher's job: never refused)
-    _write_exit_status(run, "diverged", EXIT_DIVERGED, 4, None)
+    write_exit_status(run, "diverged", EXIT_DIVERGED, 4, None)
     assert refuse_pointless_restart(run) is None
 
 
@@ -493,12 +493,12 @@ def test_a_start_after_a_fault_knows_the_last_step_before_it(tmp_path, monkeypat
     start's exit status when its rank 0 wrote one, else the later of rank 0's last heartbeat
     (its step in progress) and metrics.jsonl's last line; nothing in a first start, nor from
     another job's records."""
-    from setdiff_dist.cli.train import _write_exit_status, fault_before_this_start
+    from setdiff_dist.train.run_dir import fault_before_this_start, write_exit_status
     from setdiff_dist.train.watchdog import DIRECTORY, attempt_id, heartbeat_path
 
     run = str(tmp_path)
     _as_start(monkeypatch)
-    _write_exit_status(run, "hung", EXIT_HUNG, 12, None, last_step_at=1000.0)
+    write_exit_status(run, "hung", EXIT_HUNG, 12, None, last_step_at=1000.0)
     assert fault_before_this_start(run, 0) is None
     _as_start(monkeypatch, restart=1)
     assert fault_before_this_start(run, 1) == ("restart 1", 1000.0, 12)

@@ -297,20 +297,21 @@ def test_another_corpus_with_the_same_name_and_size_does_not_resume(trained, son
 # ----------------------------------------------------------------------------- 6. rewinds
 
 def test_a_rewind_over_newer_checkpoints_is_refused_without_force(trained, sonnets, tmp_path):
-    """What setdiff-train's rank 0 decides first (cli.train._claim_run_dir), in this process."""
-    from setdiff_dist.cli.train import _claim_run_dir
+    """What setdiff-train's rank 0 decides first (train.run_dir.claim_run_dir), in this
+    process."""
+    from setdiff_dist.train.run_dir import claim_run_dir
 
     run = copy_run(trained(), tmp_path)
     before = tree_hash(run / "checkpoints")
     cfg = train_config(run, sonnets, *REFERENCE, f"resume={run}/checkpoints/step_0000003")
-    refusal = _claim_run_dir(cfg, force=False)
+    refusal = claim_run_dir(cfg, force=False)
     assert "would overwrite the 1 newer checkpoint(s)" in refusal, refusal
     assert "step_0000006" in refusal and "--force" in refusal
     assert tree_hash(run / "checkpoints") == before
-    assert _claim_run_dir(cfg, force=True) is None  # (--force: the run may go on)
-    from setdiff_dist.cli import train as cli_train
+    assert claim_run_dir(cfg, force=True) is None  # (--force: the run may go on)
+    from setdiff_dist.train import run_dir as housekeeping
 
-    cli_train._RUN_LOCK.release()
+    housekeeping.RUN_LOCK.release()
 
 
 # ----------------------------------------------------------------------------- 7. a full disk
@@ -417,14 +418,14 @@ def test_an_interrupted_conversion_leaves_nothing_behind(trained, tmp_path):
     other process goes on writing), and what they left (universal.tmp/, latest_universal),
     like a crashed save's step directory, goes at the next start in that run directory,
     whatever its layout."""
-    from setdiff_dist.cli.train import _clean_leftovers
+    from setdiff_dist.train.run_dir import clean_leftovers
 
     run = copy_run(trained(), tmp_path)
     step = run / "checkpoints" / "step_0000006"
     (step / "universal.tmp" / "zero").mkdir(parents=True)
     (step / "latest_universal").write_text("universal.tmp")
     (run / "checkpoints" / "step_0000009" / "weights").mkdir(parents=True)  # a crashed save
-    _clean_leftovers(str(run))
+    clean_leftovers(str(run))
     assert not (step / "universal.tmp").exists() and not (step / "latest_universal").exists()
     assert not (run / "checkpoints" / "step_0000009").exists()
     assert (step / "manifest.json").exists() and (run / "checkpoints" / "step_0000003").exists()

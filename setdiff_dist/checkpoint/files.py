@@ -14,9 +14,11 @@ from setdiff_dist.paths import sha256_file
 
 from .format import (
     BEST,
+    CHECKPOINTS,
     DERIVED_FORMS,
     LATEST,
     MANIFEST,
+    RUN_LOCK,
     UNIVERSAL_LOCK,
     checkpoint_root,
     is_complete,
@@ -100,7 +102,7 @@ def step_directory(path: str) -> str:
     """The checkpoint a run directory or a checkpoints directory points at (``latest``), or a
     pointer file names (``RUN/checkpoints/best``); a step_* directory itself otherwise."""
     path = pointer_target(path)
-    return pointed(path) or pointed(os.path.join(path, "checkpoints")) or path
+    return pointed(path) or pointed(os.path.join(path, CHECKPOINTS)) or path
 
 
 class RunDirBusy(CheckpointError):
@@ -155,7 +157,7 @@ class RunLock(FileLock):
     """``run_dir/.setdiff.lock``, held by the trainer's rank 0 for its whole life: a second
     trainer on the same run directory is refused, naming the owner."""
 
-    NAME = ".setdiff.lock"
+    NAME = RUN_LOCK
 
     def __init__(self, run_dir: str):
         super().__init__(os.path.join(run_dir, self.NAME))

@@ -1,5 +1,18 @@
-"""The names and layout of a run's checkpoints, in one place: every writer and reader of a step
-directory takes its file names from here.
+"""The names and layout of a run directory and its checkpoints, in one place: every writer and
+reader of a run directory or a step directory takes its file names from here.
+
+``run_dir/`` holds, beside ``checkpoints/``
+- ``config.yaml`` (the resolved config of the run's last start: :data:`CONFIG`, the name a step
+  directory's copy has too), ``metrics.jsonl``, ``tensorboard/`` and ``wandb_id`` (the metrics;
+  the last, the W&B run's id that a resume goes on with), ``profile/rank<R>.pt.trace.json``
+  (``train.profile_steps``' traces), ``exit_status.json`` (rank 0's record of how the last
+  start ended, which the launchers read), ``faults.jsonl`` (the job's faults, a line each) and
+  ``.setdiff.lock`` (held by the trainer that owns the directory);
+- ``watchdog/`` (the hang watch: each rank's heartbeat ``rank<R>.json`` and stacks
+  ``stacks-rank<R>.txt``, the report ``hang.json`` and its claim ``hang.claim``), a previous
+  start's as ``watchdog.previous/``;
+- ``nccl_trace/`` (NCCL's flight recorder), named by :mod:`setdiff_dist.parallel.state`, which
+  turns it on and imports nothing of checkpoints.
 
 ``run_dir/checkpoints/step_NNNNNNN/`` (format ``setdiff-ckpt/1``) holds
 - DeepSpeed's files (model states per model-parallel rank, optimizer states per data-parallel
@@ -19,6 +32,9 @@ directory takes its file names from here.
   own (format :data:`DERIVED_FORMAT`: every file's size and SHA-256, every link's target),
   written last and checked at every resume that reuses it; ``universal.lock``, held while a
   job makes or checks them.
+
+DeepSpeed's universal converter also leaves ``latest_universal`` in a step directory
+(:data:`LATEST_UNIVERSAL`: never used, removed at the next start).
 
 ``run_dir/checkpoints/latest`` names the newest complete step directory; ``best`` (a run with
 ``checkpoint.keep_best``) the complete one of lowest validation loss, which pruning keeps. Either
@@ -53,10 +69,45 @@ UNIVERSAL_LOCK = "universal.lock"
 # (a key of the client state in DeepSpeed's model-state files: the stage's parameter names ->
 # their global names, which name the optimizer state since format 1 with "optimizer_names")
 GLOBAL_NAMES = "setdiff_global_names"
+# (DeepSpeed's universal converter's pointer, left in the step directory: junk to us)
+LATEST_UNIVERSAL = "latest_universal"
+
+# the run directory's own
+CHECKPOINTS = "checkpoints"
+EXIT_STATUS = "exit_status.json"
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+WANDB_ID = "wandb_id"
+PROFILE = "profile"
+FAULTS = "faults.jsonl"
+RUN_LOCK = ".setdiff.lock"
+WATCHDOG = "watchdog"
+PREVIOUS = ".previous"  # (a previous start's WATCHDOG: watchdog.previous)
+HANG_REPORT = "hang.json"  # (in WATCHDOG)
+HANG_CLAIM = "hang.claim"  # (in WATCHDOG: the rank that writes the report, first come)
 
 
 def checkpoint_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
+    return os.path.join(run_dir, CHECKPOINTS)
+
+
+def heartbeat_file(rank: int) -> str:
+    """Rank ``rank``'s heartbeat, in :data:`WATCHDOG`."""
+    return f"rank{rank}.json"
+
+
+def is_heartbeat_name(name: str) -> bool:
+    return name.startswith("rank") and name.endswith(".json")
+
+
+def stacks_file(rank: int) -> str:
+    """Rank ``rank``'s Python stacks after a hang, in :data:`WATCHDOG`."""
+    return f"stacks-rank{rank}.txt"
+
+
+def trace_file(rank: int) -> str:
+    """Rank ``rank``'s profiler trace (Chrome's format), in :data:`PROFILE`."""
+    return f"rank{rank}.pt.trace.json"
 
 
 def tag_of(step: int) -> str:

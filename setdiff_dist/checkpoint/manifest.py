@@ -193,80 +193,22 @@ def needs_universal(saved: dict, here: dict, optimizer_changed: bool) -> bool:
     """Whether a checkpoint saved in layout ``saved`` resumes in ``here`` through DeepSpeed's
     universal form, which re-partitions the optimizer state: another pipeline or tensor-
     parallel size, another ZeRO partition count (data x context-parallel size), or another
-    form of the optimizer state (``optimizer_changed``: :func:`optimizer_changes`, or another
-    ZeRO stage)."""
+    form of the optimizer state (``optimizer_changed``:
+    :func:`setdiff_dist.train.optimizer_state.optimizer_changes`, or another ZeRO stage)."""
     def zero_ranks(layout):
         return layout["data"] * layout.get("context", 1)
     return optimizer_changed or saved["pipeline"] != here["pipeline"] or \
         saved["tensor"] != here["tensor"] or zero_ranks(saved) != zero_ranks(here)
 
 
-def optimizer_form(config: dict, implementation: Optional[str] = None) -> str:
-    """The form of the ZeRO optimizer state a run of ``config`` (a config as a dict) saves:
-    ``"megatron"`` (megatron-core's distributed optimizer, :func:`~setdiff_dist.config.
-    zero_implementation`: each rank's fragments of each parameter), ``"fsdp"`` (FSDP2's ZeRO-2:
-    fragments too, cut otherwise), ``"bf16_optimizer"`` (DeepSpeed's ``BF16_Optimizer``: bf16
-    or fp8 at ZeRO-1 without ``zero.overlap_comm`` or optimizer offload) or ``"zero"`` (its ZeRO
-    optimizer). A config from before ``zero.overlap_comm`` existed ran without it.
-    ``implementation``: who ran it, where a checkpoint's manifest says so."""
-    zero, train = config.get("zero", {}), config.get("train", {})
-    implementation = implementation or zero_implementation(config)
-    if implementation in ("megatron", "fsdp"):
-        return implementation
-    if train.get("precision", "fp32") in ("bf16", "fp8") and zero.get("stage", 1) == 1 \
-            and not zero.get("overlap_comm", False) \
-            and zero.get("offload_optimizer", "none") == "none":
-        return "bf16_optimizer"
-    return "zero"
-
-
-def saved_form(path: str) -> str:
-    """The form of the optimizer state of the checkpoint at ``path``: by the implementation its
-    manifest names, else (saved before manifests named it, when ``auto`` meant DeepSpeed at
-    ZeRO-2) by its config."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as fh:
-            implementation = json.load(fh).get("zero_implementation")
-    except (OSError, ValueError, AttributeError):
-        implementation = None
-    saved = saved_config(path)
-    return optimizer_form(saved, implementation
-                          or zero_implementation(saved, saved_before_fsdp=True))
-
-
-def optimizer_changes(path: str, cfg) -> Optional[str]:
-    """``"zero.overlap_comm: checkpoint X, this run Y"`` when the checkpoint at ``path`` keeps
-    its optimizer state in another form than this run (DeepSpeed converts it through the
-    universal form), ``"zero.implementation: ..."`` between DeepSpeed's, megatron's and
-    FSDP's, the bucket settings that cut megatron's state otherwise; else None."""
-    saved = saved_config(path)
-    if not saved:
-        return None
-    forms = saved_form(path), optimizer_form(cfg.to_dict())
-    fragments = ("megatron", "fsdp")
-    if forms[0] in fragments or forms[1] in fragments:
-        zero = saved.get("zero", {})
-        if forms[0] != forms[1]:
-            name = [f if f in fragments else "deepspeed" for f in forms]
-            return f"zero.implementation: checkpoint {name[0]}, this run {name[1]}"
-        if forms[0] == "fsdp":
-            return None
-        # (megatron cuts its optimizer state bucket by bucket: other buckets, other shards)
-        moved = [f"zero.{k}: checkpoint {zero.get(k)}, this run {getattr(cfg.zero, k)}"
-                 for k in ("reduce_bucket_size", "min_bucket_per_rank")
-                 if zero.get(k, getattr(cfg.zero, k)) != getattr(cfg.zero, k)]
-        return "; ".join(moved) or None
-    if forms[0] == forms[1]:
-        return None
-    before = str(saved.get("zero", {}).get("overlap_comm", False)).lower()
-    return f"zero.overlap_comm: checkpoint {before}, this run {str(cfg.zero.overlap_comm).lower()}"
-
-
 def check_compatible(manifest: dict, path: str, cfg, tokenizer_identity: dict,
-                     here: dict) -> dict:
+                     here: dict, form_change: Optional[str] = None) -> dict:
     """``manifest`` (of the checkpoint at ``path``), or a CheckpointError listing every
     difference with this run: ``cfg``, its tokenizer, its layout ``here`` (``{"tensor",
-    "pipeline", "data", "world", "context"}``)."""
+    "pipeline", "data", "world", "context"}``). ``form_change``: how the checkpoint's form of
+    DeepSpeed's optimizer state differs from this run's, if it does
+    (:func:`setdiff_dist.train.optimizer_state.deepspeed_form_change`: which form a config
+    saves is the trainer's knowledge of DeepSpeed's optimizers, not the format's)."""
     m = manifest
     if m.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
@@ -276,12 +218,8 @@ def check_compatible(manifest: dict, path: str, cfg, tokenizer_identity: dict,
     global_names = m.get("optimizer_names") == "global"
     diffs += layout_differences(m["layout"], here, m["zero_stage"], cfg.zero.stage, path,
                                 global_names)
-    forms = {saved_form(path), optimizer_form(cfg.to_dict())}
-    # (a change to or from megatron's distributed optimizer or FSDP goes through the universal
-    # form)
-    changed = optimizer_changes(path, cfg) if not forms & {"megatron", "fsdp"} else None
-    if changed and m["layout"]["pipeline"] > 1 and not global_names:
-        diffs.append(f"{changed} (bf16 ZeRO-1 keeps its optimizer state in another form with "
+    if form_change and m["layout"]["pipeline"] > 1 and not global_names:
+        diffs.append(f"{form_change} (bf16 ZeRO-1 keeps its optimizer state in another form with "
                      "overlap_comm; this pipeline-parallel checkpoint was saved before its "
                      "optimizer state was named by global layer and cannot be converted: resume "
                      f"with zero.overlap_comm={str(not cfg.zero.overlap_comm).lower()})")
@@ -395,13 +333,14 @@ def check_no_code(path: str) -> None:
 
 
 def check_resume(path: str, cfg, tokenizer_identity: dict, here: dict, stream: dict,
-                 say: bool = True, group=None) -> dict:
+                 say: bool = True, group=None, form_change: Optional[str] = None) -> dict:
     """Everything that decides, before any model is built, whether this run (``cfg``, its
     tokenizer, its ``here`` layout, its data ``stream``: a loader's state) can go on from the
     checkpoint at ``path``: the manifest against the run, the data stream, every file's size and
     checksum, and no pickled code. Returns the manifest or raises a :class:`CheckpointError`
     (or the data's ShardError) naming what differs. ``say``: print the notes (rank 0);
-    ``group``: the ranks that share the hashing (see :func:`verify`)."""
+    ``group``: the ranks that share the hashing (see :func:`verify`); ``form_change``: see
+    :func:`check_compatible`."""
     from setdiff_dist.data.loader import check_stream
 
     root = checkpoint_root(cfg.run_dir)
@@ -413,7 +352,8 @@ def check_resume(path: str, cfg, tokenizer_identity: dict, here: dict, stream: d
         if source and say:
             print(f"note: resuming from {path}; checkpoint.{key}={source} only starts a "
                   "new run and is not used (give a new run_dir to start from it)", flush=True)
-    manifest = check_compatible(read_manifest(path), path, cfg, tokenizer_identity, here)
+    manifest = check_compatible(read_manifest(path), path, cfg, tokenizer_identity, here,
+                                form_change)
     if manifest["step"] > cfg.train.steps:
         raise CheckpointError(f"{path} is at step {manifest['step']}, past train.steps="
                               f"{cfg.train.steps}: raise train.steps to train on, or give a new "

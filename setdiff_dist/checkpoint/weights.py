@@ -18,7 +18,7 @@ from setdiff_dist.data.tokenizers import Tokenizer, load_shipped_tokenizer
 from setdiff_dist.errors import SetdiffError
 
 from .files import damaged, describe_files, pointer_target, shared_problems, step_directory
-from .format import EMA_WEIGHTS, MANIFEST, WEIGHTS, weights_name, weights_part
+from .format import CONFIG, EMA_WEIGHTS, MANIFEST, WEIGHTS, weights_name, weights_part
 from .manifest import read_manifest
 from .sharding import merge_shards, split_shard
 
@@ -63,9 +63,9 @@ def _is_shard_directory(path: str) -> bool:
 def _config_of(directory: str):
     import yaml
 
-    path = os.path.join(directory, "config.yaml")
+    path = os.path.join(directory, CONFIG)
     if not os.path.isfile(path):
-        raise LoadError(f"{directory}: config.yaml is missing")
+        raise LoadError(f"{directory}: {CONFIG} is missing")
     with open(path) as fh:
         return config_from_dict(yaml.safe_load(fh), check=False)
 
@@ -462,7 +462,7 @@ def write_export(out: str, state: dict, cfg, tok, source: str, extra_meta: Optio
     os.makedirs(tmp, exist_ok=True)
     save_tensors({k: v.contiguous() for k, v in state.items()},
                  os.path.join(tmp, "model.safetensors"), metadata={"format": EXPORT_FORMAT})
-    with open(os.path.join(tmp, "config.yaml"), "w") as fh:
+    with open(os.path.join(tmp, CONFIG), "w") as fh:
         fh.write(cfg.to_yaml())
     for name, obj in (extra_files or {}).items():
         with open(os.path.join(tmp, name), "w") as fh:

@@ -16,6 +16,7 @@ import sys
 
 from setdiff_dist.cli import HelpFormatter, Once, command
 from setdiff_dist.config import describe, load_config
+from setdiff_dist.errors import EXIT_USAGE
 
 
 @command("setdiff-config")
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             if not hasattr(value, part):
                 print(f"setdiff-config: no key {args.get!r} (see setdiff-config --keys)",
                       file=sys.stderr)
-                return 2
+                return EXIT_USAGE
             value = getattr(value, part)
         import yaml
 

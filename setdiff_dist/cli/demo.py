@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 from setdiff_dist.cli import HelpFormatter, Once, command
 from setdiff_dist.config import ConfigError, load_config
+from setdiff_dist.errors import EXIT_FAILED
 
 # torch and the rest are imported where they are used: --help answers without them
 
@@ -127,6 +127,7 @@ def train(cfg, steps: int) -> dict:
     from setdiff_dist.model.reference import AsTrainingModel, ReferenceTransformer
 
     L, m = cfg.data.seq_len, cfg.model
+    from setdiff_dist.diffusion import perplexity_bound
     from setdiff_dist.diffusion.kinds import order_of
 
     if order_of(cfg.order).causal_lm:
@@ -164,7 +165,9 @@ def train(cfg, steps: int) -> dict:
     from setdiff_dist.train.schedule import lr_multiplier  # (the trainer's, clamped)
 
     schedule = lr_multiplier(cfg.optimizer, steps)
-    with open(os.path.join(cfg.run_dir, "metrics.jsonl"), "w") as metrics:
+    from setdiff_dist.checkpoint.format import METRICS
+
+    with open(os.path.join(cfg.run_dir, METRICS), "w") as metrics:
         for step, micro_batches in zip(range(steps), loader):
             for group in opt.param_groups:
                 group["lr"] = cfg.optimizer.lr * schedule(step)
@@ -185,7 +188,7 @@ def train(cfg, steps: int) -> dict:
                 metrics.write(json.dumps(rec) + "\n")
                 eta = el / (step + 1) * (steps - step - 1)
                 print(f"  step {step + 1:>5}/{steps}  loss {rec['loss']:.3f}  "
-                      f"ppl<= {math.exp(rec['loss']):8.2f}  lr {rec['lr']:.2e}  "
+                      f"ppl<= {perplexity_bound(rec['loss']):8.2f}  lr {rec['lr']:.2e}  "
                       f"{tps:8.0f} tok/s  eta {eta:5.1f}s", flush=True)
     model.eval()
     ev = dict(batches=cfg.train.eval_batches, batch_size=cfg.data.micro_batch_size)
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     result = train(cfg, cfg.train.steps)
     if result["ar_identity_max_gap"] > 1e-4:
         print("AR identity violated", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     return 0
 
 

@@ -252,8 +252,10 @@ def _set_threads(threads) -> None:
 def _model_name(path: str) -> str:
     from pathlib import Path
 
+    from setdiff_dist.checkpoint.format import CHECKPOINTS
+
     p = Path(path).resolve()
-    return p.parent.parent.name if p.parent.name == "checkpoints" else p.name
+    return p.parent.parent.name if p.parent.name == CHECKPOINTS else p.name
 
 
 def _loopback(host: str) -> bool:

@@ -66,6 +66,13 @@ def nelbo(nll: torch.Tensor, sample: OrderSample, scored: torch.Tensor | None = 
     return Nelbo(terms=terms, total=terms.sum(), tokens=targets.sum().to(nll.dtype))
 
 
-def perplexity_bound(total: float, tokens: float) -> float:
-    """``exp(NELBO / tokens)``: an upper bound on perplexity (``PPL <=``)."""
-    return math.exp(float(total) / max(float(tokens), 1.0))
+#: the per-token loss (nats) past which a perplexity bound reports ``exp(MAX_LOG_PPL)``
+MAX_LOG_PPL = 50.0
+
+
+def perplexity_bound(total: float, tokens: float = 1.0) -> float:
+    """``exp(NELBO / tokens)``: an upper bound on perplexity (``PPL <=``); ``tokens`` left out,
+    ``total`` is a per-token loss. The one policy of every report (logs, tensorboard, results
+    files): a loss past :data:`MAX_LOG_PPL` nats a token (an untrained or diverging run) reports
+    ``exp(MAX_LOG_PPL)`` rather than overflowing; a non-finite loss reports nan (inf: the cap)."""
+    return math.exp(min(float(total) / max(float(tokens), 1.0), MAX_LOG_PPL))

@@ -183,6 +183,18 @@ class AsyncSaver:
         self._thread = threading.Thread(target=run, name="setdiff-checkpoint", daemon=True)
         self._thread.start()
 
+    def save(self, job) -> None:
+        """Save ``job`` (a prepared :class:`~setdiff_dist.train.checkpoint.Save`) in the
+        background: its state captured now, on the training thread, into this saver's host
+        buffers (:meth:`~setdiff_dist.train.checkpoint.Save.files`), then its writes (by the
+        writer process) and its :meth:`~setdiff_dist.train.checkpoint.Save.finish` in the
+        thread (:meth:`submit`)."""
+        self.writer.start()
+        self.staging.begin()
+        writes = job.files(self.staging.copy)
+        self.submit(job.path, lambda: job.write(writes, self.run), job.finish, job.failed,
+                    job.abandon)
+
     def done(self) -> None:
         """One more file written (called by the thread)."""
         self.files_written += 1

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,14 +45,12 @@ from setdiff_dist.checkpoint.format import (
     rng_file,
     tag_of,
 )
-from setdiff_dist.checkpoint.manifest import (
-    build_manifest,
-    no_unpickling,
-    optimizer_changes,
-)
+from setdiff_dist.checkpoint.manifest import build_manifest, no_unpickling
 from setdiff_dist.checkpoint.manifest import needs_universal as layout_needs_universal
 from setdiff_dist.checkpoint.saving import check_space, save_failed, write_failure
 from setdiff_dist.progress import progress
+
+from .optimizer_state import optimizer_changes
 
 
 def universal_info(model, group=None) -> dict:
@@ -221,48 +219,182 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
     resume on other data is refused before any model is built. ``saver``
     (:class:`~setdiff_dist.train.async_save.AsyncSaver`): capture the state now and write it in
     the background (``latest`` moves when it is all written). ``best``: ``best`` moves to it
-    too, with ``latest`` (the checkpoint of the lowest validation loss so far)."""
-    from setdiff_dist.errors import EXIT_FAILED
+    too, with ``latest`` (the checkpoint of the lowest validation loss so far). The procedure
+    is :class:`Save`'s, the same either way."""
+    job = Save(engine, cfg, step, client_state, tokenizer_identity, tokenizer_dir, ema, data,
+               best)
+    job.prepare(saver)
+    if saver is None:
+        job.here()
+    else:
+        saver.save(job)  # (job.files on this thread, then job.write and job.finish in its own)
+    return job.path
 
-    from .async_save import SaveAgreement, SaveNotAgreed, save_name
 
-    root = checkpoint_root(cfg.run_dir)
-    tag = tag_of(step)
-    name = save_name(tag)  # (first: every rank counts every save it begins, failed or not)
-    path = os.path.join(root, tag)
-    rank = dist.get_rank()
-    if saver is not None:
-        saver.wait()  # (one save in flight at most: the last one is complete before this one)
-    need = check_space(root, tag)  # (collective: every rank refuses, or none)
-    if rank == 0 and os.path.isdir(path):  # an earlier save of this step (a crash, or resume=never)
-        for pointer in (os.path.join(root, LATEST), os.path.join(root, BEST)):
-            if os.path.isfile(pointer) and open(pointer).read().strip() == tag:
-                os.remove(pointer)  # never leave a pointer at a directory being rewritten
-        shutil.rmtree(path)
-    dist.barrier()
-    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+class Save:
+    """One save of checkpoint ``step`` on this rank, as the sequence of steps that a blocking
+    save runs on the training thread (:meth:`here`) and a background save splits between the
+    training thread and its saver's thread (:meth:`AsyncSaver.save
+    <setdiff_dist.train.async_save.AsyncSaver.save>`): the procedure is written once, here, and
+    only where each step runs differs.
 
-    info = getattr(engine, "setdiff_universal_info", None)
-    if info is None:  # (once a run: it gathers every pipeline stage's patterns)
-        info = engine.setdiff_universal_info = universal_info(
-            engine.module, ps.get_pipeline_model_parallel_group())
-    from setdiff_dist.model.transformer import global_name
+    1. :meth:`prepare` (the training thread; collective): the disk-space check, an earlier save
+       of this step removed, the client state completed;
+    2. :meth:`files` (the training thread; collective): DeepSpeed's files, the weights (and
+       the EMA's), the RNG state: written as they come, or, in the background, copied to host
+       memory and returned as the writes still to do;
+    3. :meth:`write` (in the background only): those writes, by the writer process;
+    4. :meth:`small_files` (rank 0): the config and the tokenizer file;
+    5. :meth:`finish`: the ranks agree that every file is on disk, share the hashing, and rank
+       0 writes the manifest, moves ``latest`` (and ``best``) and prunes.
 
-    # (the module state in DeepSpeed's files keeps the stage's own names: how they map)
-    names = {n: global_name(engine.module, n) for n, _ in engine.module.named_parameters()}
-    client_state = dict(client_state, **{UNIVERSAL_CHECKPOINT_INFO: info, GLOBAL_NAMES: names})
+    A write that fails raises :meth:`failed`'s error (the partial save removed); in the
+    background it also tells the other ranks (:meth:`abandon`), so that they stop waiting for
+    this rank's files (a blocking save's ranks meet the failure in their own writes, or in
+    DeepSpeed's collectives)."""
 
-    def failed(exc: BaseException) -> BaseException:
-        return save_failed(exc, root, tag, need) if write_failure(exc) else exc
+    def __init__(self, engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
+                 tokenizer_dir: Optional[str] = None, ema=None, data: Optional[dict] = None,
+                 best: bool = False):
+        from .async_save import save_name
 
-    world = dist.get_world_size()
+        self.engine, self.cfg, self.step, self.ema, self.data, self.best = \
+            engine, cfg, step, ema, data, best
+        self.client_state, self.tokenizer_identity, self.tokenizer_dir = \
+            client_state, tokenizer_identity, tokenizer_dir
+        self.root = checkpoint_root(cfg.run_dir)
+        self.tag = tag_of(step)
+        # (first: every rank counts every save it begins, failed or not)
+        self.name = save_name(self.tag)
+        self.path = os.path.join(self.root, self.tag)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.need: Optional[int] = None  # (the size check_space expects)
 
-    def all_written(reports: list) -> None:  # (rank 0: each rank's None, or why it failed)
+    def prepare(self, saver=None) -> None:
+        """Step 1. ``saver``: the save in flight is complete first (one at a time)."""
+        if saver is not None:
+            saver.wait()
+        root, tag, path, engine = self.root, self.tag, self.path, self.engine
+        self.need = check_space(root, tag)  # (collective: every rank refuses, or none)
+        # an earlier save of this step (a crash, or resume=never)
+        if self.rank == 0 and os.path.isdir(path):
+            for pointer in (os.path.join(root, LATEST), os.path.join(root, BEST)):
+                if os.path.isfile(pointer) and open(pointer).read().strip() == tag:
+                    os.remove(pointer)  # never leave a pointer at a directory being rewritten
+            shutil.rmtree(path)
+        dist.barrier()
+        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+        info = getattr(engine, "setdiff_universal_info", None)
+        if info is None:  # (once a run: it gathers every pipeline stage's patterns)
+            info = engine.setdiff_universal_info = universal_info(
+                engine.module, ps.get_pipeline_model_parallel_group())
+        from setdiff_dist.model.transformer import global_name
+
+        # (the module state in DeepSpeed's files keeps the stage's own names: how they map)
+        names = {n: global_name(engine.module, n) for n, _ in engine.module.named_parameters()}
+        self.client_state = dict(self.client_state,
+                                 **{UNIVERSAL_CHECKPOINT_INFO: info, GLOBAL_NAMES: names})
+
+    def here(self) -> None:
+        """Steps 2, 4 and 5 on this thread: a blocking save."""
+        try:
+            _fault_point("hang_save", self.step)
+            self.files()
+            self.small_files()
+            self.finish()
+        except (OSError, RuntimeError) as exc:
+            if not write_failure(exc):
+                raise
+            raise self.failed(exc) from None
+
+    def files(self, staged: Optional[Callable] = None) -> list:
+        """Step 2: this rank's files, in the order they are written: DeepSpeed's, the weights,
+        the EMA's, the RNG state, each reported to the hang watch. Without ``staged`` they are
+        written as they come (the ZeRO-3 and EMA gathers one tensor at a time) and nothing is
+        returned. ``staged`` (a save's :meth:`~setdiff_dist.train.writer.Staging.copy`): the
+        state is copied to host memory through it (DeepSpeed's save and the gathers are
+        collectives of this thread), and the writes come back for :meth:`write`: ``[DeepSpeed's
+        calls, the others]``, each a list of ``(function, args, kwargs)``."""
+        from .async_save import Capture, host_copy
+
+        engine, path, stage = self.engine, self.path, self.cfg.zero.stage
+        later = staged is not None
+        capture = Capture(engine.checkpoint_engine, staged) if later else None
+        if capture is not None:
+            engine.checkpoint_engine = capture
+        try:
+            engine.save_checkpoint(self.root, tag=self.tag, client_state=self.client_state,
+                                   save_latest=False)
+        finally:
+            if capture is not None:
+                engine.checkpoint_engine = capture.real
+        progress()  # (the hang watch: train.save_timeout_s between files written)
+        rest = [save_weights(engine, os.path.join(path, WEIGHTS), stage, later=later,
+                             copy_tensor=staged)]
+        progress()
+        if self.ema is not None:
+            rest.append(save_weights(engine, os.path.join(path, EMA_WEIGHTS), stage,
+                                     ema=self.ema, later=later, copy_tensor=staged))
+            progress()
+        rng = os.path.join(path, rng_file(self.rank))
+        if not later:
+            torch.save(_rng_state(), rng)
+            return []
+        rest.append((torch.save, (host_copy(_rng_state()), rng), {}))
+        return [capture.calls(), rest]
+
+    def write(self, writes: list, run: Callable[[list], None]) -> None:
+        """Step 3 and 4, in the background: :meth:`files`' ``writes``, each list by ``run`` (the
+        saver's writer process), then :meth:`small_files`."""
+        deepspeeds, rest = writes
+        _fault_point("write_fails", self.step)
+        run(deepspeeds)
+        _fault_point("async_write", self.step)
+        run(rest)
+        self.small_files()
+
+    def small_files(self) -> None:
+        """Step 4 (rank 0): the config and the tokenizer file."""
+        if self.rank != 0:
+            return
+        with open(os.path.join(self.path, CONFIG), "w") as fh:
+            fh.write(self.cfg.to_yaml())
+        name = self.tokenizer_identity.get("file")
+        if name and self.tokenizer_dir:
+            from setdiff_dist.paths import inside
+
+            shutil.copyfile(inside(self.tokenizer_dir, name, "the tokenizer file",
+                                   CheckpointError),
+                            inside(self.path, name, "the tokenizer file", CheckpointError))
+
+    def finish(self, store=None) -> None:
+        """Step 5: this rank's files are on disk: once every rank's are, the manifest (the ranks
+        share the hashing), then ``latest``, then the pruning; returns once ``latest`` has
+        moved. The ranks agree through the c10d store, not a process group (``store``: a client
+        of it; by default one of this save's own): :class:`~.async_save.SaveAgreement`."""
+        from .async_save import SaveAgreement
+
+        _fault_point("after_shards", self.step)
+        path, rank, world = self.path, self.rank, self.world
+        agree = SaveAgreement(store, self.name, rank, world, f"checkpoint {self.tag}")
+        agree.decide("written", None, self._all_written)  # every rank's files are on disk
+        try:  # (a rank that cannot hash its share says so in the round, not by silence)
+            mine = {"files": describe_files(path, checkpoint_files(path)[rank::world],
+                                            self.cfg.checkpoint.checksums)}
+        except OSError as exc:
+            mine = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        agree.decide("tables", mine, self._publish)
+
+    def _all_written(self, reports: list) -> None:
+        """(Rank 0, in :meth:`finish`'s first round: each rank's None, or why it failed.)"""
+        from .async_save import SaveNotAgreed
+
         bad = [(r, report) for r, report in enumerate(reports) if report]
         if bad:
             ranks = [r for r, _ in bad]
             exc = SaveNotAgreed(
-                f"checkpoint {tag} is not complete: rank{'s' if len(ranks) > 1 else ''} "
+                f"checkpoint {self.tag} is not complete: rank{'s' if len(ranks) > 1 else ''} "
                 f"{', '.join(map(str, ranks[:16]))} could not write "
                 f"{'their' if len(ranks) > 1 else 'its'} files ({bad[0][1]['why']}); latest "
                 "still points at the previous checkpoint")
@@ -270,110 +402,47 @@ def save(engine, cfg, step: int, client_state: dict, tokenizer_identity: dict,
             exc.exit_code = max(report["exit_code"] for _, report in bad)
             raise exc
 
-    def abandon(exc: BaseException) -> None:
-        """This rank's write failed: the others hear it in the save's first round (their
-        :func:`finish` fails at once, rather than waiting for this rank's files)."""
-        SaveAgreement(None, name, rank, world, f"checkpoint {tag}").decide(
+    def _publish(self, tables: list) -> None:
+        """(Rank 0, with every rank's file table.) The manifest, then ``latest`` (and
+        ``best``), each replaced atomically, then the pruning, which keeps ``best``."""
+        from .async_save import SaveNotAgreed
+
+        root, tag = self.root, self.tag
+        bad = [(r, t["error"]) for r, t in enumerate(tables) if "error" in t]
+        if bad:
+            raise SaveNotAgreed(f"checkpoint {tag} is not complete: rank {bad[0][0]} could "
+                                f"not read back its files ({bad[0][1]}); latest still "
+                                "points at the previous checkpoint")
+        manifest = build_manifest(self.step, layout(), self.cfg, self.tokenizer_identity,
+                                  {k: v for t in tables for k, v in t["files"].items()},
+                                  self.data)
+        write_atomic(os.path.join(self.path, MANIFEST), json.dumps(manifest, indent=2))
+        write_atomic(os.path.join(root, LATEST), tag + "\n")
+        if self.best:
+            write_atomic(os.path.join(root, BEST), tag + "\n")
+        prune(root, self.cfg.checkpoint.keep_last, keep=tag)
+
+    def failed(self, exc: BaseException) -> BaseException:
+        """The error a failed write raises: a full disk or a file-size limit explained, the
+        partial save removed (:func:`~setdiff_dist.checkpoint.saving.save_failed`); else
+        ``exc``."""
+        return save_failed(exc, self.root, self.tag, self.need) if write_failure(exc) else exc
+
+    def abandon(self, exc: BaseException) -> None:
+        """This rank's background write failed: the others hear it in the save's first round
+        (their :meth:`finish` fails at once, rather than waiting for this rank's files)."""
+        from setdiff_dist.errors import EXIT_FAILED
+
+        from .async_save import SaveAgreement
+
+        SaveAgreement(None, self.name, self.rank, self.world, f"checkpoint {self.tag}").decide(
             "written", {"why": f"{type(exc).__name__}: "
                                f"{(str(exc).splitlines() or [''])[0][:300]}",
                         # (what failed(exc) will raise here: its class's code; not called
                         # now, it removes the step directory the others still write)
                         "exit_code": CheckpointError.exit_code if write_failure(exc)
                         else EXIT_FAILED},
-            all_written)
-
-    def finish(store=None):
-        """This rank's files are on disk: once every rank's are, the manifest (the ranks share
-        the hashing), then ``latest``, then the pruning; returns once ``latest`` has moved.
-        The ranks agree through the c10d store, not a process group (``store``: a client of it;
-        by default one of this save's own): :class:`~.async_save.SaveAgreement`."""
-        _fault_point("after_shards", step)
-        agree = SaveAgreement(store, name, rank, world, f"checkpoint {tag}")
-        agree.decide("written", None, all_written)  # every rank's files are on disk
-        try:  # (a rank that cannot hash its share says so in the round, not by silence)
-            mine = {"files": describe_files(path, checkpoint_files(path)[rank::world],
-                                            cfg.checkpoint.checksums)}
-        except OSError as exc:
-            mine = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-
-        def publish(tables):  # (rank 0, with every rank's table)
-            bad = [(r, t["error"]) for r, t in enumerate(tables) if "error" in t]
-            if bad:
-                raise SaveNotAgreed(f"checkpoint {tag} is not complete: rank {bad[0][0]} could "
-                                    f"not read back its files ({bad[0][1]}); latest still "
-                                    "points at the previous checkpoint")
-            manifest = build_manifest(step, layout(), cfg, tokenizer_identity,
-                                      {k: v for t in tables for k, v in t["files"].items()},
-                                      data)
-            write_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=2))
-            write_atomic(os.path.join(root, LATEST), tag + "\n")
-            if best:
-                write_atomic(os.path.join(root, BEST), tag + "\n")
-            prune(root, cfg.checkpoint.keep_last, keep=tag)
-
-        agree.decide("tables", mine, publish)
-
-    def small_files():
-        if rank == 0:
-            with open(os.path.join(path, CONFIG), "w") as fh:
-                fh.write(cfg.to_yaml())
-            if tokenizer_identity.get("file") and tokenizer_dir:
-                from setdiff_dist.paths import inside
-
-                name = tokenizer_identity["file"]
-                shutil.copyfile(inside(tokenizer_dir, name, "the tokenizer file",
-                                       CheckpointError),
-                                inside(path, name, "the tokenizer file", CheckpointError))
-
-    if saver is None:
-        try:
-            _fault_point("hang_save", step)
-            engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
-            progress()  # (the hang watch: train.save_timeout_s between files written)
-            save_weights(engine, os.path.join(path, WEIGHTS), cfg.zero.stage)
-            progress()
-            if ema is not None:
-                save_weights(engine, os.path.join(path, EMA_WEIGHTS), cfg.zero.stage, ema=ema)
-                progress()
-            torch.save(_rng_state(), os.path.join(path, rng_file(rank)))
-            small_files()
-            finish()
-        except (OSError, RuntimeError) as exc:
-            if not write_failure(exc):
-                raise
-            raise failed(exc) from None
-        return path
-
-    # in the background: capture everything now (DeepSpeed's save and the weights' gathers are
-    # collectives of this thread), write it later
-    from .async_save import Capture, host_copy
-
-    saver.writer.start()
-    staged = saver.staging.copy
-    saver.staging.begin()
-    capture = Capture(engine.checkpoint_engine, staged)
-    engine.checkpoint_engine = capture
-    try:
-        engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
-    finally:
-        engine.checkpoint_engine = capture.real
-    writes = [save_weights(engine, os.path.join(path, WEIGHTS), cfg.zero.stage, later=True,
-                           copy_tensor=staged)]
-    if ema is not None:
-        writes.append(save_weights(engine, os.path.join(path, EMA_WEIGHTS), cfg.zero.stage,
-                                   ema=ema, later=True, copy_tensor=staged))
-    writes.append((torch.save, (host_copy(_rng_state()), os.path.join(path, rng_file(rank))),
-                   {}))
-
-    def write():  # (in the background thread; the files by the writer process)
-        _fault_point("write_fails", step)
-        saver.run(capture.calls())
-        _fault_point("async_write", step)
-        saver.run(writes)
-        small_files()
-
-    saver.submit(path, write, finish, failed, abandon)
-    return path
+            self._all_written)
 
 
 def _fault_point(name: str, step: int) -> None:

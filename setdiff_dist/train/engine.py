@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from setdiff_dist.checkpoint.manifest import optimizer_form
+from setdiff_dist.train.optimizer_state import optimizer_form
 from setdiff_dist.train.schedule import lr_multiplier
 
 
@@ -322,7 +322,7 @@ def skip_deepspeed_shm_build() -> bool:
 @contextlib.contextmanager
 def zero_optimizer_for_bf16(wanted: bool):
     """While DeepSpeed builds its engine (``wanted``: when the config's optimizer form is
-    ``"zero"``, :func:`setdiff_dist.checkpoint.manifest.optimizer_form`), make ZeRO-1 with bf16
+    ``"zero"``, :func:`setdiff_dist.train.optimizer_state.optimizer_form`), make ZeRO-1 with bf16
     weights and fp32 gradient accumulation run the ZeRO optimizer (``DeepSpeedZeroOptimizer``,
     as with CPU offload) instead of ``BF16_Optimizer``, whose gradient reduction is one
     all-reduce after the backward. The ZeRO optimizer accumulates each micro-batch's gradient

@@ -26,12 +26,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from setdiff_dist.checkpoint.files import resume_path
+from setdiff_dist.checkpoint.format import trace_file
 from setdiff_dist.checkpoint.manifest import check_resume, saved_config
 from setdiff_dist.checkpoint.reading import TALLY, collective_device, gather_into, megabytes
 from setdiff_dist.data.blend import Blend
 from setdiff_dist.data.loader import Batch, TokenLoader, fixed_batches
 from setdiff_dist.data.shards import ShardSet
 from setdiff_dist.data.tokenizers import load_shipped_tokenizer, load_tokenizer
+from setdiff_dist.diffusion import perplexity_bound
 from setdiff_dist.errors import Diverged, TrainingError
 from setdiff_dist.model.flops import training_flops_per_token
 from setdiff_dist.model.load import init_from_weights
@@ -56,6 +58,7 @@ from .engine import (
     time_gradient_reduction,
 )
 from .metrics import MetricsLogger, check_loggers
+from .optimizer_state import deepspeed_form_change
 from .param_gather import ParamPrefetch
 from .timers import PhaseTimers, Profile, Stragglers
 from .watchdog import Watchdog, startup_watch
@@ -240,7 +243,8 @@ class Trainer:
         if self.resume_path is not None:
             check_resume(self.resume_path, self.cfg, self.tokenizer_identity,
                          checkpoint.layout(), self.loader(0).state_dict(),
-                         say=self.rank == 0, group=dist.group.WORLD)
+                         say=self.rank == 0, group=dist.group.WORLD,
+                         form_change=deepspeed_form_change(self.resume_path, self.cfg))
 
     def _resume(self):
         path = self.resume_path
@@ -568,7 +572,7 @@ class Trainer:
         self.engine.module.train(was_training)
         self._sum_from_last_stage(total)
         per_token = float(total[0] / total[1].clamp_min(1))
-        return {"valid_loss": per_token, "valid_ppl_bound": math.exp(min(per_token, 50.0)),
+        return {"valid_loss": per_token, "valid_ppl_bound": perplexity_bound(per_token),
                 "valid_tokens": float(total[1])}
 
     def _report_restart(self) -> None:
@@ -627,7 +631,7 @@ class Trainer:
                 trace = profile.after(self.step, last=self.step == cfg.train.steps)
                 if trace and self.rank == 0:
                     print(f"profiler trace of steps {profile.first}-{self.step}: "
-                          f"{os.path.dirname(trace)}/rank*.pt.trace.json", flush=True)
+                          f"{os.path.join(os.path.dirname(trace), trace_file('*'))}", flush=True)
                 tokens_since += cfg.data.global_batch_size * L
                 if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps:
                     record.update(timers.report(  # (all ranks)

@@ -21,6 +21,9 @@ from typing import Optional
 
 import torch
 
+from setdiff_dist.checkpoint.format import METRICS, TENSORBOARD, WANDB_ID
+from setdiff_dist.diffusion import perplexity_bound
+
 # dense bf16 peak FLOP/s of common accelerators, for MFU
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
               "L40S": 362e12, "B200": 2250e12}
@@ -61,7 +64,7 @@ class WandbLogger:
         import wandb
 
         lc = cfg.logging
-        id_file = os.path.join(run_dir, "wandb_id")
+        id_file = os.path.join(run_dir, WANDB_ID)
         if os.path.isfile(id_file):
             run_id = open(id_file).read().strip()
         else:
@@ -125,12 +128,12 @@ class MetricsLogger:
         self.writer = self.wandb = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
-            self.path = os.path.join(run_dir, "metrics.jsonl")
+            self.path = os.path.join(run_dir, METRICS)
             keep_until(self.path, start_step)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+                self.writer = SummaryWriter(os.path.join(run_dir, TENSORBOARD),
                                             purge_step=start_step + 1)
             if cfg is not None and cfg.logging.wandb:
                 self.wandb = WandbLogger(run_dir, cfg)
@@ -160,8 +163,8 @@ class MetricsLogger:
             fh.write(json.dumps(record) + "\n")
         scalars = {f"train/{k}": v for k, v in record.items()
                    if isinstance(v, (int, float)) and k != "step"}
-        if math.isfinite(record["loss"]) and record["loss"] < 50:
-            scalars["train/ppl_bound"] = math.exp(record["loss"])
+        if math.isfinite(record["loss"]):
+            scalars["train/ppl_bound"] = perplexity_bound(record["loss"])
         self._scalars(step, scalars)
         done = step - self._step0
         eta = (now - self._t0) / max(done, 1) * (self.total - step)

@@ -329,9 +329,9 @@ class System:
 def ours(cfg) -> System:
     """How our training path runs ``cfg`` (what ``setdiff-train --dry-run --hardware`` predicts:
     overlap is credited only where the code overlaps)."""
-    from setdiff_dist.checkpoint.manifest import optimizer_form
     from setdiff_dist.config import zero_implementation
     from setdiff_dist.diffusion.kinds import order_of
+    from setdiff_dist.train.optimizer_state import optimizer_form
 
     z, m = cfg.zero, cfg.model
     form = optimizer_form(cfg.to_dict())

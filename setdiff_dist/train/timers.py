@@ -49,6 +49,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from setdiff_dist.checkpoint.format import PROFILE, trace_file
 from setdiff_dist.progress import progress
 
 STEP_PHASES = ("data_wait", "forward", "backward", "grad_reduce", "optimizer", "param_gather")
@@ -266,7 +267,7 @@ class Profile:
     def __init__(self, steps, run_dir: str, rank: int,
                  quiesce: Optional[Callable[[], None]] = None):
         self.first, self.last = steps if steps else (None, None)
-        self.path = os.path.join(run_dir, "profile", f"rank{rank}.pt.trace.json")
+        self.path = os.path.join(run_dir, PROFILE, trace_file(rank))
         self._prof = None
         self._quiesce = quiesce or (lambda: None)
 

@@ -62,6 +62,7 @@ from typing import Callable, Optional
 
 import torch
 
+from setdiff_dist.errors import EXIT_USAGE
 from setdiff_dist.progress import progress
 
 # (an agreement between the ranks: each gives what it has, ``(error or None, result)``, and
@@ -694,7 +695,7 @@ def main(argv=None) -> int:
     except CheckpointError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         print(exc, file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     finally:
         lock.release()
     return 0

@@ -48,23 +48,33 @@ import threading
 import time
 from typing import Callable, Optional
 
+from setdiff_dist.checkpoint.format import (
+    FAULTS,
+    HANG_CLAIM,
+    HANG_REPORT,
+    WATCHDOG,
+    heartbeat_file,
+    is_heartbeat_name,
+    stacks_file,
+)
 from setdiff_dist.errors import EXIT_HUNG
 from setdiff_dist.progress import watch, watched_by
 
 # the phases of the trainer's start-up (train.startup_timeout_s)
 STARTUP_PHASES = ("start-up", "model build", "engine build", "checkpoint load")
 
-DIRECTORY = "watchdog"
-REPORT = "hang.json"
-CLAIM = "hang.claim"  # (the rank that writes the report, first come)
+# the watch's files, in the run directory (named in setdiff_dist.checkpoint.format)
+DIRECTORY = WATCHDOG
+REPORT = HANG_REPORT
+CLAIM = HANG_CLAIM  # (the rank that writes the report, first come)
 
 
 def heartbeat_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, DIRECTORY, f"rank{rank}.json")
+    return os.path.join(run_dir, DIRECTORY, heartbeat_file(rank))
 
 
 def stacks_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, DIRECTORY, f"stacks-rank{rank}.txt")
+    return os.path.join(run_dir, DIRECTORY, stacks_file(rank))
 
 
 def _write_json(path: str, value: dict) -> None:
@@ -79,7 +89,7 @@ def read_heartbeats(run_dir: str) -> dict[int, dict]:
     found = {}
     directory = os.path.join(run_dir, DIRECTORY)
     for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        if name.startswith("rank") and name.endswith(".json"):
+        if is_heartbeat_name(name):
             try:
                 with open(os.path.join(directory, name)) as fh:
                     record = json.load(fh)
@@ -108,9 +118,6 @@ def attempt_id() -> dict:
     return {"job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
             or os.environ.get("SETDIFF_LAUNCH_ID"),
             "allocation": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
-
-
-FAULTS = "faults.jsonl"
 
 
 def record_fault(run_dir: str, kind: str, **detail) -> None:
@@ -203,10 +210,10 @@ class Watchdog:
             faulthandler.unregister(signal.SIGUSR2)
             self._registered = False
         self._stacks.close()
-        for path in (heartbeat_path(self.run_dir, self.rank),
-                     stacks_path(self.run_dir, self.rank)):
+        stacks = stacks_path(self.run_dir, self.rank)
+        for path in (heartbeat_path(self.run_dir, self.rank), stacks):
             try:
-                if not path.endswith(".txt") or os.path.getsize(path) == 0:
+                if path != stacks or os.path.getsize(path) == 0:
                     os.remove(path)
             except OSError:
                 pass
@@ -314,7 +321,7 @@ class Watchdog:
         where = node if node == b["host"] else f"{node} (host {b['host']})"
         print(f"setdiff-train: hang: rank {who} on {where} (pid {b['pid']}) {what}; "
               f"{key}={allowed:g}. Every rank's "
-              f"stacks: {os.path.join(self.run_dir, DIRECTORY)}/stacks-rank*.txt. Exiting "
+              f"stacks: {os.path.join(self.run_dir, DIRECTORY, stacks_file('*'))}. Exiting "
               f"with code {EXIT_HUNG}; resume=auto goes on from the last checkpoint"
               + (f" (ranks {missing} never wrote a heartbeat)" if missing else ""),
               file=sys.stderr, flush=True)
@@ -357,7 +364,9 @@ class Watchdog:
         :func:`setdiff_dist.parallel.state.flight_recorder_env`), its record of this rank's
         last collectives, beside the stacks, before the rank exits (NCCL's own dump comes only
         when a collective times out, after ``train.collective_timeout_s``)."""
-        directory = os.path.join(self.run_dir, "nccl_trace")
+        from setdiff_dist.parallel.state import NCCL_TRACE  # (its owner: it turns it on)
+
+        directory = os.path.join(self.run_dir, NCCL_TRACE)
         if not os.path.isdir(directory):
             return
         try:
