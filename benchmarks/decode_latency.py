@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--prompt", default="Shall I compare thee to a summer's day?")
     args = ap.parse_args()
 
-    from setdiff_dist.inference.decoder import MDLMDecoder, Sampling, SetDecoder
+    from setdiff_dist.inference.decoder import CausalDecoder, MDLMDecoder, Sampling, SetDecoder
     from setdiff_dist.inference.weights import build_inference_model
 
     model, cfg, tok = build_inference_model(args.checkpoint)
@@ -37,7 +37,7 @@ def main() -> None:
     prompt = tok.encode(args.prompt)
     N = min(args.max_new_tokens, cfg.data.seq_len - len(prompt) - 1)
     set_dec = SetDecoder(model, tok, context=cfg.data.seq_len)
-    causal = SetDecoder(model, tok, context=cfg.data.seq_len, mode="causal")
+    causal = CausalDecoder(model, tok, context=cfg.data.seq_len)
     base = MDLMDecoder(model, tok, context=cfg.data.seq_len)
     runs = {
         "set decoding (W=1, tau=inf, KV cache)":

@@ -89,7 +89,7 @@ def _hf_model(model_cfg, state, directory, device, dtype):
 
 
 def _runners(model_cfg, state, directory, device, dtype):
-    from setdiff_dist.inference.decoder import Sampling, SetDecoder
+    from setdiff_dist.inference.decoder import CausalDecoder, Sampling, SetDecoder
     from setdiff_dist.inference.lean import LeanTransformer
 
     hf = _hf_model(model_cfg, state, directory, device, dtype)
@@ -111,7 +111,7 @@ def _runners(model_cfg, state, directory, device, dtype):
         return out[:, len(prompts[0]):].tolist()
 
     def ours(model, mode, window=1, threshold=float("inf")):
-        dec = SetDecoder(model, _NoText(), context=ctx, mode=mode)
+        dec = (CausalDecoder if mode == "causal" else SetDecoder)(model, _NoText(), context=ctx)
 
         def run(prompts, n):
             return [r.tokens for r in dec.generate(prompts, n, window=window,

@@ -218,10 +218,10 @@ def distinct(samples: list[list[int]], n: int) -> float:
 
 
 def _decoders(model, tok, m: Model, context: int = 128):
-    from setdiff_dist.inference.decoder import BlockDecoder, MDLMDecoder, SetDecoder
+    from setdiff_dist.inference.decoder import BlockDecoder, CausalDecoder, MDLMDecoder, SetDecoder
 
     if m.decoder == "causal":
-        return SetDecoder(model, tok, context=context, mode="causal")
+        return CausalDecoder(model, tok, context=context)
     if m.decoder == "block":
         return BlockDecoder(model, tok, context=context, block_size=m.window)
     if m.decoder == "mdlm":
@@ -338,6 +338,19 @@ def _fmt(x, digits=2):
     return "-" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
 
 
+
+def _label_taus(ax, sweep, xs, ys, spans, apart: float = 0.06):
+    """Label a sweep's points with their tau, leaving out a label that would sit within
+    ``apart`` of the axes' span of one already written (close points' labels overlapped)."""
+    placed = []
+    for r, x, y in zip(sweep, xs, ys):
+        if any(abs(x - px) < apart * spans[0] and abs(y - py) < apart * spans[1]
+               for px, py in placed):
+            continue
+        placed.append((x, y))
+        ax.annotate("inf" if r["tau"] == math.inf else f"{r['tau']:g}", (x, y), fontsize=7,
+                    xytext=(3, 4), textcoords="offset points")
+
 def claims(results: dict) -> list[dict]:
     ev = results["eval"]
     ppl = {k: v["ppl"]["ppl_bound"] for k, v in ev.items()}
@@ -399,24 +412,25 @@ def plots(out: str, results: dict) -> None:
     fig.savefig(os.path.join(out, "ppl.png"), dpi=120)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for n in names:
-        sw = ev[n]["sweep"]
-        for ax, key in zip(axes, ("tokens_per_step", "tokens_per_s")):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, key in zip(axes, ("tokens_per_step", "tokens_per_s")):
+        every = [(r[key], r["gen_ppl"]) for n in names for r in ev[n]["sweep"]]
+        spans = [max(v) - min(v) or 1.0 for v in zip(*every)]
+        for n in names:
+            sw = ev[n]["sweep"]
             xs, ys = [r[key] for r in sw], [r["gen_ppl"] for r in sw]
             ax.plot(xs, ys, "o-" if len(sw) > 1 else "s", label=labels[n])
             if len(sw) > 1:
-                for r, x, y in zip(sw, xs, ys):
-                    ax.annotate("inf" if r["tau"] == math.inf else f"{r['tau']:g}", (x, y),
-                                fontsize=7, xytext=(3, 3), textcoords="offset points")
+                _label_taus(ax, sw, xs, ys, spans)
     ref = results.get("reference")
     for ax, xl in zip(axes, ("tokens per denoising step", "tokens/s (batch 1)")):
         if ref:
             ax.axhline(ref["gen_ppl"], color="gray", ls=":", label="real text")
         ax.set_xlabel(xl)
-        ax.set_ylabel("generative PPL under the AR model (lower is better)")
+        ax.set_ylabel("generative PPL (AR judge)")
     axes[0].legend(fontsize=8)
-    fig.suptitle("speed vs quality as the confidence threshold tau falls")
+    fig.suptitle("speed vs quality as the confidence threshold tau falls (labels: tau; "
+                 "lower PPL is better)")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "pareto.png"), dpi=120)
     plt.close(fig)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Generation", "Model", "load"]
+__all__ = ["Generation", "GenerationStream", "Model", "load"]
 
 
 @dataclasses.dataclass
@@ -47,6 +47,47 @@ class Generation:
     @property
     def tokens_per_step(self) -> float:
         return len(self.tokens) / max(self.steps, 1)
+
+
+class GenerationStream:
+    """What :meth:`Model.generate` returns with ``stream=True``: iterate it for the text as it
+    is committed, piece by piece (each a ``str``; they add up to the final text exactly, as
+    transformers' ``TextIteratorStreamer`` hands out text), then read :attr:`generation` (the
+    whole :class:`Generation`, with ``finish_reason``). Set decoding commits positions out of
+    order, so a piece is the part of the prefix contiguous from the prompt that its steps
+    completed (a step may add none; the stops are checked on that prefix as it grows, so no
+    piece is taken back); an incomplete character waits for its next token. The first step
+    has run when ``generate`` returns (a bad prompt or setting raises there)."""
+
+    def __init__(self, steps, tokenizer, seed: int):
+        from setdiff_dist.inference.text import TextStream
+
+        self.seed = seed
+        self.generation: Optional[Generation] = None
+        self._steps, self._text = steps, TextStream(tokenizer)
+        self._first = next(self._steps, None)  # (a finished first step comes back below)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        while self.generation is None:
+            if self._first is not None:
+                ids, self._first = self._first, None
+            else:
+                try:
+                    ids = next(self._steps)
+                except StopIteration as end:
+                    r = end.value
+                    self.generation = _generation(r, self.seed)
+                    piece = self._text.finish(list(r.tokens))
+                    if piece:
+                        return piece
+                    break
+            piece = self._text.push(ids)
+            if piece:
+                return piece
+        raise StopIteration
 
 
 class Model:
@@ -80,9 +121,10 @@ class Model:
                 f"{self.config.order.kind} order, {self.decoding} decoding, context "
                 f"{self.context})")
 
-    def settings(self, preset: Optional[str] = None, **flags) -> dict:
+    def settings(self, preset: Optional[str] = None, **flags):
         """The decoding settings a call with these arguments uses (the checkpoint's ``decode``
-        section, then ``preset``, then each argument that is not None)."""
+        section, then ``preset``, then each argument that is not None): a
+        :class:`~setdiff_dist.inference.settings.DecodeSettings`."""
         from setdiff_dist.inference.settings import decode_settings
 
         return decode_settings(self.config, preset, **flags)
@@ -93,18 +135,25 @@ class Model:
                  temperature: Optional[float] = None, top_p: Optional[float] = None,
                  top_k: Optional[int] = None, repetition_penalty: Optional[float] = None,
                  max_repeat_run: Optional[int] = None, stop: Iterable[str] = (),
+                 length_penalty: Optional[float] = None,
+                 length_penalty_start: Optional[int] = None,
                  eos_stop: bool = True, seed: Optional[int] = None,
-                 preset: Optional[str] = None, n: int = 1
-                 ) -> Union[Generation, list[Generation]]:
+                 preset: Optional[str] = None, n: int = 1, stream: bool = False
+                 ) -> Union[Generation, list[Generation], GenerationStream]:
         """Continue each prompt (one string: one :class:`Generation`; a list: a list, decoded
         as one batch of ragged prompts; None or "": unconditional, from the end-of-text token).
         ``stop``: strings (``re:`` for a regex) added to the checkpoint's; ``eos_stop``: stop
         at end-of-text; ``seed``: the sampling seed (None: a fresh one each call, returned as
         ``Generation.seed``; give it again to repeat a sampled call); ``top_k``: sample from
-        the k most likely tokens (0: all); ``n``: completions per prompt, the k-th sampled with
+        the k most likely tokens (0: all); ``length_penalty`` F and ``length_penalty_start``
+        N: end-of-text's logit ``e`` raised by ``|e| (F^(n - N) - 1)`` where ``n > N``
+        tokens are generated before a position (transformers' exponential decay length
+        penalty); ``n``: completions per prompt, the k-th sampled with
         ``seed + k`` (as setdiff-serve's ``n``), a list prompt-major (prompt i's k-th at
         ``i * n + k``), also for one prompt when ``n`` > 1. Each :class:`Generation` says why
-        it ended (``finish_reason``: "stop" or "length").
+        it ended (``finish_reason``: "stop" or "length"). ``stream=True`` (one prompt, ``n``
+        1): a :class:`GenerationStream` of the text as it is committed, step by step (block
+        and MDLM checkpoints decode the span before any of it is final: one piece at the end).
 
         The horizon matters to set decoding: the window of candidates is clipped at the end of
         the ``max_new_tokens`` span, so near its end fewer positions compete, and a greedy
@@ -122,7 +171,8 @@ class Model:
                           temperature=temperature, top_p=top_p, top_k=top_k,
                           repetition_penalty=repetition_penalty,
                           max_new_tokens=max_new_tokens, max_repeat_run=max_repeat_run,
-                          stop=list(stop))
+                          stop=list(stop), length_penalty=length_penalty,
+                          length_penalty_start=length_penalty_start)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             from setdiff_dist.inference.decoder import DecodeError
 
@@ -131,10 +181,21 @@ class Model:
         # None or "": unconditional, from end-of-text (as setdiff-serve takes an empty prompt)
         ids = [tok.encode(t) if t else [tok.eos_id] for t in texts]
         seed = _seed(seed)
+        if stream:
+            if not single or n != 1:
+                from setdiff_dist.inference.decoder import DecodeError
+
+                raise DecodeError("stream=True decodes one prompt (a string, or None) with "
+                                  "n=1; for a batch call generate without stream")
+            steps = self._decoder.stream(ids[0], d.max_new_tokens, window=d.window,
+                                         threshold=d.threshold, sampling=d.sampling(seed),
+                                         stop=d.stopping(tok.eos_id if eos_stop else None))
+            return GenerationStream(steps, tok, seed)
         seeds = [(seed + k) % 2 ** 63 for k in range(n)]  # (setdiff-serve's n: the same)
         runs = [[_generation(r, s) for r in self._decoder.generate(
-            ids, d["max_new_tokens"], window=d["window"], threshold=d["threshold"],
-            sampling=self._sampling(d, s), stop=self._stop(d, eos_stop))] for s in seeds]
+            ids, d.max_new_tokens, window=d.window, threshold=d.threshold,
+            sampling=d.sampling(s), stop=d.stopping(tok.eos_id if eos_stop else None))]
+            for s in seeds]
         out = [runs[k][i] for i in range(len(ids)) for k in range(n)]
         return out[0] if single and n == 1 else out
 
@@ -157,8 +218,8 @@ class Model:
         tok = self.tokenizer
         results = self._decoder.infill(
             [tok.encode(t) for t in lefts], [tok.encode(t) for t in rights], lengths,
-            window=min(d["window"] or min(lengths), min(lengths)), threshold=d["threshold"],
-            sampling=self._sampling(d, seed := _seed(seed)))
+            window=min(d.window or min(lengths), min(lengths)), threshold=d.threshold,
+            sampling=d.sampling(seed := _seed(seed)))
         out = [_generation(r, seed) for r in results]
         return out[0] if single else out
 
@@ -188,18 +249,6 @@ class Model:
 
             self._scorer = Scorer(self.module, self.config, self.tokenizer)
         return self._scorer
-
-    @staticmethod
-    def _sampling(d: dict, seed: int):
-        from setdiff_dist.inference.settings import sampling_of
-
-        return sampling_of(d, seed)
-
-    def _stop(self, d: dict, eos_stop: bool):
-        from setdiff_dist.inference.decoder import StopCriteria
-
-        return StopCriteria(eos_id=self.tokenizer.eos_id if eos_stop else None, stop=d["stop"],
-                            max_repeat_run=d["max_repeat_run"])
 
 
 def _seed(seed: Optional[int]) -> int:

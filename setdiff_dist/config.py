@@ -348,6 +348,13 @@ class DecodeConfig:
     max_new_tokens: int = _f(128, "length limit of the generated text", min=1)
     stop: list[str] = _f(default_factory=list, help="stop strings (a leading 're:' makes a regex)")
     max_repeat_run: Optional[int] = _f(None, "stop after this many repeats of one token", min=1)
+    length_penalty: float = _f(1.0, "raise end-of-text's logit e by |e| (factor^(n - start) - "
+                               "1) at a position with n > start generated tokens before it "
+                               "(transformers' exponential_decay_length_penalty, as the "
+                               "reference's CNN/DM evaluation: 1.1 from 80); 1 = off",
+                               min=1.0)
+    length_penalty_start: int = _f(0, "the generated tokens after which length_penalty acts",
+                                   min=0)
 
 
 @dataclass

@@ -131,7 +131,13 @@ def measure(tp, out):
 def measure_decoding(tp):
     """Decoding on the lean engine; the references (training forward, decoding without a
     cache) on the megatron model it was built from."""
-    from setdiff_dist.inference.decoder import DecodeError, Sampling, SetDecoder, StopCriteria
+    from setdiff_dist.inference.decoder import (
+        CausalDecoder,
+        DecodeError,
+        Sampling,
+        SetDecoder,
+        StopCriteria,
+    )
 
     tok, greedy, res = Chars(), Sampling(greedy=True), {}
     reference = model_for("staggered", tp)
@@ -160,7 +166,7 @@ def measure_decoding(tp):
     res["sampled"] = [s.tokens for s in sampled]
     # the causal-LM baseline: KV-cached == no-cache greedy
     causal = model_for("causal", tp)
-    cdec = SetDecoder(lean_copy(causal), tok, context=L, mode="causal")
+    cdec = CausalDecoder(lean_copy(causal), tok, context=L)
     res["causal"] = (cdec.generate([prompt], 10, window=1, sampling=greedy)[0].tokens,
                      no_cache_greedy(causal, prompt, 10, True))
     # infilling: the right context matters, given tokens stay
@@ -666,3 +672,50 @@ def test_packing_is_decided_by_measuring_both_kernels_once_per_shape(monkeypatch
     assert len(calls) == 4 and len(engine._PACK_CHOICES) == 2
     with pytest.raises(ValueError, match="pack='yes'"):
         engine.LeanTransformer.from_state_dict(None, {}, pack="yes")
+
+
+def test_the_length_penalty_is_transformers_exponential_decay_on_the_generated_count():
+    """``length_penalty`` raises end-of-text's logit as transformers'
+    ``ExponentialDecayLengthPenalty`` does for a sequence of the candidate's count of generated
+    tokens before it (the reference's CNN/DM setting: 1.1 from 80), after the repetition
+    penalty; the count is of committed tokens left of the candidate, holes not counted; the
+    set decoder's batched chooser and the per-sample one (the baselines') apply it alike."""
+    from types import SimpleNamespace
+
+    from transformers.generation import ExponentialDecayLengthPenalty
+
+    from setdiff_dist.inference.decoder import Sample, Sampling, SetDecoder
+    from setdiff_dist.inference.sampling import length_boost, pick
+
+    logits = torch.randn(1, 3, V, generator=torch.Generator().manual_seed(1)) * 4
+    logits[0, 1, Chars.eos_id] = 3.0  # (one positive end-of-text logit, the others random)
+    lengths = [[2, 5, 9]]
+    sampling = Sampling(greedy=True, length_penalty=1.7, length_penalty_start=4)
+    hf = ExponentialDecayLengthPenalty((4, 1.7), Chars.eos_id, 0)
+    for j, n in enumerate(lengths[0]):
+        want = hf(torch.zeros(1, n, dtype=torch.long), logits[:, j].clone())
+        ours = logits[:, j].clone()
+        boost = length_boost(sampling, lengths, 3)[0, j]
+        ours[:, Chars.eos_id] += ours[:, Chars.eos_id].abs() * boost
+        assert torch.allclose(ours, want), (n, ours[0, 0], want[0, 0])
+    assert length_boost(sampling, lengths, 3)[0, 0] == 0  # (2 <= start: untouched)
+    # a factor so large that end-of-text wins wherever it acts, and nowhere else
+    strong = Sampling(greedy=True, length_penalty=1e6, length_penalty_start=4)
+    logits[0, :, Chars.eos_id] = -1.0
+    toks, _ = pick(logits, strong, None, lengths=lengths, eos_id=Chars.eos_id)
+    assert toks[0][0] != Chars.eos_id and toks[0][1:] == [Chars.eos_id] * 2
+    toks, _ = pick(logits, strong, None)  # (no counts: no penalty)
+    assert Chars.eos_id not in toks[0]
+    # the count: committed region tokens left of the position (holes are not generated yet)
+    s = Sample(tokens=[7, 1, 2, None, 3, None, None], region=range(1, 7), prompt_len=1)
+    assert s.generated_before([3, 5, 6]) == [2, 3, 3] and s.generated_before([6, 3]) == [3, 2]
+    # through both choosers: the batched one (set decoding) and the per-sample one (BD3LM,
+    # MDLM), with the decoder's end-of-text
+    model = SimpleNamespace(mask_id=V, vocab_size=V, device=torch.device("cpu"))
+    dec = SetDecoder(model, Chars(), context=L)
+    grow = Sampling(greedy=True, length_penalty=1e6, length_penalty_start=2)
+    s.rules = SimpleNamespace(sampling=grow, gen=None, pick_key=lambda: 0)
+    fast = dec._pick(logits[:, :2].clone(), [s], [[3, 5]])
+    assert fast[0][0] == [logits[0, 0].argmax().item(), Chars.eos_id]
+    picks = dec._choose(logits[0, :2].clone(), [3, 5], s, grow, None, 0.0)
+    assert [t for _, t, _ in picks] == fast[0][0]

@@ -354,14 +354,14 @@ def test_set_diffusion_finetune_from_an_import_checkpoints_and_decodes(hf, finet
 
 def _greedy(rank, exports, prompt, n, out):
     """Greedy causal decoding of each imported model on the lean engine at TP=1 and TP=2."""
-    from setdiff_dist.inference.decoder import Sampling, SetDecoder
+    from setdiff_dist.inference.decoder import CausalDecoder, Sampling
     from setdiff_dist.inference.weights import build_inference_model
 
     for tp in (1, 2):
         res = {}
         for name, d in exports.items():
             model, cfg, tok = build_inference_model(d, tensor=tp)
-            dec = SetDecoder(model, tok, context=cfg.data.seq_len, mode="causal")
+            dec = CausalDecoder(model, tok, context=cfg.data.seq_len)
             res[name] = dec.generate([prompt], n, window=1, sampling=Sampling(greedy=True))[0] \
                 .tokens
         if rank == 0:

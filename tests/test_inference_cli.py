@@ -344,6 +344,14 @@ def test_the_python_api_from_a_fresh_interpreter(run):
             "                    eos_stop=False)\n"
             "three = model.generate('Shall I', max_new_tokens=8, greedy=False, eos_stop=False,\n"
             "                       seed=sampled[0].seed, n=3)\n"
+            "streams = [model.generate('Shall I compare thee', max_new_tokens=12, window=4,\n"
+            "    threshold=0.2, greedy=True, eos_stop=False, stop=stop, stream=True)\n"
+            "    for stop in ([], [one.text[:1]])]\n"
+            "streamed = [[list(s), s.generation.tokens, s.generation.finish_reason]\n"
+            "            for s in streams]\n"
+            "drawn = model.generate('Shall I', max_new_tokens=8, greedy=False, eos_stop=False,\n"
+            "                       seed=sampled[1].seed, stream=True)\n"
+            "drawn = [''.join(drawn), drawn.generation.tokens, drawn.seed]\n"
             "print(json.dumps({'tokens': [g.tokens for g in out], 'one': one.tokens,\n"
             "    'text': one.text, 'steps': one.steps, 'trace': one.trace, 'll': ll,\n"
             "    'score': model.score(['Shall I compare thee', 'Love']),\n"
@@ -353,6 +361,7 @@ def test_the_python_api_from_a_fresh_interpreter(run):
             "    'finish': [one.finish_reason, cut.finish_reason, cut.text],\n"
             "    'top_k': [k1.tokens, g1.tokens],\n"
             "    'n': [[g.tokens, g.seed] for g in three],\n"
+            "    'streamed': streamed, 'drawn': drawn, 'cut': cut.tokens,\n"
             "    'first_token_s': t1 - t0, 'modules': sorted({'megatron', 'megatron.core',\n"
             "    'deepspeed', 'transformer_engine', 'apex'} & set(sys.modules))}))\n")
     res = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True,
@@ -380,6 +389,13 @@ def test_the_python_api_from_a_fresh_interpreter(run):
     # n completions: the k-th sampled with seed + k (the first is the seeded call's own)
     assert len(got["n"]) == 3 and got["n"][0] == list(got["sampled"][0])
     assert [s for _, s in got["n"]] == [(seeds[0] + k) % 2 ** 63 for k in range(3)]
+    # stream=True: the text committed step by step, in pieces that add up to the text of the
+    # same call without it (a stop included), and the same Generation at the end
+    (pieces, toks, why), (cut_pieces, cut_toks, cut_why) = got["streamed"]
+    assert len(pieces) > 1 and "".join(pieces) == got["text"] and toks == got["one"]
+    assert why == "length" and cut_why == "stop" and cut_toks == got["cut"]
+    assert "".join(cut_pieces) == got["finish"][2]
+    assert got["drawn"][1:] == [tokens[1], seeds[1]]
     # scoring: what setdiff-eval's scorer answers (one and the same code), in nats; the
     # process group this sets up (as at TP=1: no megatron) ends with the test, as do the
     # variables it sets: none may stay in this process

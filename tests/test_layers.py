@@ -227,3 +227,93 @@ def test_a_lazily_fused_function_compiles_once_at_its_first_call(monkeypatch):
         return a * b
 
     assert mul(2, 3) == 6 and len(compiled) == 1
+
+
+def decoder_name_compares(source: str) -> list:
+    """Lines of ``source`` that compare a decoder's name (``x.decoding``, or
+    ``getattr(x, "decoding")``) with a string: code outside ``inference/`` asks the decoder
+    what it can do (``causal_lm``, ``batchable``, ``room()``, ``speed_points()``,
+    ``use_blocks()``, ``check_infill()``) instead."""
+    def names_decoding(node) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr == "decoding"
+        return isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr" \
+            and any(isinstance(a, ast.Constant) and a.value == "decoding" for a in node.args)
+
+    def is_text(node) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(is_text(e) for e in node.elts)
+        return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(names_decoding(s) for s in sides) and any(is_text(s) for s in sides):
+                found.append(node.lineno)
+    return found
+
+
+def test_no_decoder_name_is_compared_outside_inference():
+    found = [f"{path.relative_to(PACKAGE)}:{line}"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             if path.relative_to(PACKAGE).parts[0] != "inference"
+             for line in decoder_name_compares(path.read_text())]
+    assert not found, "compare a decoder's name outside inference/:\n" + "\n".join(found)
+
+
+def test_the_decoder_name_check_sees_a_compare():
+    assert decoder_name_compares('if d.decoding == "causal":\n    pass') == [1]
+    assert decoder_name_compares('x = m.decoder.decoding in ("block", "mdlm")') == [1]
+    assert decoder_name_compares('ok = getattr(d, "decoding", None) not in ("set",)') == [1]
+    assert decoder_name_compares('if d.causal_lm:\n    pass\nname = d.decoding') == []
+
+
+def exit_code_literals(source: str, command: bool = False) -> list:
+    """Lines of ``source`` that spell an exit code as a number rather than take it from
+    ``errors.py``'s table (``EXIT_*``): a non-zero integer in ``sys.exit(...)`` /
+    ``os._exit(...)``, returned by a ``main`` (or by any function of a command module,
+    ``command``), or compared with an exit code (``.exitcode``, ``.returncode``,
+    ``exit_code``)."""
+    def numbers(node) -> list:  # (a literal, or a conditional's literal branches)
+        if isinstance(node, ast.IfExp):
+            return numbers(node.body) + numbers(node.orelse)
+        return [node.lineno] if isinstance(node, ast.Constant) and type(node.value) is int \
+            and node.value != 0 else []
+
+    def named_code(node) -> bool:
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+        return name in ("exitcode", "returncode", "exit_code", "code")
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and node.args:
+            f = node.func
+            if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")) in \
+                    ("exit", "_exit"):
+                found += numbers(node.args[0])
+        elif isinstance(node, ast.FunctionDef) and (command or node.name == "main"):
+            for r in ast.walk(node):
+                if isinstance(r, ast.Return) and isinstance(r.value, (ast.Constant, ast.IfExp)):
+                    found += numbers(r.value)
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(named_code(s) for s in sides):
+                found += [n for s in sides for n in numbers(s)]
+    return sorted(set(found))
+
+
+def test_exit_codes_come_from_one_table():
+    found = [f"{path.relative_to(PACKAGE)}:{line}"
+             for path in sorted(PACKAGE.rglob("*.py")) if path.name != "errors.py"
+             for line in exit_code_literals(path.read_text(),
+                                            command=path.parent.name == "cli")]
+    assert not found, "exit codes spelled as numbers (use errors.EXIT_*):\n" + "\n".join(found)
+
+
+def test_the_exit_code_check_sees_a_number():
+    assert exit_code_literals("def main():\n    return 2") == [2]
+    assert exit_code_literals("import sys\nsys.exit(2 if bad else 0)") == [2]
+    assert exit_code_literals("def serve():\n    return 130", command=True) == [2]
+    assert exit_code_literals("if p.exitcode == 76:\n    pass") == [1]
+    assert exit_code_literals("def main():\n    return EXIT_USAGE\nx = n == 3") == []

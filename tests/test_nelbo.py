@@ -172,3 +172,22 @@ def test_the_masked_mean_training_loss_is_the_references_mdlm_loss(kind):
 
     with pytest.raises(ConfigError, match="masked_mean is the masked-diffusion loss"):
         load_config(None, ["order.kind=staggered", "order.training_loss=masked_mean"])
+
+
+def test_every_report_bounds_perplexity_alike():
+    """One policy (``perplexity_bound``): a per-token loss past 50 nats reports exp(50), not an
+    overflow; nan stays nan; and no report computes its own ``exp`` of a loss."""
+    from setdiff_dist.diffusion.nelbo import MAX_LOG_PPL
+
+    assert perplexity_bound(2.0) == pytest.approx(math.exp(2.0))
+    assert perplexity_bound(1e4) == perplexity_bound(math.inf) == math.exp(MAX_LOG_PPL)
+    assert math.isnan(perplexity_bound(math.nan))
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "setdiff_dist"
+    own = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines(), 1)
+           if re.search(r"math\.exp\(.*(loss|per_token|nelbo)", line)
+           and p.name != "nelbo.py"]
+    assert own == [], own

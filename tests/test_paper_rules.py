@@ -152,16 +152,16 @@ def test_decode_defaults_come_from_the_checkpoint_config_then_the_preset_then_th
     cfg = load_config(None, ["order.kind=staggered", "order.mean_set_size=4",
                              "data.seq_len=64", "decode.stop=[a]"])
     d = decode_settings(cfg)
-    assert d["window"] == 4 and d["greedy"] is False  # W = D when the config leaves it unset
+    assert d.window == 4 and d.greedy is False  # W = D when the config leaves it unset
     assert decode_settings(load_config(None, ["order.kind=block", "order.block_size=8",
-                                              "data.seq_len=64"]))["window"] == 8
-    assert decode_settings(load_config(None, ["order.kind=autoregressive"]))["window"] == 1
+                                              "data.seq_len=64"])).window == 8
+    assert decode_settings(load_config(None, ["order.kind=autoregressive"])).window == 1
     cfg.decode.window, cfg.decode.threshold = 6, 0.9
-    assert decode_settings(cfg)["window"] == 6 and capsys.readouterr().err == ""
+    assert decode_settings(cfg).window == 6 and capsys.readouterr().err == ""
     gsm = decode_settings(cfg, "gsm")
-    assert gsm["window"] == 4 and gsm["greedy"] is True and gsm["threshold"] == 0.9
+    assert gsm.window == 4 and gsm.greedy is True and gsm.threshold == 0.9
     infill = decode_settings(cfg, "infill")
-    assert infill["window"] == 32 and infill["repetition_penalty"] == 1.2
+    assert infill.window == 32 and infill.repetition_penalty == 1.2
     assert "wider than the largest set this model was trained on (S_max = 8)" in \
         capsys.readouterr().err  # allowed, with a note
     ap = argparse.ArgumentParser()
@@ -169,18 +169,18 @@ def test_decode_defaults_come_from_the_checkpoint_config_then_the_preset_then_th
     ap.add_argument("--stop", action="append", default=[])
     args = ap.parse_args(["--preset", "gsm", "--window", "2", "--no-greedy", "--stop", "b"])
     d = decode_settings(cfg, args.preset, stop=args.stop, **decode_flags(args))
-    assert d["window"] == 2 and d["greedy"] is False and d["stop"] == ["a", "b"]
+    assert d.window == 2 and d.greedy is False and d.stop == ("a", "b")
     # a block checkpoint decodes its own blocks (a preset's W is set decoding's); MDLM has no
     # window; a flag that asks for another is refused
     from setdiff_dist.inference.decoder import DecodeError
 
     block = load_config(None, ["order.kind=block", "order.block_size=8", "data.seq_len=64"])
-    assert decode_settings(block, "infill")["window"] == 8
-    assert decode_settings(block, window=8)["window"] == 8
+    assert decode_settings(block, "infill").window == 8
+    assert decode_settings(block, window=8).window == 8
     with pytest.raises(DecodeError, match="its own blocks of order.block_size = 8"):
         decode_settings(block, window=4)
     masked = load_config(None, ["order.kind=masked"])
-    assert decode_settings(masked)["window"] is None
+    assert decode_settings(masked).window is None
     with pytest.raises(DecodeError, match="has no window"):
         decode_settings(masked, "gsm", window=4)
     assert decode_flags(ap.parse_args([]))["greedy"] is None  # not given: the config decides

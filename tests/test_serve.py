@@ -297,6 +297,14 @@ def test_lm_evals_local_completions_scores_as_setdiff_lm_eval_does(small, traine
     lp = out.choices[0].logprobs
     assert lp.tokens[:len(prompt)] == list("Rough winds") and lp.token_logprobs[0] is None
     assert len(lp.top_logprobs[1]) == 2 and out.choices[0].text.startswith("Rough winds")
+    # max_tokens=0 with echo: the prompt alone, scored, nothing generated (OpenAI's)
+    only = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=0,
+                                            echo=True, logprobs=2)
+    c = only.choices[0]
+    assert c.text == "Rough winds" and c.logprobs.tokens == list("Rough winds")
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:len(prompt)],
+                                                          abs=1e-5)
+    assert only.usage.completion_tokens == 0 and c.finish_reason == "length"
     import setdiff_dist
     from setdiff_dist.parallel import destroy_model_parallel
 
@@ -489,7 +497,8 @@ def test_rows_that_join_and_leave_the_batch_decode_as_they_would_alone(set_run):
     from setdiff_dist.inference.decoder import Sampling, SetDecoder, StopCriteria
     from setdiff_dist.inference.weights import build_inference_model
     from setdiff_dist.parallel import destroy_model_parallel
-    from setdiff_dist.serve.batch import ContinuousBatch, Spec, TextStream
+    from setdiff_dist.serve.batch import ContinuousBatch, Spec
+    from setdiff_dist.serve.text import TextStream
 
     saved = dict(os.environ)
     try:
@@ -694,6 +703,7 @@ def test_a_request_that_fails_alone_leaves_the_others_decoding(set_run):
     from setdiff_dist.inference.weights import build_inference_model
     from setdiff_dist.parallel import destroy_model_parallel
     from setdiff_dist.serve.batch import Spec
+    from setdiff_dist.serve.messages import Failed, Finished
     from setdiff_dist.serve.scheduler import Scheduler
 
     saved = dict(os.environ)
@@ -732,7 +742,7 @@ def test_a_request_that_fails_alone_leaves_the_others_decoding(set_run):
         def listen(key):
             def got(ev):
                 events.setdefault(key, []).append(ev)
-                if sum(e.get("done", False) for evs in events.values() for e in evs) == 7:
+                if sum(e.done for evs in events.values() for e in evs) == 7:
                     done.set()
             return got
 
@@ -743,13 +753,13 @@ def test_a_request_that_fails_alone_leaves_the_others_decoding(set_run):
             sched.submit(s, listen(s.id), streamed=True)
         assert done.wait(120), events
         for s in bad:
-            assert [e.get("error") for e in events[s.id]][-1], events[s.id]
-        assert "could not join the batch" in events["10"][-1]["error"]
-        assert "not a finite number" in events["13"][-1]["error"]
+            assert isinstance(events[s.id][-1], Failed), events[s.id]
+        assert "could not join the batch" in events["10"][-1].error
+        assert "not a finite number" in events["13"][-1].error
         for s in good:
             last = events[s.id][-1]
-            assert "error" not in last and last["tokens"] == alone[s.id], last
-        assert sched.status()["alive"] and sched.status()["running"] == 0
+            assert isinstance(last, Finished) and last.tokens == alone[s.id], last
+        assert sched.status().alive and sched.status().running == 0
         sched.stop(timeout=30)
         assert not sched.thread.is_alive()
     finally:

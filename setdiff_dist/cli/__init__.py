@@ -151,6 +151,12 @@ def add_decode_arguments(ap) -> None:
                     help="penalize the tokens the sample already holds (CTRL's rule: a "
                          "positive logit divided by it, a negative one multiplied; 1 = none)")
     ap.add_argument("--max-new-tokens", type=count(), help="tokens to generate at most")
+    ap.add_argument("--length-penalty", type=float, metavar="FACTOR",
+                    help="raise end-of-text's logit e by |e| (FACTOR^(n - start) - 1) once n "
+                         "> --length-penalty-start tokens are generated before a position "
+                         "(transformers' exponential decay length penalty; 1 = off)")
+    ap.add_argument("--length-penalty-start", type=count(0), metavar="N",
+                    help="generated tokens after which --length-penalty acts")
     ap.add_argument("--max-repeat-run", type=count(),
                     help="stop a sample after this many repeats of one token (a degenerate "
                          "sample)")
@@ -169,7 +175,8 @@ def check_decode_flags(args) -> None:
 
     Sampling(**{k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
                                   ("top_k", args.top_k),
-                                  ("repetition_penalty", args.repetition_penalty))
+                                  ("repetition_penalty", args.repetition_penalty),
+                                  ("length_penalty", args.length_penalty))
                 if v is not None})
     if args.threshold is not None:
         check_threshold(args.threshold)

@@ -106,12 +106,12 @@ def evaluate(name: str, path: str, args, data: str) -> tuple[list[dict], object]
 
     model = load(path)
     settings = model.settings(window=args.window)
-    causal = model.decoding == "causal"
-    taus = [None] if causal else [settings["threshold"] if t is None else t
+    causal = model.decoder.causal_lm
+    taus = [None] if causal else [settings.threshold if t is None else t
                                   for t in args.thresholds]
     rows = []
     for tau in taus:
-        window = 1 if causal else settings["window"]
+        window = 1 if causal else settings.window
         r = gsm(model.decoder, model.tokenizer, data, args.limit, args.max_new_tokens, window,
                 math.inf if tau is None else tau, Sampling(greedy=True), warmup=1)
         rows.append({"model": name, "tau": _tau_value(tau), "accuracy": r["accuracy"],
@@ -214,13 +214,13 @@ def main(argv=None) -> int:
     for name, path in args.model:
         got, model = evaluate(name, path, args, args.data)
         rows += got
-        if model.decoding != "causal":
+        if not model.decoder.causal_lm:
             traces.append((model, model.settings(window=args.window)))
     text = table(rows, test_set)
     print(text)
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     for model, d in traces:  # (at the checkpoint's threshold, the table's window)
-        print(set_trace(model, problems[0], d["window"], d["threshold"], args.max_new_tokens,
+        print(set_trace(model, problems[0], d.window, d.threshold, args.max_new_tokens,
                         colour))
     if args.out:
         from setdiff_dist.checkpoint.files import write_atomic

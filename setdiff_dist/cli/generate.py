@@ -103,10 +103,10 @@ def main(argv=None) -> int:
     stats = {"tokens_per_s": new_tokens / max(seconds, 1e-9),
              "tokens_per_step": [r.tokens_per_step for r in results],
              "steps": [r.steps for r in results], "seconds": seconds,
-             "window": d["window"], "threshold": d["threshold"], "greedy": d["greedy"],
+             "window": d.window, "threshold": d.threshold, "greedy": d.greedy,
              "mode": mode}
     if args.trace_png:
-        draw_trace(results, prompts, args.trace_png, d["window"], d["threshold"])
+        draw_trace(results, prompts, args.trace_png, d.window, d.threshold)
     if args.json:
         print(json_text({"prompts": prompts, "texts": [r.text for r in results],
                          "tokens": [r.tokens for r in results],

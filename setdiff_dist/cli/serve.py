@@ -20,8 +20,8 @@ one is warned about. Requests are bounded at the door (``--max-completion-tokens
 ``--max-body-bytes``, headers within ``--timeout-header``, ``--max-connections``), and one
 request that fails, while joining the batch or in a step, fails alone.
 
-Rank 0 decodes, and a process it starts serves HTTP (:mod:`setdiff_dist.serve.engine`: the two
-do not share a GIL); if either ends, so does the other. Under torchrun with
+Rank 0 decodes, and a process it starts serves HTTP (:mod:`setdiff_dist.serve.http_process`:
+the two do not share a GIL); if either ends, so does the other. Under torchrun with
 ``--tensor-parallel N`` (N ranks), rank 0 sends each step's plan (who joins, who leaves) to the
 other ranks; every rank decodes its shard of the model.
 """
@@ -34,7 +34,7 @@ import signal
 import sys
 
 from setdiff_dist.cli import HelpFormatter, add_dtype_argument, add_weights_argument, command, count
-from setdiff_dist.errors import SetdiffError
+from setdiff_dist.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, SetdiffError
 
 
 class ServeError(SetdiffError):
@@ -156,13 +156,15 @@ def main(argv=None) -> int:
 
 def serve(model, args, channel) -> int:
     """Rank 0: decode here (the scheduler's thread) and serve HTTP from a process of its own
-    (:mod:`setdiff_dist.serve.engine`); SIGTERM and SIGINT go on to it, it drains, then the
+    (:mod:`setdiff_dist.serve.http_process`); SIGTERM and SIGINT go on to it, it drains, then the
     scheduler finishes and the other ranks stop."""
     import multiprocessing as mp
     import threading
 
-    from setdiff_dist.serve.engine import EngineHost, ModelView, http_main
+    from setdiff_dist.serve.http_process import ModelView, http_main
+    from setdiff_dist.serve.messages import Fatal
     from setdiff_dist.serve.metrics import Metrics
+    from setdiff_dist.serve.pipe import EngineHost
     from setdiff_dist.serve.scheduler import Scheduler
 
     name = args.served_model_name or _model_name(args.checkpoint)
@@ -171,7 +173,7 @@ def serve(model, args, channel) -> int:
                           max_queue=args.max_queue, metrics=metrics, channel=channel)
     ctx = mp.get_context("spawn")  # (not fork: this process has torch's and gloo's threads)
     here, there = ctx.Pipe()
-    host = EngineHost(scheduler, here, metrics)
+    host = EngineHost(scheduler, here)
     cap = args.max_completion_tokens or model.context
     options = {"host": args.host, "port": args.port, "log_level": args.log_level,
                "strict": args.strict, "chat_template": args.chat_template,
@@ -194,7 +196,7 @@ def serve(model, args, channel) -> int:
                 pass
 
     def fatal(why: str) -> None:  # (a broken tensor-parallel group: exit 1, to be restarted)
-        host.send(("fatal", why))
+        host.send(Fatal(why))
         forward(signal.SIGTERM, None)
 
     scheduler.on_fatal = fatal
@@ -209,7 +211,7 @@ def serve(model, args, channel) -> int:
           file=sys.stderr, flush=True)
     http.join()
     if got.count(signal.SIGINT) >= 2:
-        return 130
+        return EXIT_INTERRUPTED
     # what the HTTP process took is done, unless its drain ran out of time: nobody waits for
     # what is left then
     left = scheduler.abandon()
@@ -218,17 +220,17 @@ def serve(model, args, channel) -> int:
               f"(--shutdown-timeout {args.shutdown_timeout:g}): cancelled", file=sys.stderr)
     scheduler.stop()
     here.close()
-    if http.exitcode == 2:
+    if http.exitcode == EXIT_USAGE:  # (it could not listen)
         raise ServeError(f"could not listen on {args.host}:{args.port} (see the error above): "
                          "pick another --port or stop what uses it")
     if scheduler.fatal:
         print(f"setdiff-serve: stopped: {scheduler.fatal}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     if http.exitcode != 0:
         print(f"setdiff-serve: the HTTP process ended with exit code {http.exitcode}",
               file=sys.stderr)
-        return 1
-    return 130 if signal.SIGINT in got else 0
+        return EXIT_FAILED
+    return EXIT_INTERRUPTED if signal.SIGINT in got else 0
 
 
 def _set_threads(threads) -> None:

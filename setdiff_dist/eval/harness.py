@@ -148,19 +148,16 @@ class SetdiffLM(TemplateLM):
         room for the generation (with a line saying so), the text cut at the first ``until``
         string."""
         from setdiff_dist.errors import rank_and_world
-        from setdiff_dist.inference.decoder import StopCriteria
-        from setdiff_dist.inference.settings import sampling_of
-
         g = generation_settings(kwargs, self.max_gen_toks)
         until, max_new, greedy = g["until"], g["max_gen_toks"], g["greedy"]
         d = self.decode
-        temperature = g.get("temperature", d["temperature"]) if not greedy else 1.0
-        top_p = g.get("top_p", d["top_p"])
-        top_k = g.get("top_k", d["top_k"])
-        window = d["window"]
+        temperature = g.get("temperature", d.temperature) if not greedy else 1.0
+        top_p = g.get("top_p", d.top_p)
+        top_k = g.get("top_k", d.top_k)
+        window = d.window
         # what hf keeps of a context: the model's length minus the generation's (set decoding
         # also needs its first window in the cache)
-        room = max_new if self.decoder.decoding in ("block", "mdlm") else max(max_new, window)
+        room = self.decoder.room(max_new, window)
         keep = self.max_length - room
         if keep < 1:
             raise ScoreError(f"max_gen_toks={max_new} leaves no room for a prompt in this "
@@ -177,18 +174,18 @@ class SetdiffLM(TemplateLM):
                   f"generated; their left ends are cut (up to {max(cut)} tokens), as lm-eval's "
                   "hf model cuts them", file=sys.stderr, flush=True)
         prompts = [e[-keep:] for e in encoded]
-        sampling = sampling_of(dict(d, greedy=greedy, temperature=temperature, top_p=top_p,
-                                    top_k=top_k))
-        stop = StopCriteria(eos_id=self.tok.eos_id, stop=tuple(u for u in until if u),
-                            max_repeat_run=d["max_repeat_run"])
+        sampling = d.replace(greedy=greedy, temperature=temperature, top_p=top_p,
+                             top_k=top_k).sampling()
+        # (the task's stop strings, not the checkpoint's: lm-eval's until rules)
+        stop = d.stopping(self.tok.eos_id, extra=[u for u in until if u], strings=False)
         used = json.dumps({"max_new_tokens": max_new, "until": until, "greedy": greedy,
                            "temperature": sampling.temperature, "top_p": top_p,
                            "top_k": top_k,
-                           "window": window, "threshold": d["threshold"],
-                           "repetition_penalty": d["repetition_penalty"]}, default=str)
+                           "window": window, "threshold": d.threshold,
+                           "repetition_penalty": d.repetition_penalty}, default=str)
         self.generated[used] = self.generated.get(used, 0) + len(contexts)
         results = self.decoder.generate(prompts, max_new, window=window,
-                                        threshold=d["threshold"], sampling=sampling, stop=stop)
+                                        threshold=d.threshold, sampling=sampling, stop=stop)
         texts = []
         for r in results:
             text = self.tok.decode([t for t in r.tokens if t is not None])

@@ -164,6 +164,13 @@ class MDLMDecoder(Decoder):
         super().__init__(model, tokenizer, context=context, keep_logits=keep_logits)
         self.block_size = block_size
 
+    def use_blocks(self, block_size: int) -> None:
+        """:meth:`generate` in blocks of ``block_size`` from now on (the paper's MDLM rows on
+        CNN/DailyMail and GSM8K)."""
+        if block_size < 1:
+            raise DecodeError(f"MDLM blocks must hold at least one position, got {block_size}")
+        self.block_size = block_size
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, window=None,
                  threshold: float = math.inf, sampling: Sampling = Sampling(),
                  stop: StopCriteria = StopCriteria()) -> list[Result]:

@@ -12,8 +12,8 @@ never reaches past what trained orders reveal), or, with ``order=[...]``, the ne
 a given order. Each candidate is sampled (greedy, or
 temperature / top-p, with a repetition penalty); the most confident one and every one with
 confidence ``>= threshold`` are accepted, the rest stay masked. ``window=1, threshold=inf`` is
-autoregressive decoding with a KV cache. ``mode="causal"`` decodes a model trained as a plain
-causal LM (the output at ``l - 1`` predicts ``l``), the AR baseline.
+autoregressive decoding with a KV cache. :class:`CausalDecoder` decodes a model trained as a
+plain causal LM (the output at ``l - 1`` predicts ``l``), the AR baseline, with the same loop.
 
 Generation stops on end-of-text, a stop string or regex, or a run of one repeated token, all
 checked on the committed left prefix, or at ``max_new_tokens``; past the model's context the
@@ -53,32 +53,29 @@ from .decoding import (
 from .kv_cache import KVCache
 from .sampling import accept, pick
 
-__all__ = ["BlockDecoder", "DecodeError", "Decoder", "MDLMDecoder", "Result", "Rules", "Sample",
-           "Sampling", "SetDecoder", "StopCriteria", "check_text", "check_threshold",
-           "decoder_for", "model_device"]
+__all__ = ["BlockDecoder", "CausalDecoder", "DecodeError", "Decoder", "MDLMDecoder", "Result",
+           "Rules", "Sample", "Sampling", "SetDecoder", "StopCriteria", "check_text",
+           "check_threshold", "decoder_for", "model_device"]
 
 
 class SetDecoder(Decoder):
-    """KV-cached set decoding (the module's doc); ``mode="causal"``: a model trained as a plain
-    causal LM, decoded autoregressively with the same cache."""
+    """KV-cached set decoding (the module's doc)."""
 
-    def __init__(self, model, tokenizer, *, context: int, mode: str = "set",
-                 keep_logits: bool = False):
-        if mode not in ("set", "causal"):
-            raise ValueError(f"unknown decoding mode {mode!r}")
+    decoding = "set"
+    batchable = True
+
+    def __init__(self, model, tokenizer, *, context: int, keep_logits: bool = False):
         super().__init__(model, tokenizer, context=context, keep_logits=keep_logits)
-        self.mode = mode
         self._patterns: dict = {}  # (commits, tokens) -> a step's own-token mask pattern
 
-    @property
-    def decoding(self) -> str:
-        return self.mode
+    def room(self, max_new_tokens: int, window: int) -> int:
+        """The generation, and at least the first window of candidates."""
+        return max(max_new_tokens, window)
 
-    def check_infill(self) -> None:
-        """Raise if this model cannot condition on a right context (before any decoding)."""
-        if self.mode == "causal":
-            raise DecodeError("a causal LM cannot condition on the right context: infilling "
-                              "needs a set-diffusion model")
+    def speed_points(self, window: int) -> list:
+        """Autoregression (window 1) first, as the baseline of the sweep, then the window at
+        thresholds inf, 0.9 and 0.5."""
+        return [(1, math.inf)] + super().speed_points(window)
 
     # -- the public calls ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, window: int = 16,
@@ -107,7 +104,7 @@ class SetDecoder(Decoder):
         for i, (lt, rt, n) in enumerate(zip(left, right, middle_len)):
             if n < 1:
                 raise DecodeError(f"infill {i}: the middle must have at least one token")
-            if window > n and self.mode == "set" and order is None:
+            if window > n and order is None:
                 raise DecodeError(f"infill {i}: window {window} is larger than the masked span "
                                   f"of {n} tokens; use --window {n} or less")
             if len(lt) + n + len(rt) > self.context:
@@ -117,11 +114,44 @@ class SetDecoder(Decoder):
                                    region=list(range(len(lt), len(lt) + n)), prompt_len=len(lt)))
             prefill.append(list(lt) + list(rt))
         return self._run(samples, prefill, window, threshold, sampling, StopCriteria(), order,
-                         infill=True, right=[list(r) for r in right])
+                         infill=True)
+
+    def stream(self, prompt: list[int], max_new_tokens: int, window: int = 16,
+               threshold: float = math.inf, sampling: Sampling = Sampling(),
+               stop: StopCriteria = StopCriteria()):
+        """:meth:`generate` for one prompt, step by step: yields, after each step, the token
+        ids that joined the committed prefix contiguous from the prompt (up to a stop; often
+        none: set decoding commits positions out of order), and returns the
+        :class:`Result` (``StopIteration.value``)."""
+        if max_new_tokens < 1:
+            raise DecodeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if not prompt:
+            raise DecodeError("the prompt is empty: give some text (unconditional generation "
+                              "starts from the end-of-text token)")
+        check_prompt(0, prompt, window, self.context)
+        s = Sample.continuation(prompt, max_new_tokens)
+        start, taken = time.perf_counter(), 0
+        for _ in self._steps([s], [list(prompt)], window, threshold, sampling, stop, None,
+                             infill=False):
+            s.advance()
+            end = s.end if s.end is not None else math.inf
+            new = []
+            while taken < s.left and s.region[taken] < end:
+                new.append(s.tokens[s.region[taken]])
+                taken += 1
+            yield new
+        return s.result(self.tok, time.perf_counter() - start)
 
     # -- the loop --------------------------------------------------------------------------------
-    def _run(self, samples, prefill, window, threshold, sampling, stop, order, infill,
-             right=None):
+    def _run(self, samples, prefill, window, threshold, sampling, stop, order, infill):
+        start = time.perf_counter()
+        for _ in self._steps(samples, prefill, window, threshold, sampling, stop, order, infill):
+            pass
+        seconds = time.perf_counter() - start
+        return [s.result(self.tok, seconds) for s in samples]
+
+    def _steps(self, samples, prefill, window, threshold, sampling, stop, order, infill):
+        """Decode ``samples`` to the end, yielding after each step."""
         if window < 1:
             raise DecodeError(f"window must be at least 1, got {window}")
         check_threshold(threshold)
@@ -129,7 +159,6 @@ class SetDecoder(Decoder):
         self._last_logits = {}
         cache = KVCache(self.model.config.num_layers, B, self.device)
         rules = Rules(window, threshold, sampling, stop, self.generator(sampling.seed))
-        start = time.perf_counter()
         # prefill: the context as clean tokens, causal in position order (left, then right)
         for s, ids in zip(samples, prefill):
             positions = list(range(s.prompt_len))
@@ -140,8 +169,7 @@ class SetDecoder(Decoder):
             s.rules = rules
         while not all(s.done for s in samples):
             self.step(samples, cache, order, infill)
-        seconds = time.perf_counter() - start
-        return [s.result(self.tok, seconds) for s in samples]
+            yield
 
     def generator(self, seed: int) -> torch.Generator:
         """A sampling stream: where the logits are (one draw per step for all rows that share
@@ -150,11 +178,20 @@ class SetDecoder(Decoder):
             .manual_seed(seed)
 
     def _candidates(self, s, window, order, b):
+        """Row ``b``'s candidate positions this step (``s`` not done)."""
         if s.finished():
             return []
         if order is not None:
             return [order[b][s.committed]]
         return s.window(window)
+
+    def _queries(self, cands: list) -> list:
+        """The positions a step asks the model about as [MASK] queries: the candidates."""
+        return cands
+
+    def _logits_from(self, commits: list, C: int):
+        """Where a step's logits start: after the ``C`` commit slots (the queries')."""
+        return C
 
     def step(self, samples, cache, order=None, infill=False, isolate=False):
         """One forward for every row of ``samples`` (each with its :class:`Rules`) over
@@ -167,13 +204,11 @@ class SetDecoder(Decoder):
         row's, and its failure raises."""
         B = len(samples)
         commits = [s.pending for s in samples]
-        if self.mode == "causal":
-            cands = [[] if s.done else s.masked(1) for s in samples]
-        else:
-            cands = [[] if s.done else self._candidates(s, s.rules.window, order, b)
-                     for b, s in enumerate(samples)]
+        cands = [[] if s.done else self._candidates(s, s.rules.window, order, b)
+                 for b, s in enumerate(samples)]
+        queries = [self._queries(c) for c in cands]
         C = max(len(c) for c in commits)
-        M = 0 if self.mode == "causal" else max(len(c) for c in cands)
+        M = max(len(q) for q in queries)
         n = C + M
         if n == 0:
             for s in samples:
@@ -183,7 +218,7 @@ class SetDecoder(Decoder):
         # commits (first C slots), then its candidates ([MASK] queries, next M slots)
         tok_rows, pos_rows, val_rows = [], [], []
         for b in range(B):
-            c, q = commits[b], cands[b] if self.mode == "set" else []
+            c, q = commits[b], queries[b]
             gap_c, gap_q = C - len(c), M - len(q)
             tok_rows.append([t for _, t in c] + [self.mask_id] * (n - len(c)))
             pos_rows.append([p for p, _ in c] + [0] * gap_c + list(q) + [0] * gap_q)
@@ -196,11 +231,9 @@ class SetDecoder(Decoder):
         # what each new token may attend: valid cache entries, then the step's own tokens
         pattern, eye = self._step_pattern(C, n)
         own = (pattern & valid[:, None, :] & valid[:, :, None]) | eye
-        # [B, s, V], on the device; the cache keeps the first C (the commits). Causal decoding
-        # needs one prediction per row, from its last commit: the head runs for that one only
-        at = (torch.tensor([max(len(c) - 1, 0) for c in commits], device=dev)
-              if self.mode == "causal" else C)
-        logits = self._cached_pass(cache, tokens, positions, valid, own, C, logits_from=at)
+        # [B, s, V], on the device; the cache keeps the first C (the commits)
+        logits = self._cached_pass(cache, tokens, positions, valid, own, C,
+                                   logits_from=self._logits_from(commits, C))
         failed = [] if isolate else None
         fast = None if self.keep_logits else self._pick(logits, samples, cands, failed)
         if self.keep_logits:  # chosen per sample, which records them
@@ -275,9 +308,11 @@ class SetDecoder(Decoder):
             gens = [samples[b].rules.gen for b in rows]
             shared = all(g is gens[0] for g in gens)
             bad = None if failed is None else []
+            lengths = ([samples[b].generated_before(cands[b]) for b in rows]
+                       if r.sampling.length_penalty != 1.0 else None)
             toks, conf = pick(part, r.sampling, gens[0] if shared else gens, seen,
                               counts=None if shared else [len(cands[b]) for b in rows],
-                              failed=bad)
+                              failed=bad, lengths=lengths, eos_id=self.tok.eos_id)
             if bad:
                 failed += [rows[j] for j in bad]
             for j, b in enumerate(rows):
@@ -299,6 +334,35 @@ class SetDecoder(Decoder):
         return self._patterns[key]
 
 
+class CausalDecoder(SetDecoder):
+    """A model trained as a plain causal LM (the AR baseline), decoded autoregressively with the
+    set decoder's cache and loop: each step's candidate is the next position, predicted from
+    the row's last commit (no [MASK] query), one token a step whatever the window says."""
+
+    decoding = "causal"
+    causal_lm = True
+
+    def check_infill(self) -> None:
+        raise DecodeError("a causal LM cannot condition on the right context: infilling "
+                          "needs a set-diffusion model")
+
+    def room(self, max_new_tokens: int, window: int) -> int:
+        return max_new_tokens
+
+    def speed_points(self, window: int) -> list:
+        return [(1, math.inf)]
+
+    def _candidates(self, s, window, order, b):
+        return s.masked(1)
+
+    def _queries(self, cands: list) -> list:
+        return []  # (the prediction comes from the last commit)
+
+    def _logits_from(self, commits: list, C: int):
+        # one prediction per row, from its last commit: the head runs for that one only
+        return torch.tensor([max(len(c) - 1, 0) for c in commits], device=self.device)
+
+
 def decoder_for(model, tokenizer, cfg, keep_logits: bool = False) -> Decoder:
     """The decoder of the order a checkpoint trained with, as the order says
     (:attr:`setdiff_dist.diffusion.kinds.Order.decoder`): cached AR for ``causal``, blocks on
@@ -312,5 +376,5 @@ def decoder_for(model, tokenizer, cfg, keep_logits: bool = False) -> Decoder:
                             keep_logits=keep_logits)
     if decoding == "mdlm":
         return MDLMDecoder(model, tokenizer, context=context, keep_logits=keep_logits)
-    return SetDecoder(model, tokenizer, context=context, keep_logits=keep_logits,
-                      mode=decoding)
+    cls = CausalDecoder if decoding == "causal" else SetDecoder
+    return cls(model, tokenizer, context=context, keep_logits=keep_logits)

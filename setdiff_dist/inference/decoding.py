@@ -45,8 +45,19 @@ class Sampling:
     repetition_penalty: float = 1.0
     seed: int = 0
     top_k: int = 0  # the k most likely tokens only (0: all), before top_p, as transformers'
+    # end-of-text's logit e raised by |e| (length_penalty^(n - start) - 1) at a candidate with
+    # n > start generated tokens before it (transformers' ExponentialDecayLengthPenalty, whose
+    # n is the length of the sequence before the token; set decoding's, the committed tokens
+    # of the generation before the candidate's position, as the reference counts them)
+    length_penalty: float = 1.0
+    length_penalty_start: int = 0
 
     def __post_init__(self):
+        if isinstance(self.length_penalty_start, bool) or \
+                not isinstance(self.length_penalty_start, int) or self.length_penalty_start < 0:
+            raise DecodeError(f"length_penalty_start={self.length_penalty_start!r}: the "
+                              "generated tokens after which the length penalty acts, an "
+                              "integer of 0 or more")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise DecodeError(f"top_k={self.top_k!r}: it must be an integer, 0 (all tokens) or "
                               "the number of most likely tokens to sample from")
@@ -58,7 +69,10 @@ class Sampling:
                   ("repetition_penalty", self.repetition_penalty,
                    lambda v: FLOAT32_TINY <= v <= 1 / FLOAT32_TINY,
                    f"in [{FLOAT32_TINY:.3g}, {1 / FLOAT32_TINY:.3g}] (1 = none; the sampler "
-                   "divides and multiplies float32 logits by it)"))
+                   "divides and multiplies float32 logits by it)"),
+                  ("length_penalty", self.length_penalty, lambda v: v >= 1,
+                   "of 1 (none) or more: end-of-text grows likelier past "
+                   "length_penalty_start"))
         for name, value, ok, want in checks:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise DecodeError(f"{name}={value!r}: it must be a number {want}")
@@ -144,7 +158,8 @@ class Rules:
         s = self.sampling
         greedy = s.greedy or s.temperature == 0
         return (greedy, None if greedy else s.temperature, None if greedy else s.top_p,
-                None if greedy else s.top_k, s.repetition_penalty)
+                None if greedy else s.top_k, s.repetition_penalty, s.length_penalty,
+                s.length_penalty_start)
 
 
 @dataclass
@@ -215,6 +230,20 @@ class Sample:
         self.advance()
         return self.left == len(self.region)
 
+    def generated_before(self, positions: Sequence[int]) -> list:
+        """For each of ``positions`` (the region's), how many of the region's tokens before it
+        are committed: what a length penalty counts (walks the region from the committed
+        prefix to the last of them, once)."""
+        self.advance()
+        region, tokens = self.region, self.tokens
+        out, j, n = {}, self.left, self.left
+        for p in sorted(positions):
+            while j < len(region) and region[j] < p:
+                n += tokens[region[j]] is not None
+                j += 1
+            out[p] = n
+        return [out[p] for p in positions]
+
     def commit(self, picks) -> None:
         for pos, tok in picks:
             self.tokens[pos] = tok
@@ -259,8 +288,16 @@ class Decoder:
     """The base of every decoder: the model (the lean decode-time model, any tensor-parallel
     size), its tokenizer and context, and the steps all of them take alike."""
 
-    #: what :meth:`generate` runs: "set", "causal" (AR), "block" (BD3LM) or "mdlm"
+    #: what :meth:`generate` runs, for people (results, logs, errors): "set", "causal" (AR),
+    #: "block" (BD3LM) or "mdlm". Code asks the attributes and methods below instead of
+    #: comparing it (``tests/test_layers.py`` holds that outside ``inference/``).
     decoding = ""
+    #: the model is a plain causal LM: the output at ``l - 1`` predicts ``l``, one token a step,
+    #: no right context (its scores are a causal LM's; a window means nothing to it)
+    causal_lm = False
+    #: rows may join and leave between steps, each with its own settings (what a server's
+    #: continuous batch needs: :mod:`setdiff_dist.serve.batch`)
+    batchable = False
 
     def __init__(self, model, tokenizer, *, context: int, keep_logits: bool = False):
         self.model, self.tok, self.context = model, tokenizer, context
@@ -272,6 +309,36 @@ class Decoder:
 
     def check_infill(self) -> None:
         """Raise if this decoder cannot condition on a right context (before any decoding)."""
+
+    def stream(self, prompt: list[int], max_new_tokens: int, window=None,
+               threshold: float = math.inf, sampling: Sampling = Sampling(),
+               stop: StopCriteria = StopCriteria()):
+        """:meth:`generate` for one prompt as a generator of the token ids that join the
+        committed prefix (:meth:`SetDecoder.stream`), returning the :class:`Result`. This
+        decoder (blocks, MDLM) yields them all at the end: set decoding is the one whose
+        steps commit a prefix as they go."""
+        result = self.generate([prompt], max_new_tokens, window=window, threshold=threshold,
+                               sampling=sampling, stop=stop)[0]
+        yield list(result.tokens)
+        return result
+
+    def room(self, max_new_tokens: int, window: int) -> int:
+        """Positions a generation of ``max_new_tokens`` needs past its prompt: as many as it
+        writes here (blocks and MDLM decode inside the span); set decoding also needs its first
+        window of candidates in the context (:meth:`SetDecoder.room`)."""
+        return max_new_tokens
+
+    def speed_points(self, window: int) -> list:
+        """The ``(window, threshold)`` points a throughput measurement sweeps by default: the
+        checkpoint's window at thresholds inf, 0.9 and 0.5."""
+        return [(window, math.inf), (window, 0.9), (window, 0.5)]
+
+    def use_blocks(self, block_size: int) -> None:
+        """Decode :meth:`generate` semi-autoregressively in blocks of ``block_size`` (MDLM's
+        sampler only: :meth:`MDLMDecoder.use_blocks`); any other decoder refuses."""
+        raise DecodeError(f"blocks of {block_size}: this checkpoint decodes as "
+                          f"'{self.decoding}', not with MDLM's sampler; semi-autoregressive "
+                          "blocks are for a masked (MDLM) checkpoint")
 
     def _cached_pass(self, cache, tokens, positions, valid, own, commits: int,
                      logits_from=0):
@@ -308,7 +375,8 @@ class Decoder:
             for j, pos in enumerate(cands):
                 s.logits[pos] = logits[j].clone()
                 self._last_logits[pos] = logits[j].clone()
-        toks, conf = pick(logits[None], sampling, gen, [s.seen()])
+        toks, conf = pick(logits[None], sampling, gen, [s.seen()],
+                          lengths=[s.generated_before(cands)], eos_id=self.tok.eos_id)
         return accept(toks[0], conf[0], cands, threshold)
 
     def _check_stop(self, s, stop):

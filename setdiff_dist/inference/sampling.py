@@ -15,11 +15,14 @@ def fresh_seed() -> int:
     return secrets.randbits(63)
 
 
-def pick(logits, sampling, gen, seen=None, counts=None, failed=None):
+def pick(logits, sampling, gen, seen=None, counts=None, failed=None, lengths=None,
+         eos_id=None):
     """Every sample's choices for its candidate rows of ``logits [B, M, V]`` in a few
     batched ops where the logits are (a repetition penalty over ``seen[b]``, the token ids
     sample ``b`` holds; temperature, top-k, top-p, then greedy or a draw); only ``[B, M]`` token ids
-    and confidences go to the host.
+    and confidences go to the host. A length penalty (``sampling.length_penalty``) raises
+    ``eos_id``'s logit at each candidate by its row of ``lengths[b]`` (the generated tokens
+    before each candidate), after the repetition penalty (:func:`length_boost`).
 
     A draw inverts each row's cumulative distribution at a uniform number (the token whose
     interval holds it), for every row in the same few ops. ``gen`` is one random stream for
@@ -59,6 +62,11 @@ def pick(logits, sampling, gen, seen=None, counts=None, failed=None):
         big = torch.finfo(torch.float32).max
         logits = torch.where(seen[:, None], torch.where(logits > 0, logits / p, logits * p),
                              logits).clamp(-big, big)
+    if sampling.length_penalty != 1.0 and eos_id is not None and lengths is not None:
+        boost = length_boost(sampling, lengths, logits.shape[1]).to(logits.device)
+        eos = logits[..., eos_id]
+        logits = logits.clone()
+        logits[..., eos_id] = eos + eos.abs() * boost
     if sampling.greedy or sampling.temperature == 0:
         conf, toks = torch.softmax(logits, -1).max(-1)
         return toks.tolist(), conf.tolist()
@@ -86,6 +94,18 @@ def pick(logits, sampling, gen, seen=None, counts=None, failed=None):
     toks = torch.searchsorted(cdf, at[..., None], right=True)[..., 0].clamp_(max=V - 1)
     conf = probs.gather(-1, toks[..., None])[..., 0]
     return toks.tolist(), conf.tolist()
+
+
+def length_boost(sampling, lengths, M: int) -> torch.Tensor:
+    """``[B, M]``: ``length_penalty^(n - start) - 1`` for a candidate with ``n > start``
+    generated tokens before it (``lengths[b][j]``; padding and ``n <= start``: 0), the factor
+    of ``|e|`` that transformers' ``ExponentialDecayLengthPenalty`` adds to end-of-text's logit
+    ``e``; kept finite (a long generation at a large factor would overflow)."""
+    start, factor = sampling.length_penalty_start, sampling.length_penalty
+    big = torch.finfo(torch.float32).max
+    rows = [[min(factor ** (n - start) - 1.0, big) if n > start else 0.0 for n in row]
+            + [0.0] * (M - len(row)) for row in lengths]
+    return torch.tensor(rows, dtype=torch.float32)
 
 
 def uniforms(B: int, M: int, gen, counts=None) -> torch.Tensor:

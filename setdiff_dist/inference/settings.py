@@ -4,7 +4,9 @@ lines read it for ``--help``."""
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 # The paper's operating points (on top of the checkpoint's decode section; flags override).
 PRESETS = {
@@ -12,22 +14,68 @@ PRESETS = {
     "infill": {"window": 32, "greedy": True, "repetition_penalty": 1.2},  # an S <= 32 model
 }
 DECODE_KEYS = ("window", "threshold", "greedy", "temperature", "top_p", "top_k",
-               "repetition_penalty", "max_new_tokens", "max_repeat_run")
+               "repetition_penalty", "max_new_tokens", "max_repeat_run", "length_penalty",
+               "length_penalty_start")
 # the settings that say how a token is chosen (:class:`~.decoding.Sampling`'s, less the seed)
-SAMPLING_KEYS = ("greedy", "temperature", "top_p", "top_k", "repetition_penalty")
+SAMPLING_KEYS = ("greedy", "temperature", "top_p", "top_k", "repetition_penalty",
+                 "length_penalty", "length_penalty_start")
 
 
 def sampling_of(settings, seed: int = 0):
-    """The :class:`~setdiff_dist.inference.decoding.Sampling` of resolved decoding settings
-    (a dict with :data:`SAMPLING_KEYS`, or an object with them as attributes): the one
-    conversion every caller makes (the API, setdiff-eval, the harness, the server)."""
+    """The :class:`~setdiff_dist.inference.decoding.Sampling` of anything that carries
+    :data:`SAMPLING_KEYS` as attributes (a :class:`DecodeSettings`, a server's request): the
+    one conversion every caller makes."""
     from setdiff_dist.inference.decoding import Sampling
 
-    get = settings.get if isinstance(settings, dict) else \
-        (lambda k, default=None: getattr(settings, k, default))
-    return Sampling(greedy=bool(get("greedy")), temperature=get("temperature"),
-                    top_p=get("top_p"), top_k=get("top_k", 0) or 0,
-                    repetition_penalty=get("repetition_penalty"), seed=seed)
+    return Sampling(greedy=bool(settings.greedy), temperature=settings.temperature,
+                    top_p=settings.top_p, top_k=settings.top_k or 0,
+                    repetition_penalty=settings.repetition_penalty, seed=seed,
+                    length_penalty=settings.length_penalty,
+                    length_penalty_start=settings.length_penalty_start)
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """A run's resolved decoding settings (:func:`decode_settings`): the fields of a config's
+    ``decode`` section, and the two objects a decoder takes, :meth:`sampling` and
+    :meth:`stopping`. Frozen: a caller that changes one field makes a copy (:meth:`replace`)."""
+
+    window: Optional[int]
+    threshold: float
+    greedy: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    max_new_tokens: int
+    max_repeat_run: int
+    stop: tuple = ()  # stop strings (``re:`` for a regex)
+    length_penalty: float = 1.0
+    length_penalty_start: int = 0
+
+    def sampling(self, seed: int = 0):
+        """How a token is chosen, drawing from ``seed``."""
+        return sampling_of(self, seed)
+
+    def stopping(self, eos_id: Optional[int] = None, extra: Sequence[str] = (),
+                 strings: bool = True):
+        """The :class:`~setdiff_dist.inference.decoding.StopCriteria`: end-of-text when
+        ``eos_id`` is given, the stop strings (unless ``strings`` is False) and ``extra``, and
+        the repeated-run stop."""
+        from setdiff_dist.inference.decoding import StopCriteria
+
+        return StopCriteria(eos_id=eos_id,
+                            stop=tuple(self.stop if strings else ()) + tuple(extra),
+                            max_repeat_run=self.max_repeat_run)
+
+    def replace(self, **changes) -> "DecodeSettings":
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self, keys: Sequence[str] = ()) -> dict:
+        """The settings as a results file reports them (``keys``: only those)."""
+        out = dataclasses.asdict(self)
+        out["stop"] = list(self.stop)
+        return {k: out[k] for k in keys} if keys else out
 
 
 def inference_dtype(name: str):
@@ -49,7 +97,7 @@ def default_window(order_cfg) -> Optional[int]:
     return order_of(order_cfg).default_window(order_cfg)
 
 
-def decode_settings(cfg, preset: Optional[str] = None, **flags) -> dict:
+def decode_settings(cfg, preset: Optional[str] = None, **flags) -> DecodeSettings:
     """The decoding settings of a run: the checkpoint's ``decode`` section, then ``preset``
     (:data:`PRESETS`), then every flag that is not None; an unset window follows the order
     (:func:`default_window`). A window past the order's S_max is allowed, with a note. A block
@@ -90,4 +138,5 @@ def decode_settings(cfg, preset: Optional[str] = None, **flags) -> dict:
               f"trained on (S_max = {s_max:g}): candidates past it are outside the training "
               f"distribution; the paper decodes with W <= S_max (W = D = "
               f"{default_window(cfg.order)} for GSM)", file=sys.stderr)
-    return out
+    out["stop"] = tuple(out["stop"])
+    return DecodeSettings(**out)

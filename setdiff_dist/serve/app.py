@@ -41,6 +41,7 @@ import logging
 import math
 import time
 import uuid
+from dataclasses import replace
 from typing import Optional, Union
 
 from fastapi import FastAPI, Request
@@ -67,6 +68,7 @@ from setdiff_dist.serve.chat import (
 
 from .batch import Spec, check_spec
 from .guard import error_body
+from .messages import Failed, Finished
 from .scheduler import QueueFull
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting (non-streamed) request checks for its client
@@ -112,6 +114,9 @@ class CompletionRequest(CompletionFields):
     def _scored_not_streamed(self):
         if self.stream and (self.echo or self.logprobs is not None):
             raise ValueError("echo and logprobs are answered whole: send them without stream")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing: it goes with echo=true (the "
+                             "prompt back, scored with logprobs); ask for 1 or more tokens")
         return self
 
     @field_validator("threshold", mode="before")
@@ -178,9 +183,10 @@ class Limits:
 
 
 class Service:
-    """What the routes need: the model (a :class:`~setdiff_dist.serve.engine.ModelView`), its
-    name, the scheduler (the decoding process's :class:`~setdiff_dist.serve.engine.EngineClient`,
-    which answers as the :class:`~setdiff_dist.serve.scheduler.Scheduler` would) and the
+    """What the routes need: the model (a :class:`~setdiff_dist.serve.http_process.ModelView`),
+    its name, the scheduler (the decoding process's
+    :class:`~setdiff_dist.serve.pipe.EngineClient`, which answers as the
+    :class:`~setdiff_dist.serve.scheduler.Scheduler` would, its events detokenized) and the
     metrics."""
 
     def __init__(self, model, name: str, scheduler, metrics, limits: Optional[Limits] = None,
@@ -223,7 +229,7 @@ class Service:
                                 max_new_tokens=req.max_tokens,
                                 max_repeat_run=req.max_repeat_run)
         if req.max_tokens is None:  # (the checkpoint's length, within what the server allows)
-            d["max_new_tokens"] = min(d["max_new_tokens"], limits.max_tokens)
+            d = d.replace(max_new_tokens=min(d.max_new_tokens, limits.max_tokens))
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise DecodeError("an empty stop string would stop at once; give some text")
@@ -247,13 +253,15 @@ class Service:
             # seed + k (so that a request with seed + k alone repeats it); choice i x n + k
             for k in range(req.n):
                 spec = Spec(id=f"{uuid.uuid4().hex}-{i}-{k}", prompt=tuple(ids),
-                            max_tokens=d["max_new_tokens"], window=d["window"],
-                            threshold=d["threshold"], greedy=d["greedy"],
-                            temperature=d["temperature"], top_p=d["top_p"],
-                            top_k=d["top_k"], repetition_penalty=d["repetition_penalty"],
+                            max_tokens=d.max_new_tokens, window=d.window,
+                            threshold=d.threshold, greedy=d.greedy,
+                            temperature=d.temperature, top_p=d.top_p,
+                            top_k=d.top_k, repetition_penalty=d.repetition_penalty,
                             seed=(seed + k) % 2 ** 63, stop=tuple(stop),
-                            patterns=tuple(d["stop"]), eos_stop=not req.ignore_eos,
-                            max_repeat_run=d["max_repeat_run"])
+                            patterns=tuple(d.stop), eos_stop=not req.ignore_eos,
+                            max_repeat_run=d.max_repeat_run,
+                            length_penalty=d.length_penalty,
+                            length_penalty_start=d.length_penalty_start)
                 check_spec(spec, self.model.context, i, max_tokens=limits.max_tokens)
                 out.append(spec)
         return out
@@ -261,7 +269,8 @@ class Service:
     # -- submitting and waiting -------------------------------------------------------------------
     async def submit(self, specs: list[Spec], streamed: bool) -> asyncio.Queue:
         """Queue every prompt of one request, or none (429); their events come to one queue
-        as ``(index, event)`` (new text after each step only when ``streamed``)."""
+        as ``(index, event)`` (:class:`~.messages.Text` after each step only when
+        ``streamed``, then :class:`Finished` or :class:`Failed`)."""
         events = asyncio.Queue()
         done = []
         try:
@@ -290,13 +299,12 @@ class Service:
         return out
 
     @staticmethod
-    def choice(index: int, out: dict, token_ids: bool) -> dict:
-        c = {"index": index, "text": out["full_text"], "logprobs": None,
-             "finish_reason": out["finish_reason"], "forward_steps": out["steps"],
-             "tokens_per_step": out["tokens_per_step"],
-             "largest_batch": out["largest_batch"]}
+    def choice(index: int, out: Finished, token_ids: bool) -> dict:
+        c = {"index": index, "text": out.full_text, "logprobs": None,
+             "finish_reason": out.finish_reason, "forward_steps": out.steps,
+             "tokens_per_step": out.tokens_per_step, "largest_batch": out.largest_batch}
         if token_ids:
-            c["token_ids"] = out["tokens"]
+            c["token_ids"] = out.tokens
         return c
 
     async def scored(self, req: CompletionRequest, specs: list, outs: list,
@@ -310,8 +318,8 @@ class Service:
         tok = self.model.tokenizer
         seqs = []
         for spec, out in zip(specs, outs):
-            gen = list(out["tokens"])
-            if out["finish_reason"] == "stop" and spec.eos_stop and not spec.stop \
+            gen = list(out.tokens)
+            if out.finish_reason == "stop" and spec.eos_stop and not spec.stop \
                     and not spec.patterns:
                 gen.append(tok.eos_id)  # (it stopped at end-of-text: the token it chose)
             seqs.append((list(spec.prompt), gen))
@@ -339,9 +347,9 @@ class Service:
 
     @staticmethod
     def usage(outs: list) -> dict:
-        prompt = sum(o["prompt_tokens"] for o in outs)
-        completion = sum(len(o["tokens"]) for o in outs)
-        steps = sum(o["steps"] for o in outs)
+        prompt = sum(o.prompt_tokens for o in outs)
+        completion = sum(len(o.tokens) for o in outs)
+        steps = sum(o.steps for o in outs)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion, "forward_steps": steps,
                 "tokens_per_step": completion / max(steps, 1)}
@@ -398,10 +406,10 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
             s = await service.scheduler.status()
         except RuntimeError as exc:  # (the decoding process does not answer)
             return JSONResponse({"status": "error", "error": str(exc)}, status_code=503)
-        if not s["alive"]:
-            return JSONResponse({"status": "error", "error": s["fatal"] or
+        if not s.alive:
+            return JSONResponse({"status": "error", "error": s.fatal or
                                  "the decoding thread stopped"}, status_code=503)
-        return {"status": "ok", "running": s["running"], "waiting": s["waiting"]}
+        return {"status": "ok", "running": s.running, "waiting": s.waiting}
 
     @app.get("/metrics")
     async def prometheus():
@@ -482,11 +490,17 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
                                 status_code=503)
         if (wrong := unknown_model(req.model)) is not None:
             return wrong
+        echo_only = req.max_tokens == 0  # (the prompt scored, nothing generated: OpenAI's)
         try:  # (tokenizing a long prompt must not hold the event loop)
-            specs = await asyncio.to_thread(service.specs, req)
+            specs = await asyncio.to_thread(
+                service.specs, req.model_copy(update={"max_tokens": None}) if echo_only else req)
         except DecodeError as exc:
             code = "context_length_exceeded" if "context" in str(exc) else None
             return bad_request(str(exc), code=code)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if echo_only:
+            return await answer(req, specs, [Finished("length", [], len(s.prompt), 0, 0, 0.0, 0.0)
+                                             for s in specs], rid, chat)
         try:
             events = await service.submit(specs, req.stream)
         except QueueFull as exc:
@@ -495,7 +509,6 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
                                            type_="rate_limit_error",
                                            code="rate_limit_exceeded"),
                                 status_code=429, headers={"Retry-After": "1"})
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if req.stream:
             return StreamingResponse(_stream(service, req, specs, events, rid, chat),
                                      media_type="text/event-stream")
@@ -513,17 +526,20 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
                     continue
                 i, ev = getter.result()
                 getter = asyncio.ensure_future(events.get())
-                if ev.get("done"):
+                if ev.done:
                     finished.add(i)
                     outs[i] = ev
         finally:
             getter.cancel()
             service.cancel(specs, finished)
-        failed = [o["error"] for o in outs.values() if "error" in o]
+        failed = [o.error for o in outs.values() if isinstance(o, Failed)]
         if failed:
             service.count("failed")
             return JSONResponse(error_body(failed[0], type_="server_error"), status_code=500)
-        ordered = [outs[i] for i in range(len(specs))]
+        return await answer(req, specs, [outs[i] for i in range(len(specs))], rid, chat)
+
+    async def answer(req: CompletionRequest, specs: list, ordered: list, rid: str, chat: bool):
+        """The response to a request whose completions ``ordered`` have all finished."""
         choices = [service.choice(i, o, req.return_token_ids) for i, o in enumerate(ordered)]
         if req.echo or req.logprobs is not None:
             try:
@@ -567,21 +583,19 @@ async def _stream(service: Service, req: CompletionRequest, specs, events, rid,
     try:
         while len(finished) < len(specs):
             i, ev = await _coalesced(events, backlog)
-            if "error" in ev:
+            if isinstance(ev, Failed):
                 finished.add(i)
-                body = error_body(ev["error"], type_="server_error")
+                body = error_body(ev.error, type_="server_error")
                 yield f"data: {json.dumps(body)}\n\n"
                 continue
-            c = {"index": i, "text": ev.get("text", ""), "logprobs": None,
-                 "finish_reason": None}
-            if ev.get("done"):
+            c = {"index": i, "text": ev.text, "logprobs": None, "finish_reason": None}
+            if isinstance(ev, Finished):
                 finished.add(i)
                 outs[i] = ev
-                c.update(finish_reason=ev["finish_reason"], forward_steps=ev["steps"],
-                         tokens_per_step=ev["tokens_per_step"],
-                         largest_batch=ev["largest_batch"])
+                c.update(finish_reason=ev.finish_reason, forward_steps=ev.steps,
+                         tokens_per_step=ev.tokens_per_step, largest_batch=ev.largest_batch)
                 if req.return_token_ids:
-                    c["token_ids"] = ev["tokens"]
+                    c["token_ids"] = ev.tokens
             yield chunk([c])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage=service.usage([outs[i] for i in sorted(outs)]))
@@ -600,7 +614,8 @@ async def _coalesced(events: asyncio.Queue, backlog: collections.deque):
     while not events.empty():
         backlog.append(events.get_nowait())
     i, ev = backlog.popleft()
-    while not ev.get("done") and backlog and backlog[0][0] == i and "error" not in backlog[0][1]:
+    while not ev.done and backlog and backlog[0][0] == i and \
+            not isinstance(backlog[0][1], Failed):
         _, nxt = backlog.popleft()
-        ev = {**nxt, "text": ev["text"] + nxt.get("text", "")}
+        ev = replace(nxt, text=ev.text + nxt.text)  # (a Text, or the Finished after it)
     return i, ev

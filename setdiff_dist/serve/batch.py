@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from setdiff_dist.inference.decoding import (
@@ -55,6 +55,8 @@ class Spec:
     patterns: tuple = ()   # the checkpoint's decode.stop (setdiff-generate's meaning)
     eos_stop: bool = True
     max_repeat_run: Optional[int] = None
+    length_penalty: float = 1.0  # the checkpoint's decode.length_penalty (and its start)
+    length_penalty_start: int = 0
 
 
 def check_spec(spec: Spec, context: int, index: int = 0,
@@ -75,7 +77,7 @@ class Row:
     sample: Sample
     joined: float                      # when it joined the batch (time.monotonic)
     first_token: Optional[float] = None  # when its first generated token was committed
-    sent: str = ""                     # text streamed so far
+    taken: int = 0                     # region[:taken]'s tokens were handed out (new_prefix)
     largest_batch: int = 0             # the most rows it decoded beside (itself included)
     cancelled: bool = False
     fresh: bool = True                 # admitted, not yet stepped (no cache row yet)
@@ -89,13 +91,26 @@ class Row:
         """OpenAI's: "stop" at end-of-text or a stop string, "length" at max_tokens."""
         return "stop" if self.sample.end is not None else "length"
 
+    def new_prefix(self) -> list:
+        """The tokens committed and contiguous from the prompt (up to a stop) since the last
+        call: what can be text so far, set decoding committing positions out of order. Token
+        ids only, so that the decoding thread does no detokenization."""
+        s = self.sample
+        s.advance()
+        end = s.end if s.end is not None else math.inf
+        out = []
+        while self.taken < s.left and s.region[self.taken] < end:
+            out.append(s.tokens[s.region[self.taken]])
+            self.taken += 1
+        return out
+
 
 class ContinuousBatch:
     """The running batch on a :class:`~setdiff_dist.inference.decoder.SetDecoder` (set or
     causal decoding): :meth:`admit` rows, :meth:`step`, and the finished rows come back."""
 
     def __init__(self, decoder):
-        if getattr(decoder, "decoding", None) not in ("set", "causal"):
+        if not getattr(decoder, "batchable", False):
             raise DecodeError(
                 f"continuous batching serves set-diffusion and causal checkpoints; this one "
                 f"decodes with the {getattr(decoder, 'decoding', '?')} baseline's sampler, "
@@ -192,67 +207,3 @@ def literal(text: str) -> str:
     """A stop string as the decoder's stop criteria take it, matched literally (they read a
     ``re:`` prefix as a regular expression; an OpenAI client means the characters)."""
     return "re:" + re.escape(text) if text.startswith("re:") else text
-
-
-@dataclass
-class TextStream:
-    """The text a request can send so far, so that the pieces sent add up to exactly the final
-    text although set decoding commits positions out of order: only the prefix committed and
-    contiguous from the prompt is text; a trailing incomplete character (U+FFFD) and anything
-    that could still turn out to start a stop string are held back.
-
-    The prefix's text is built incrementally (as vLLM detokenizes): each step decodes only the
-    tokens committed since the last stable point and a few before it (for tokenizers whose
-    text of a token depends on its neighbours), so a step's work does not grow with the length
-    of the text; the final text is decoded whole once."""
-
-    tokenizer: object
-    stop: tuple = ()
-    hold: int = field(init=False, default=0)
-    ids: list = field(init=False, default_factory=list)  # the committed prefix's tokens
-    stable: int = field(init=False, default=0)  # ids[:stable] are in text
-    text: str = field(init=False, default="")
-
-    CONTEXT = 6  # tokens decoded again before the stable point
-
-    def __post_init__(self):
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-
-    def final(self, row: Row) -> str:
-        """The whole completion's text (cut before the first stop string, as OpenAI's)."""
-        text = self.tokenizer.decode(row.sample.output())
-        cuts = [text.find(s) for s in self.stop if s in text]
-        return text[:min(cuts)] if cuts else text
-
-    def _prefix_text(self, row: Row) -> str:
-        """The committed prefix's text up to its last complete character (new tokens only)."""
-        s = row.sample
-        s.advance()
-        end = s.end if s.end is not None else math.inf
-        for j in range(len(self.ids), s.left):
-            if s.region[j] >= end:
-                break
-            self.ids.append(s.tokens[s.region[j]])
-        if len(self.ids) > self.stable:
-            anchor = max(self.stable - self.CONTEXT, 0)
-            head = self.tokenizer.decode(self.ids[anchor:self.stable]) if anchor < self.stable \
-                else ""
-            tail = self.tokenizer.decode(self.ids[anchor:])
-            if tail.startswith(head) and not tail.endswith("\ufffd"):
-                self.text += tail[len(head):]
-                self.stable = len(self.ids)
-        return self.text
-
-    def delta(self, row: Row) -> str:
-        """What to send now (and mark as sent): the rest of the final text once the row is
-        done; before, the new stable part of its committed prefix."""
-        if row.sample.done:
-            text = self.final(row)
-        else:
-            text = self._prefix_text(row)
-            if self.hold:
-                text = text[:max(len(text) - self.hold, 0)]
-        if not text.startswith(row.sent) or len(text) <= len(row.sent):
-            return ""
-        piece, row.sent = text[len(row.sent):], text
-        return piece

@@ -51,7 +51,7 @@ class CompletionFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=0)  # (0: with echo only, the prompt scored)
     temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
     # (vLLM's extension: the k most likely tokens only; 0 or -1: all)

@@ -11,6 +11,8 @@ each step's rows and time, requests by outcome)."""
 
 from __future__ import annotations
 
+from .messages import Finished
+
 # latency buckets from a few milliseconds (a CPU step of a tiny model) to minutes (a long
 # completion of a large one)
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -91,22 +93,45 @@ class Metrics:
         self.step_seconds.observe(seconds)
         self.batch_rows.observe(rows)
 
-    def finished(self, out: dict) -> None:
-        """A completed request's numbers (the scheduler's outcome dict)."""
+    def queued(self, seconds: float) -> None:
+        """A request joined the batch after waiting this long."""
+        self.queue_seconds.observe(seconds)
+
+    def finished(self, out: Finished) -> None:
+        """A completed request's numbers (the scheduler's event)."""
         self.count("completed")
-        self.success.labels(model_name=self.model, finished_reason=out["finish_reason"]).inc()
-        n = len(out["tokens"])
-        self.prompt_tokens.inc(out["prompt_tokens"])
+        self.success.labels(model_name=self.model, finished_reason=out.finish_reason).inc()
+        n = len(out.tokens)
+        self.prompt_tokens.inc(out.prompt_tokens)
         self.generation_tokens.inc(n)
-        self.forward_steps.inc(out["steps"])
-        self.tokens_per_step.observe(out["tokens_per_step"])
-        self.latency.observe(out["seconds"])
-        self.ttft.observe(out["time_to_first_token"])
+        self.forward_steps.inc(out.steps)
+        self.tokens_per_step.observe(out.tokens_per_step)
+        self.latency.observe(out.seconds)
+        self.ttft.observe(out.time_to_first_token)
         if n > 1:
-            self.inter_token.observe(max(out["seconds"] - out["time_to_first_token"], 0.0)
-                                     / (n - 1))
+            self.inter_token.observe(max(out.seconds - out.time_to_first_token, 0.0) / (n - 1))
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class NoMetrics:
+    """What the scheduler reports to, when nothing measures (a scheduler in a test, a tool):
+    :class:`Metrics`'s calls, doing nothing."""
+
+    def count(self, outcome: str) -> None:
+        pass
+
+    def rows(self, running: int, waiting: int) -> None:
+        pass
+
+    def step(self, rows: int, seconds: float) -> None:
+        pass
+
+    def queued(self, seconds: float) -> None:
+        pass
+
+    def finished(self, out: Finished) -> None:
+        pass

@@ -5,7 +5,10 @@ Between two steps the loop takes what the queue holds (up to the free rows of th
 the cancellations that came in, makes them one :class:`Plan`, and applies it; under tensor
 parallelism rank 0 first broadcasts the plan (:class:`PlanChannel`) and every other rank applies
 the same plan to its own shard (:func:`follow`), so all ranks step the same batch. Each row's
-new text and its end go back to the request that asked through the ``listener`` it gave.
+new tokens and its end go back to the request that asked through the ``listener`` it gave, as
+the events of :mod:`.messages` (token ids: the text is made where it goes out, :mod:`.text`);
+what the metrics measure goes to a sink with :class:`~setdiff_dist.serve.metrics.Metrics`'s
+calls (:class:`~setdiff_dist.serve.metrics.NoMetrics` when nothing measures).
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .batch import ContinuousBatch, Spec, TextStream
+from setdiff_dist.errors import collective_failed
+
+from .batch import ContinuousBatch, Spec
+from .messages import Failed, Finished, Health, Tokens
+from .metrics import NoMetrics
 
 HEARTBEAT_S = 1.0  # an idle rank 0 tells the other ranks it is alive this often
 
@@ -59,23 +66,24 @@ class PlanChannel:
 
 @dataclass
 class Ticket:
-    """A request waiting or running: its spec, its text stream and who to tell."""
+    """A request waiting or running: its spec and who to tell."""
 
     spec: Spec
-    stream: TextStream
-    listener: Callable[[dict], None]
-    streamed: bool = True  # told of new text every step (else only of the outcome)
+    listener: Callable[[object], None]
+    streamed: bool = True  # told of new tokens every step (else only of the outcome)
     arrived: float = field(default_factory=time.monotonic)
 
 
 class Scheduler:
-    """The bounded queue and the decoding loop (:meth:`run`, in a thread of its own)."""
+    """The bounded queue and the decoding loop (:meth:`run`, in a thread of its own);
+    ``metrics``: where what is measured goes (default: nowhere)."""
 
     def __init__(self, decoder, *, max_batch: int, max_queue: int, metrics=None,
                  channel: Optional[PlanChannel] = None):
         self.batch = ContinuousBatch(decoder)
         self.decoder, self.max_batch, self.max_queue = decoder, max_batch, max_queue
-        self.metrics, self.channel = metrics, channel
+        self.metrics = metrics if metrics is not None else NoMetrics()
+        self.channel = channel
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self._cancels: set = set()
@@ -92,37 +100,39 @@ class Scheduler:
         self.deliver: Callable[[list], None] = deliver_now
 
     # -- the HTTP side ----------------------------------------------------------------------------
-    def submit(self, spec: Spec, listener: Callable[[dict], None],
+    def submit(self, spec: Spec, listener: Callable[[object], None],
                streamed: bool = True) -> None:
         """Queue a request; raise :class:`QueueFull` if the queue holds ``max_queue`` already.
-        ``listener`` gets ``{"text": new text}`` after each step that adds some (when
-        ``streamed``), and at the end ``"done": True`` and the outcome; through
-        :attr:`deliver`, which hands each step's events over at once (the server's: one call
-        into its event loop per step)."""
-        stream = TextStream(self.decoder.tok, spec.stop)
+        ``listener`` gets :class:`~.messages.Tokens` after each step that adds to its committed
+        prefix (when ``streamed``), and at the end :class:`~.messages.Finished` or
+        :class:`~.messages.Failed`; through :attr:`deliver`, which hands each step's events
+        over at once (the server's: one message to the HTTP process per step)."""
         with self._cond:
             if self._stopping or self.fatal:
                 raise QueueFull(f"the server is stopping ({self.fatal or 'shutting down'})")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"{len(self._queue)} requests are waiting (--max-queue "
                                 f"{self.max_queue})")
-            ticket = Ticket(spec, stream, listener, streamed)
+            ticket = Ticket(spec, listener, streamed)
             self._queue.append(ticket)
             self._tickets[spec.id] = ticket
             self._gauges()
             self._cond.notify()
 
-    def cancel(self, request_id: str) -> None:
-        """The client went away: free its row (or its place in the queue) before the next
-        step."""
+    def cancel(self, request_id: str, outcome: str = "cancelled") -> None:
+        """The client went away (or its text could not be made: ``outcome`` "failed"): free its
+        row (or its place in the queue) before the next step."""
         with self._cond:
             waiting = [t for t in self._queue if t.spec.id == request_id]
             if waiting:
                 self._queue.remove(waiting[0])
                 self._tickets.pop(request_id, None)
-                self._count("cancelled")
+                self.metrics.count(outcome)
             elif request_id in self._tickets:
                 self._cancels.add(request_id)
+                if outcome != "cancelled":  # (its end is now: its row then leaves uncounted)
+                    self._tickets.pop(request_id, None)
+                    self.metrics.count(outcome)
             self._gauges()
             self._cond.notify()
 
@@ -185,13 +195,12 @@ class Scheduler:
         from setdiff_dist.objective import token_logprobs
 
         d = self.decoder  # (a causal checkpoint decodes "causal": the causal LM's scores)
-        return [token_logprobs(d.model, d.decoding == "causal", list(ids), k, d.tok.vocab_size)
+        return [token_logprobs(d.model, d.causal_lm, list(ids), k, d.tok.vocab_size)
                 for ids in seqs]
 
-    def status(self) -> dict:
+    def status(self) -> Health:
         """What ``GET /health`` reports."""
-        return {"alive": self.alive, "fatal": self.fatal, "running": len(self.batch),
-                "waiting": self.waiting}
+        return Health(self.alive, self.fatal, len(self.batch), self.waiting)
 
     # -- the decoding thread ----------------------------------------------------------------------
     @property
@@ -216,7 +225,7 @@ class Scheduler:
             try:
                 self._apply(plan)
             except Exception as exc:
-                if self.channel is not None and _collective_error(exc):
+                if self.channel is not None and collective_failed(exc):
                     self._die(f"a tensor-parallel rank failed or cannot be reached "
                               f"({type(exc).__name__}: {exc})")
                     return
@@ -233,7 +242,7 @@ class Scheduler:
         self._fail_all(why)
         for ticket in waiting:
             self._tickets.pop(ticket.spec.id, None)
-        self.deliver([(t.listener, {"done": True, "error": why}) for t in waiting])
+        self.deliver([(t.listener, Failed(why)) for t in waiting])
         if self.on_fatal is not None:
             self.on_fatal(why)
 
@@ -257,13 +266,12 @@ class Scheduler:
     def _apply(self, plan: Plan) -> None:
         for row in self.batch.cancel(plan.cancel):
             if self._tickets.pop(row.spec.id, None) is not None:  # (not one failed alone)
-                self._count("cancelled")
+                self.metrics.count("cancelled")
         rows, refused = self.batch.admit(plan.admit)
-        if self.metrics is not None:
-            for row in rows:
-                ticket = self._tickets.get(row.spec.id)
-                if ticket is not None:
-                    self.metrics.queue_seconds.observe(row.joined - ticket.arrived)
+        for row in rows:
+            ticket = self._tickets.get(row.spec.id)
+            if ticket is not None:
+                self.metrics.queued(row.joined - ticket.arrived)
         self._fail(refused)
         self._gauges()
         if not len(self.batch):
@@ -271,19 +279,19 @@ class Scheduler:
         start = time.perf_counter()
         running = list(self.batch.rows)
         finished = self.batch.step()  # (raising: its forward is every row's, run fails all)
-        if self.metrics is not None:
-            self.metrics.step(len(running), time.perf_counter() - start)
+        self.metrics.step(len(running), time.perf_counter() - start)
         outbox = []
         for row in running:
             ticket = self._tickets.get(row.spec.id)
             if ticket is None or not (ticket.streamed or row in finished):
-                continue  # (no text is decoded for a request that is not streamed, until done)
+                continue  # (nothing is sent for a request that is not streamed, until done)
             why, event = row.sample.error, None  # (a row the decoder failed has finished)
             if why is None:
                 try:
-                    piece = ticket.stream.delta(row)
-                    event = self._outcome(row, ticket, piece) if row in finished else \
-                        {"text": piece} if piece else None
+                    if row in finished:
+                        event = self._outcome(row, ticket)
+                    elif ids := row.new_prefix():
+                        event = Tokens(tuple(ids))
                 except Exception as exc:  # noqa: BLE001 (this row's failure: the others go on)
                     traceback.print_exc(file=sys.stderr)
                     why = f"{type(exc).__name__}: {exc}"
@@ -294,7 +302,7 @@ class Scheduler:
                 event = self._failed(row.spec.id, f"decoding failed: {why}")
             if event is None:
                 continue
-            if event.get("done"):
+            if event.done:
                 self._tickets.pop(row.spec.id, None)
             outbox.append((ticket.listener, event))
         if outbox:
@@ -312,45 +320,33 @@ class Scheduler:
         if outbox:
             self.deliver(outbox)
 
-    def _failed(self, request_id: str, why: str, count: bool = True) -> dict:
+    def _failed(self, request_id: str, why: str, count: bool = True) -> Failed:
         """The end of a request that failed alone: said in the log, counted (``count``: it
         still has a client), its event."""
         print(f"setdiff-serve: request {request_id} failed alone: {why}", file=sys.stderr,
               flush=True)
         if count:
-            self._count("failed")
-        return {"done": True, "error": why}
+            self.metrics.count("failed")
+        return Failed(why)
 
-    def _outcome(self, row, ticket: Ticket, piece: str) -> dict:
-        s = row.sample
-        tokens = s.output()
+    def _outcome(self, row, ticket: Ticket) -> Finished:
         now = time.monotonic()
-        ttft = (row.first_token or now) - ticket.arrived
-        out = {"text": piece, "done": True, "finish_reason": row.finish_reason,
-               "full_text": ticket.stream.final(row), "tokens": tokens,
-               "prompt_tokens": len(row.spec.prompt),
-               "steps": s.steps, "tokens_per_step": len(tokens) / max(s.steps, 1),
-               "largest_batch": row.largest_batch, "seconds": now - ticket.arrived,
-               "time_to_first_token": ttft}
-        if self.metrics is not None:
-            self.metrics.finished(out)
+        out = Finished(finish_reason=row.finish_reason, tokens=row.sample.output(),
+                       prompt_tokens=len(row.spec.prompt), steps=row.sample.steps,
+                       largest_batch=row.largest_batch, seconds=now - ticket.arrived,
+                       time_to_first_token=(row.first_token or now) - ticket.arrived)
+        self.metrics.finished(out)
         return out
 
     def _fail_all(self, message: str) -> None:
         rows, self.batch = self.batch.rows, ContinuousBatch(self.decoder)
         self._reset = True  # (the other ranks empty theirs with the next plan)
         tickets = [self._tickets.pop(row.spec.id, None) for row in rows]
-        self.deliver([(t.listener, {"done": True, "error": message}) for t in tickets
-                      if t is not None])
+        self.deliver([(t.listener, Failed(message)) for t in tickets if t is not None])
         self._gauges()
 
-    def _count(self, outcome: str) -> None:
-        if self.metrics is not None:
-            self.metrics.count(outcome)
-
     def _gauges(self) -> None:
-        if self.metrics is not None:
-            self.metrics.rows(len(self.batch), len(self._queue))
+        self.metrics.rows(len(self.batch), len(self._queue))
 
 
 def deliver_now(outbox: list) -> None:
@@ -373,15 +369,6 @@ def follow(decoder, channel: PlanChannel) -> None:
         try:
             batch.step()
         except Exception as exc:
-            if _collective_error(exc):
+            if collective_failed(exc):
                 raise
             traceback.print_exc(file=sys.stderr)  # (rank 0 failed the same step: a reset comes)
-
-
-def _collective_error(exc: Exception) -> bool:
-    """Whether ``exc`` came from torch.distributed (a rank gone or a timeout), not from the
-    step's own computation."""
-    import torch.distributed as dist
-
-    return isinstance(exc, getattr(dist, "DistError", ())) or "gloo" in str(exc).lower() \
-        or "nccl" in str(exc).lower()
