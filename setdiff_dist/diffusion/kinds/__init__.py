@@ -12,12 +12,12 @@ module imports torch inside the functions that draw."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Optional
 
-_REGISTRY: dict[str, Order] = {}
-_DISCOVERED = False
+from setdiff_dist.registry import Registry
+
+_KINDS = Registry(__name__, "order kind", instance=True,
+                  first=("causal", "autoregressive", "masked", "block", "staggered"))
 
 
 class Order:
@@ -66,38 +66,16 @@ class Order:
         return f"<order {self.name}>"
 
 
-def register(cls: type) -> type:
-    """Class decorator: make ``cls`` (a subclass of :class:`Order`) the order named
-    ``cls.name``."""
-    if not cls.name or cls.name in _REGISTRY:
-        raise ValueError(f"order kind {cls.name!r}: "
-                         + ("no name" if not cls.name else "registered twice"))
-    _REGISTRY[cls.name] = cls()
-    return cls
-
-
-def _discover() -> None:
-    global _DISCOVERED
-    if not _DISCOVERED:
-        _DISCOVERED = True
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-            importlib.import_module(f"{__name__}.{info.name}")
+#: class decorator: make ``cls`` (a subclass of :class:`Order`) the order named ``cls.name``
+register = _KINDS.register
 
 
 def order_kinds() -> tuple[str, ...]:
     """Every registered kind's name (the choices of ``order.kind``), the built-in ones first in
     the order the docs list them."""
-    _discover()
-    first = ("causal", "autoregressive", "masked", "block", "staggered")
-    return tuple(k for k in first if k in _REGISTRY) + \
-        tuple(sorted(k for k in _REGISTRY if k not in first))
+    return _KINDS.names()
 
 
 def order_of(kind) -> Order:
     """The :class:`Order` named ``kind`` (a name, or an order config with a ``kind``)."""
-    _discover()
-    name = getattr(kind, "kind", kind)
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown order kind {name!r}; expected one of "
-                         f"{', '.join(order_kinds())}")
-    return _REGISTRY[name]
+    return _KINDS.get(getattr(kind, "kind", kind), ValueError)

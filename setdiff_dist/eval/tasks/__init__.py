@@ -23,13 +23,13 @@ imported from the one module this package replaces is still found here (:data:`_
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from typing import Callable, Optional
 
 from setdiff_dist.errors import SetdiffError
+from setdiff_dist.registry import Registry
 
-_REGISTRY: dict[str, type[Task]] = {}
-_DISCOVERED = False
+_TASKS = Registry(__name__, "task", first=("ppl", "infill", "gsm", "summarize", "genppl",
+                                          "throughput", "choice", "harness"))
 
 
 class EvalError(SetdiffError, ValueError):
@@ -96,39 +96,19 @@ class Task:
         return f"<task {self.name}>"
 
 
-def register(cls: type) -> type:
-    """Class decorator: make ``cls`` (a subclass of :class:`Task`) the task named
-    ``cls.name``."""
-    if not cls.name or cls.name in _REGISTRY:
-        raise ValueError(f"evaluation task {cls.name!r}: "
-                         + ("no name" if not cls.name else "registered twice"))
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _discover() -> None:
-    global _DISCOVERED
-    if not _DISCOVERED:
-        _DISCOVERED = True
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-            importlib.import_module(f"{__name__}.{info.name}")
+#: class decorator: make ``cls`` (a subclass of :class:`Task`) the task named ``cls.name``
+register = _TASKS.register
 
 
 def task_names() -> tuple[str, ...]:
     """Every registered task's name (the choices of ``--task``), the built-in ones first in the
     order the command's help lists them."""
-    _discover()
-    first = ("ppl", "infill", "gsm", "summarize", "genppl", "throughput", "choice", "harness")
-    return tuple(k for k in first if k in _REGISTRY) + \
-        tuple(sorted(k for k in _REGISTRY if k not in first))
+    return _TASKS.names()
 
 
 def task_of(name: str) -> type[Task]:
     """The :class:`Task` named ``name``."""
-    _discover()
-    if name not in _REGISTRY:
-        raise EvalError(f"unknown task {name!r}; expected one of {', '.join(task_names())}")
-    return _REGISTRY[name]
+    return _TASKS.get(name, EvalError)
 
 
 def task_flags() -> dict[Flag, tuple[str, ...]]:
@@ -136,7 +116,7 @@ def task_flags() -> dict[Flag, tuple[str, ...]]:
     tasks that take each."""
     out: dict[Flag, tuple[str, ...]] = {}
     for name in task_names():
-        for flag in _REGISTRY[name].flags:
+        for flag in _TASKS.members[name].flags:
             out[flag] = out.get(flag, ()) + (name,)
     return out
 
@@ -151,7 +131,7 @@ def check_flags(args) -> None:
             foreign.setdefault(takers, []).append(flag)
     for takers, flags in foreign.items():
         if len(takers) == 1:
-            raise EvalError(_REGISTRY[takers[0]].refuse([f.name for f in flags], task))
+            raise EvalError(_TASKS.members[takers[0]].refuse([f.name for f in flags], task))
         flag = flags[0]
         listed = ", ".join(takers[:-1]) + " or " + takers[-1]
         raise EvalError((flag.refusal or "{flag} goes with --task {tasks}, not --task {task}")
