@@ -48,9 +48,10 @@ setup(
         # `import megatron.core` crash. apex comes with NVIDIA's PyTorch containers.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         # lm-evaluation-harness: setdiff-eval --task harness (our lm_eval model class);
-        # rouge-score: --task summarize; mauve-text (with faiss-cpu): --task genppl's MAUVE
-        "eval": ["lm_eval==0.4.13", "rouge-score==0.1.2", "mauve-text==0.4.0",
-                 "faiss-cpu==1.15.1"],
+        # rouge-score and sacrebleu: --task summarize and infill; mauve-text (with
+        # faiss-cpu): --task genppl's MAUVE
+        "eval": ["lm_eval==0.4.13", "rouge-score==0.1.2", "sacrebleu==2.6.0",
+                 "mauve-text==0.4.0", "faiss-cpu==1.15.1"],
         # Weights & Biases beside tensorboard (logging.wandb)
         "wandb": ["wandb==0.31.0"],
         # setdiff-serve: the OpenAI-compatible HTTP server and its Prometheus metrics
@@ -65,7 +66,8 @@ setup(
                  # the harness adapter's tests (accelerate: lm-eval's own `hf` model, the
                  # reference), and the linter CI runs (pyproject.toml)
                  "lm_eval==0.4.13", "accelerate==1.15.0", "ruff==0.17.6",
-                 "rouge-score==0.1.2", "mauve-text==0.4.0", "faiss-cpu==1.15.1",
+                 "rouge-score==0.1.2", "sacrebleu==2.6.0", "mauve-text==0.4.0",
+                 "faiss-cpu==1.15.1",
                  # line coverage of the suite, subprocesses and spawned ranks included
                  # (pyproject.toml's [tool.coverage.run]): pytest --cov=setdiff_dist
                  "pytest-cov==7.1.0", "coverage==7.17.5",

@@ -182,6 +182,20 @@ def test_summarization_rouge_is_rouge_scores():
     assert rouge_f1(ours(), pred, ref)["rouge1"] < rouge_f1(ours(stem=True), pred, ref)["rouge1"]
 
 
+def test_bleu_is_the_references_sacrebleu_corpus_score():
+    """BLEU as the reference's evaluate.load("sacrebleu") scores summaries and infills: corpus
+    BLEU over one reference each, 13a tokens, exponential smoothing. "a b c d" against
+    "a b c e" by hand: 1- to 3-gram precisions 3/4, 2/3, 1/2, no 4-gram match (smoothed to
+    1 / (2 x 1)), no brevity penalty: (0.75 x 0.6667 x 0.5 x 0.5)^(1/4) = 59.46."""
+    from setdiff_dist.eval.tasks.rouge_metric import bleu
+
+    assert round(bleu(["a b c d"], ["a b c e"]), 2) == 59.46
+    assert round(bleu(["the cat sat on the mat"], ["the cat sat on the mat"]), 6) == 100
+    # a corpus score, not a mean of sentence scores (those would give (59.46 + 100) / 2)
+    both = bleu(["a b c d", "the cat sat on the mat"], ["a b c e", "the cat sat on the mat"])
+    assert round(both, 2) == 83.76
+
+
 def test_eval_tasks(run, tmp_path):
     infill = tmp_path / "infill.jsonl"
     infill.write_text(json.dumps({"left": "Shall I", "middle": "compare thee", "right": "to a",

@@ -312,7 +312,7 @@ class SetDecoder(Decoder):
                        if r.sampling.length_penalty != 1.0 else None)
             toks, conf = pick(part, r.sampling, gens[0] if shared else gens, seen,
                               counts=None if shared else [len(cands[b]) for b in rows],
-                              failed=bad, lengths=lengths, eos_id=self.tok.eos_id)
+                              failed=bad, lengths=lengths, eos_id=self.eos_id)
             if bad:
                 failed += [rows[j] for j in bad]
             for j, b in enumerate(rows):

@@ -310,6 +310,11 @@ class Decoder:
     def check_infill(self) -> None:
         """Raise if this decoder cannot condition on a right context (before any decoding)."""
 
+    @property
+    def eos_id(self):
+        """The tokenizer's end-of-text id (what a length penalty raises), or None."""
+        return getattr(self.tok, "eos_id", None)
+
     def stream(self, prompt: list[int], max_new_tokens: int, window=None,
                threshold: float = math.inf, sampling: Sampling = Sampling(),
                stop: StopCriteria = StopCriteria()):
@@ -375,8 +380,9 @@ class Decoder:
             for j, pos in enumerate(cands):
                 s.logits[pos] = logits[j].clone()
                 self._last_logits[pos] = logits[j].clone()
-        toks, conf = pick(logits[None], sampling, gen, [s.seen()],
-                          lengths=[s.generated_before(cands)], eos_id=self.tok.eos_id)
+        lengths = [s.generated_before(cands)] if sampling.length_penalty != 1.0 else None
+        toks, conf = pick(logits[None], sampling, gen, [s.seen()], lengths=lengths,
+                          eos_id=self.eos_id)
         return accept(toks[0], conf[0], cands, threshold)
 
     def _check_stop(self, s, stop):

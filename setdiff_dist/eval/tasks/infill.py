@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from setdiff_dist.eval.tasks import register
 from setdiff_dist.eval.tasks.records import RecordTask, _records, nothing_evaluated
-from setdiff_dist.eval.tasks.rouge_metric import rouge
+from setdiff_dist.eval.tasks.rouge_metric import bleu, rouge
 
 if TYPE_CHECKING:
     from setdiff_dist.inference.decoder import Sampling, SetDecoder
@@ -87,6 +87,7 @@ def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, thre
     from setdiff_dist.inference.decoder import DecodeError, StopCriteria
 
     scores, examples, skipped, cut, rates, per_step = [], [], 0, 0, [], []
+    pairs = []  # (the infill, the true middle): BLEU's corpus
     if left_only and decoder.causal_lm:
         window = 1  # (one token per step: an infill preset's window means nothing to AR)
     for rec in _records(path, limit, "infill"):
@@ -114,6 +115,7 @@ def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, thre
             skipped += 1
             continue
         scores.append(rouge(text, rec["middle"]))
+        pairs.append((text, rec["middle"]))
         rates.append(len(r.tokens) / max(r.seconds, 1e-9))
         per_step.append(r.tokens_per_step)
         if len(examples) < 3:
@@ -122,7 +124,8 @@ def infilling(decoder: SetDecoder, tok, path: str, limit: int, window: int, thre
         raise nothing_evaluated(path, skipped, decoder)
     n = len(scores)
     mean = {k: sum(s[k] for s in scores) / n for k in ("rouge1", "rouge2", "rougeL")}
-    return {**mean, "count": n, "skipped_too_long": skipped, "contexts_cut": cut,
+    return {**mean, "bleu": bleu(*zip(*pairs)), "count": n, "skipped_too_long": skipped,
+            "contexts_cut": cut,
             "conditioning": "left" if left_only else "left and right",
             "tokens_per_step": sum(per_step) / n, "tokens_per_s": sum(rates) / n,
             "examples": examples}

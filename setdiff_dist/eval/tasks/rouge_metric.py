@@ -1,5 +1,6 @@
-"""ROUGE as the paper's reference scores it: Google's ``rouge-score`` (what ``evaluate``'s ROUGE
-runs), unstemmed unless asked; infilling and summarization score with it."""
+"""ROUGE and BLEU as the paper's reference scores them: Google's ``rouge-score`` (what
+``evaluate``'s ROUGE runs), unstemmed unless asked, and sacrebleu's corpus BLEU (what
+``evaluate``'s sacrebleu runs); infilling and summarization score with them."""
 
 from __future__ import annotations
 
@@ -37,3 +38,15 @@ def rouge_scorer(keys=ROUGE_KEYS, stem: bool = False):
 def rouge_f1(scorer, prediction: str, reference: str) -> dict:
     """ROUGE F1 of one text, per key the scorer computes."""
     return {k: s.fmeasure for k, s in scorer.score(reference, prediction).items()}
+
+
+def bleu(predictions: list, references: list) -> float:
+    """Corpus BLEU (0-100) of ``predictions`` against one reference each, by sacrebleu with its
+    defaults (13a tokenization, exponential smoothing, case kept): what the reference's
+    ``evaluate.load("sacrebleu").compute(predictions, [[ref] for ref in references])`` gives."""
+    try:
+        import sacrebleu
+    except ImportError:
+        raise EvalError("BLEU (--task summarize, --task infill) is scored with sacrebleu, "
+                        "which is not installed: pip install 'setdiff-dist[eval]'") from None
+    return sacrebleu.corpus_bleu(list(predictions), [list(references)]).score

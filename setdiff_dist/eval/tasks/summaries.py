@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 from setdiff_dist.eval.tasks import EvalError, Flag, register
 from setdiff_dist.eval.tasks.flags import DATA, LIMIT, MDLM_BLOCK
 from setdiff_dist.eval.tasks.records import RecordTask, _records
-from setdiff_dist.eval.tasks.rouge_metric import ROUGE_KEYS, rouge_f1, rouge_scorer
+from setdiff_dist.eval.tasks.rouge_metric import ROUGE_KEYS, bleu, rouge_f1, rouge_scorer
 
 if TYPE_CHECKING:
     from setdiff_dist.inference.decoder import Sampling, SetDecoder
@@ -88,6 +88,7 @@ def summarize(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: i
 
     stop = StopCriteria(eos_id=tok.eos_id)
     totals, rates, per_step, examples, cut = Counter(), [], [], [], 0
+    summaries = []
     records = _records(path, limit, "summarize")
     for rec in records:
         ids = tok.encode(head + rec["article"])
@@ -100,11 +101,14 @@ def summarize(decoder: SetDecoder, tok, path: str, limit: int, max_new_tokens: i
         rates.append(len(r.tokens) / max(r.seconds, 1e-9))
         per_step.append(r.tokens_per_step)
         scores = rouge_f1(scorer, r.text.strip(), rec["highlights"])
+        summaries.append(r.text.strip())
         totals.update(scores)
         if len(examples) < 3:
             examples.append({"summary": r.text, "highlights": rec["highlights"], **scores})
     n = len(records)
-    return {**{k: totals[k] / n for k in ROUGE_KEYS}, "count": n, "articles_cut": cut,
+    return {**{k: totals[k] / n for k in ROUGE_KEYS},
+            "bleu": bleu(summaries, [rec["highlights"] for rec in records]),
+            "count": n, "articles_cut": cut,
             "template": template, "bos_eos": bos_eos, "max_prompt_tokens": max_prompt_tokens,
             "tokens_per_step": sum(per_step) / n,
             "tokens_per_s": sum(rates) / n,
