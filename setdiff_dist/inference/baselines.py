@@ -41,6 +41,12 @@ class BlockDecoder(Decoder):
         super().__init__(model, tokenizer, context=context, keep_logits=keep_logits)
         self.block_size = block_size
 
+    @classmethod
+    def for_config(cls, model, tokenizer, cfg, keep_logits: bool = False) -> "BlockDecoder":
+        """Blocks of the checkpoint's ``order.block_size``."""
+        return cls(model, tokenizer, context=cfg.data.seq_len, block_size=cfg.order.block_size,
+                   keep_logits=keep_logits)
+
     def check_infill(self) -> None:
         raise DecodeError("a block-diffusion (BD3LM) checkpoint decodes left to right and "
                           "cannot condition on the right context: infilling needs a "

@@ -370,11 +370,5 @@ def decoder_for(model, tokenizer, cfg, keep_logits: bool = False) -> Decoder:
     the set orders (staggered, autoregressive, ...)."""
     from setdiff_dist.diffusion.kinds import order_of
 
-    decoding, context = order_of(cfg.order).decoder, cfg.data.seq_len
-    if decoding == "block":
-        return BlockDecoder(model, tokenizer, context=context, block_size=cfg.order.block_size,
-                            keep_logits=keep_logits)
-    if decoding == "mdlm":
-        return MDLMDecoder(model, tokenizer, context=context, keep_logits=keep_logits)
-    cls = CausalDecoder if decoding == "causal" else SetDecoder
-    return cls(model, tokenizer, context=context, keep_logits=keep_logits)
+    decoders = {d.decoding: d for d in (SetDecoder, CausalDecoder, BlockDecoder, MDLMDecoder)}
+    return decoders[order_of(cfg.order).decoder].for_config(model, tokenizer, cfg, keep_logits)

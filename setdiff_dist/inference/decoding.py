@@ -307,6 +307,12 @@ class Decoder:
         self._last_logits: dict = {}  # position -> logits of the last call (keep_logits=True)
         self.vocab = model.vocab_size
 
+    @classmethod
+    def for_config(cls, model, tokenizer, cfg, keep_logits: bool = False) -> "Decoder":
+        """This decoder for a checkpoint of config ``cfg`` (its context; a subclass reads what
+        else it needs of the config)."""
+        return cls(model, tokenizer, context=cfg.data.seq_len, keep_logits=keep_logits)
+
     def check_infill(self) -> None:
         """Raise if this decoder cannot condition on a right context (before any decoding)."""
 
