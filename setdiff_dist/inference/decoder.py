@@ -83,13 +83,7 @@ class SetDecoder(Decoder):
                  stop: StopCriteria = StopCriteria(), order: Optional[list[list[int]]] = None
                  ) -> list[Result]:
         """Continue each prompt (token ids) by up to ``max_new_tokens``."""
-        if max_new_tokens < 1:
-            raise DecodeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise DecodeError(f"prompt {i} is empty: give some text (unconditional "
-                                  "generation starts from the end-of-text token)")
-            check_prompt(i, p, window, self.context)
+        self._check_prompts(prompts, max_new_tokens, window)
         samples = [Sample.continuation(p, max_new_tokens) for p in prompts]
         return self._run(samples, [list(p) for p in prompts], window, threshold, sampling, stop,
                          order, infill=False)
@@ -123,24 +117,24 @@ class SetDecoder(Decoder):
         ids that joined the committed prefix contiguous from the prompt (up to a stop; often
         none: set decoding commits positions out of order), and returns the
         :class:`Result` (``StopIteration.value``)."""
-        if max_new_tokens < 1:
-            raise DecodeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if not prompt:
-            raise DecodeError("the prompt is empty: give some text (unconditional generation "
-                              "starts from the end-of-text token)")
-        check_prompt(0, prompt, window, self.context)
+        self._check_prompts([prompt], max_new_tokens, window)
         s = Sample.continuation(prompt, max_new_tokens)
         start, taken = time.perf_counter(), 0
         for _ in self._steps([s], [list(prompt)], window, threshold, sampling, stop, None,
                              infill=False):
-            s.advance()
-            end = s.end if s.end is not None else math.inf
-            new = []
-            while taken < s.left and s.region[taken] < end:
-                new.append(s.tokens[s.region[taken]])
-                taken += 1
+            new = s.prefix_from(taken)
+            taken += len(new)
             yield new
         return s.result(self.tok, time.perf_counter() - start)
+
+    def _check_prompts(self, prompts, max_new_tokens: int, window: int) -> None:
+        if max_new_tokens < 1:
+            raise DecodeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise DecodeError(f"prompt {i} is empty: give some text (unconditional "
+                                  "generation starts from the end-of-text token)")
+            check_prompt(i, p, window, self.context)
 
     # -- the loop --------------------------------------------------------------------------------
     def _run(self, samples, prefill, window, threshold, sampling, stop, order, infill):

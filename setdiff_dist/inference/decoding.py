@@ -230,6 +230,18 @@ class Sample:
         self.advance()
         return self.left == len(self.region)
 
+    def prefix_from(self, start: int) -> list:
+        """The tokens of the committed prefix contiguous from the prompt (up to a stop), from
+        region index ``start`` on: what can be text so far, set decoding committing positions
+        out of order (a streamed caller keeps ``start``: what it took before)."""
+        self.advance()
+        end = self.end if self.end is not None else math.inf
+        out, j = [], start
+        while j < self.left and self.region[j] < end:
+            out.append(self.tokens[self.region[j]])
+            j += 1
+        return out
+
     def generated_before(self, positions: Sequence[int]) -> list:
         """For each of ``positions`` (the region's), how many of the region's tokens before it
         are committed: what a length penalty counts (walks the region from the committed

@@ -17,7 +17,6 @@ Nothing here knows about HTTP or threads: :mod:`setdiff_dist.serve.scheduler` dr
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass
@@ -95,13 +94,8 @@ class Row:
         """The tokens committed and contiguous from the prompt (up to a stop) since the last
         call: what can be text so far, set decoding committing positions out of order. Token
         ids only, so that the decoding thread does no detokenization."""
-        s = self.sample
-        s.advance()
-        end = s.end if s.end is not None else math.inf
-        out = []
-        while self.taken < s.left and s.region[self.taken] < end:
-            out.append(s.tokens[s.region[self.taken]])
-            self.taken += 1
+        out = self.sample.prefix_from(self.taken)
+        self.taken += len(out)
         return out
 
 
