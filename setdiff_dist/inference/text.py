@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 class TextStream:
     """The text a request can send so far, so that the pieces sent add up to exactly the final
     text although set decoding commits positions out of order: only the prefix committed and
-    contiguous from the prompt is text (:meth:`~setdiff_dist.serve.batch.Row.new_prefix`); a
+    contiguous from the prompt is text (:meth:`~.decoding.Sample.prefix_from`); a
     trailing incomplete character (U+FFFD) and anything that could still turn out to start a
     stop string are held back.
 
@@ -59,12 +59,6 @@ class TextStream:
     def finish(self, tokens: list) -> str:
         """What to send at the end (the completion's ``tokens``): the rest of the final text."""
         return self.rest(self.final(tokens))
-
-    def delta(self, row) -> str:
-        """:meth:`push` or :meth:`finish` straight from a batch's row (a caller in the decoding
-        process, as the tests)."""
-        return self.finish(row.sample.output()) if row.sample.done else \
-            self.push(row.new_prefix())
 
     def rest(self, text: str) -> str:
         """The part of ``text`` not sent yet (now marked sent); nothing if ``text`` does not
