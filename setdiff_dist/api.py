@@ -43,6 +43,9 @@ class Generation:
     # "stop": it ended at an end-of-text, a stop string or a repeated run; "length": it
     # reached max_new_tokens (OpenAI's and transformers' meaning)
     finish_reason: str = "length"
+    # with ``generate(logprobs=k)``: per generated token, ``(log p, [(token id, log p)] of the k
+    # most likely there)`` given the prompt and the tokens before it (setdiff-serve's scores)
+    logprobs: Optional[list] = None
 
     @property
     def tokens_per_step(self) -> float:
@@ -59,10 +62,10 @@ class GenerationStream:
     piece is taken back); an incomplete character waits for its next token. The first step
     has run when ``generate`` returns (a bad prompt or setting raises there)."""
 
-    def __init__(self, steps, tokenizer, seed: int):
+    def __init__(self, steps, tokenizer, seed: int, score=None):
         from setdiff_dist.inference.text import TextStream
 
-        self.seed = seed
+        self.seed, self._score = seed, score
         self.generation: Optional[Generation] = None
         self._steps, self._text = steps, TextStream(tokenizer)
         self._first = next(self._steps, None)  # (a finished first step comes back below)
@@ -80,6 +83,8 @@ class GenerationStream:
                 except StopIteration as end:
                     r = end.value
                     self.generation = _generation(r, self.seed)
+                    if self._score is not None:
+                        self._score([self.generation])
                     piece = self._text.finish(list(r.tokens))
                     if piece:
                         return piece
@@ -138,7 +143,8 @@ class Model:
                  length_penalty: Optional[float] = None,
                  length_penalty_start: Optional[int] = None,
                  eos_stop: bool = True, seed: Optional[int] = None,
-                 preset: Optional[str] = None, n: int = 1, stream: bool = False
+                 preset: Optional[str] = None, n: int = 1, stream: bool = False,
+                 logprobs: Optional[int] = None
                  ) -> Union[Generation, list[Generation], GenerationStream]:
         """Continue each prompt (one string: one :class:`Generation`; a list: a list, decoded
         as one batch of ragged prompts; None or "": unconditional, from the end-of-text token).
@@ -154,6 +160,11 @@ class Model:
         it ended (``finish_reason``: "stop" or "length"). ``stream=True`` (one prompt, ``n``
         1): a :class:`GenerationStream` of the text as it is committed, step by step (block
         and MDLM checkpoints decode the span before any of it is final: one piece at the end).
+        ``logprobs`` k (0-20): each Generation's ``logprobs``, the log-probability of each
+        generated token and the k most likely at its place, scored after decoding with the
+        prompt and the tokens before it (the causal LM's, or the set-diffusion model's under
+        the autoregressive order: what setdiff-serve's ``logprobs`` return); under tensor
+        parallelism every rank calls it, as it calls ``generate``.
 
         The horizon matters to set decoding: the window of candidates is clipped at the end of
         the ``max_new_tokens`` span, so near its end fewer positions compete, and a greedy
@@ -177,10 +188,25 @@ class Model:
             from setdiff_dist.inference.decoder import DecodeError
 
             raise DecodeError(f"n={n!r}: completions per prompt, an integer of 1 or more")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= 20):
+            from setdiff_dist.inference.decoder import DecodeError
+
+            raise DecodeError(f"logprobs={logprobs!r}: the number of most likely tokens to "
+                              "return at each place, an integer from 0 to 20 (None: none)")
         tok = self.tokenizer
         # None or "": unconditional, from end-of-text (as setdiff-serve takes an empty prompt)
         ids = [tok.encode(t) if t else [tok.eos_id] for t in texts]
         seed = _seed(seed)
+
+        def score(generations: list, prompts: list) -> None:  # (in place)
+            from setdiff_dist.objective import token_logprobs
+
+            for g, p in zip(generations, prompts):
+                per = token_logprobs(self.module, self._decoder.causal_lm, p + g.tokens,
+                                     max(logprobs, 1), tok.vocab_size)
+                g.logprobs = [(lp, top[:logprobs]) for lp, top in per[len(p) - 1:]]
+
         if stream:
             if not single or n != 1:
                 from setdiff_dist.inference.decoder import DecodeError
@@ -190,13 +216,16 @@ class Model:
             steps = self._decoder.stream(ids[0], d.max_new_tokens, window=d.window,
                                          threshold=d.threshold, sampling=d.sampling(seed),
                                          stop=d.stopping(tok.eos_id if eos_stop else None))
-            return GenerationStream(steps, tok, seed)
+            return GenerationStream(steps, tok, seed, None if logprobs is None else
+                                    lambda gens: score(gens, ids))
         seeds = [(seed + k) % 2 ** 63 for k in range(n)]  # (setdiff-serve's n: the same)
         runs = [[_generation(r, s) for r in self._decoder.generate(
             ids, d.max_new_tokens, window=d.window, threshold=d.threshold,
             sampling=d.sampling(s), stop=d.stopping(tok.eos_id if eos_stop else None))]
             for s in seeds]
         out = [runs[k][i] for i in range(len(ids)) for k in range(n)]
+        if logprobs is not None:
+            score(out, [p for p in ids for _ in range(n)])
         return out[0] if single and n == 1 else out
 
     def infill(self, left: Union[str, Sequence[str]], right: Union[str, Sequence[str]],

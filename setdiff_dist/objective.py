@@ -176,9 +176,12 @@ def token_logprobs(module, causal_lm: bool, ids: list, k: int = 1, vocab: int = 
     """For each position ``j >= 1`` of the sequence ``ids``: ``(log p(x_j | x_<j), [(token,
     log p)] of the k most likely tokens)``, as :func:`token_scores` scores them (the causal
     LM's, or the set-diffusion model's under the autoregressive order: position 0 is context);
-    what OpenAI's completions return for ``echo`` and ``logprobs``. The whole vocabulary must
-    be on this rank (tensor-parallel size 1); ``vocab``: the tokenizer's (the top tokens are
-    real tokens, never [MASK] or padding)."""
+    what OpenAI's completions return for ``echo`` and ``logprobs``. At tensor-parallel size > 1
+    every rank of the group calls it (the normaliser is reduced and each rank's top ``k``
+    gathered over the group: the vocabulary is never gathered); ``vocab``: the tokenizer's (the
+    top tokens are real tokens, never [MASK] or padding)."""
+    from setdiff_dist.parallel import megatron_groups
+
     L = len(ids)
     device = getattr(module, "device", None)  # (the lean model's; a torch module's weights')
     if not isinstance(device, torch.device):
@@ -188,12 +191,37 @@ def token_logprobs(module, causal_lm: bool, ids: list, k: int = 1, vocab: int = 
     with torch.no_grad():
         logits, targets = _next_token_logits(module, causal_lm, tokens, first_clean(none), none)
         first = 0 if causal_lm else 1  # (position 0 is context: no log-probability)
-        lsm = logits[first:, 0].float().log_softmax(-1)
-    targets = targets[0, first:]
-    own = lsm.gather(-1, targets[:, None])[:, 0].tolist()
-    top_lp, top_id = lsm[:, :vocab or lsm.shape[-1]].topk(k, dim=-1)
+        logits, targets = logits[first:], targets[:, first:]
+        own = (-vocab_parallel_nll(logits, targets))[0]
+        raw = logits[:, 0].float()  # [s, V / TP]
+        ps = megatron_groups()
+        tp = ps.get_tensor_model_parallel_world_size() if ps is not None else 1
+        group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+        part = raw.shape[-1]
+        lo = ps.get_tensor_model_parallel_rank() * part if tp > 1 else 0
+        # the log normaliser over the whole vocabulary (every column, as the targets' -log p)
+        top = raw.max(-1).values
+        if tp > 1:
+            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        z = (raw - top[:, None]).exp().sum(-1)
+        if tp > 1:
+            torch.distributed.all_reduce(z, group=group)
+        log_z = top + z.log()
+        real = (vocab or lo + part) - lo  # (this shard's columns that are real tokens)
+        candidates = raw.clone()
+        candidates[:, max(min(real, part), 0):] = float("-inf")
+        top_lp, top_id = candidates.topk(min(k, part), dim=-1)
+        top_id = top_id + lo
+        if tp > 1:  # (each rank's best k gathered and chosen from: k x TP values, never V)
+            lps = [torch.empty_like(top_lp) for _ in range(tp)]
+            idx = [torch.empty_like(top_id) for _ in range(tp)]
+            torch.distributed.all_gather(lps, top_lp.contiguous(), group=group)
+            torch.distributed.all_gather(idx, top_id.contiguous(), group=group)
+            top_lp, pick = torch.cat(lps, -1).topk(k, dim=-1)
+            top_id = torch.cat(idx, -1).gather(-1, pick)
+        top_lp = top_lp - log_z[:, None]
     return [(lp, list(zip(ids_, lps))) for lp, ids_, lps in
-            zip(own, top_id.tolist(), top_lp.tolist())]
+            zip(own.tolist(), top_id.tolist(), top_lp.tolist())]
 
 
 def _is_argmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

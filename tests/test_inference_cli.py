@@ -366,6 +366,11 @@ def test_the_python_api_from_a_fresh_interpreter(run):
             "drawn = model.generate('Shall I', max_new_tokens=8, greedy=False, eos_stop=False,\n"
             "                       seed=sampled[1].seed, stream=True)\n"
             "drawn = [''.join(drawn), drawn.generation.tokens, drawn.seed]\n"
+            "kw = dict(max_new_tokens=8, window=1, greedy=True, eos_stop=False, logprobs=2)\n"
+            "lp = model.generate('Shall I', **kw)\n"
+            "slp = model.generate('Shall I', stream=True, **kw)\n"
+            "list(slp)\n"
+            "scored = [lp.tokens, lp.logprobs, slp.generation.logprobs]\n"
             "print(json.dumps({'tokens': [g.tokens for g in out], 'one': one.tokens,\n"
             "    'text': one.text, 'steps': one.steps, 'trace': one.trace, 'll': ll,\n"
             "    'score': model.score(['Shall I compare thee', 'Love']),\n"
@@ -375,7 +380,7 @@ def test_the_python_api_from_a_fresh_interpreter(run):
             "    'finish': [one.finish_reason, cut.finish_reason, cut.text],\n"
             "    'top_k': [k1.tokens, g1.tokens],\n"
             "    'n': [[g.tokens, g.seed] for g in three],\n"
-            "    'streamed': streamed, 'drawn': drawn, 'cut': cut.tokens,\n"
+            "    'streamed': streamed, 'drawn': drawn, 'cut': cut.tokens, 'scored': scored,\n"
             "    'first_token_s': t1 - t0, 'modules': sorted({'megatron', 'megatron.core',\n"
             "    'deepspeed', 'transformer_engine', 'apex'} & set(sys.modules))}))\n")
     res = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True,
@@ -410,6 +415,13 @@ def test_the_python_api_from_a_fresh_interpreter(run):
     assert why == "length" and cut_why == "stop" and cut_toks == got["cut"]
     assert "".join(cut_pieces) == got["finish"][2]
     assert got["drawn"][1:] == [tokens[1], seeds[1]]
+    # logprobs=2: each generated token's log p and the 2 most likely at its place (the same
+    # streamed); greedy one token a step, each token is the scorer's most likely there
+    toks, per, streamed_per = got["scored"]
+    assert toks == got["top_k"][1] and len(per) == len(toks) and streamed_per == per
+    for (own, top), t in zip(per, toks):
+        assert len(top) == 2 and top[0][1] >= top[1][1] and own <= 0
+        assert top[0][0] == t and top[0][1] == pytest.approx(own, abs=1e-5)
     # scoring: what setdiff-eval's scorer answers (one and the same code), in nats; the
     # process group this sets up (as at TP=1: no megatron) ends with the test, as do the
     # variables it sets: none may stay in this process

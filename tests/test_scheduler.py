@@ -291,6 +291,56 @@ def test_a_lost_tensor_parallel_rank_stops_decoding_for_good(made):
     assert sched.status() == Health(alive=False, fatal=told[0], running=0, waiting=0)
     with pytest.raises(QueueFull, match="tensor-parallel rank"):
         sched.submit(spec(2), rec.listener("2"))
+    answered = []
+    sched.score([[1, 2]], 1, lambda value, why: answered.append((value, why)))
+    assert answered == [(None, told[0])]
+
+
+def test_scoring_rides_the_plans_and_every_rank_scores_between_steps(made, monkeypatch):
+    """echo / logprobs scoring is a forward of the model every tensor-parallel rank holds a
+    shard of: rank 0 puts it in the next plan, every rank runs it before that plan's step, and
+    a sequence that cannot be scored fails its own request while decoding goes on."""
+    calls = []
+
+    def fake_score(decoder, seqs, k):
+        calls.append((decoder, seqs, k))
+        if seqs == [[POISON]]:
+            raise ValueError("cannot score this")
+        return [[(-0.5, [(t, -0.25)] * k) for t in ids[1:]] for ids in seqs]
+
+    monkeypatch.setattr(scheduler_module, "score_sequences", fake_score)
+    rec, channel = Recorder(), Channel()
+    dec = FakeDecoder(delay=0.002)
+    sched = make(made, rec, decoder=dec, channel=channel)
+    sched.submit(spec(0, max_tokens=30), rec.listener("0"))
+    sched.start()
+    rec.wait(lambda ev: "0" in ev)
+    answers = []
+    done = threading.Event()
+
+    def answer(value, why):
+        answers.append((value, why))
+        if len(answers) == 2:
+            done.set()
+
+    sched.score([[1, 2, 3]], 2, answer)
+    sched.score([[POISON]], 1, answer)
+    assert done.wait(5)
+    assert answers[0] == ([[(-0.5, [(2, -0.25)] * 2), (-0.5, [(3, -0.25)] * 2)]], None)
+    assert answers[1][0] is None and "cannot score this" in answers[1][1]
+    rec.wait(rec.ended("0"))  # (the request decoding beside them went on)
+    assert rec.events["0"][-1].tokens == expected((40, 41), 30)
+    sched.stop(timeout=5)
+    plans = list(channel.plans)
+    asked = [job for p in plans for job in p.score]
+    assert asked == [([[1, 2, 3]], 2), ([[POISON]], 1)]
+    assert all(c[0] is dec for c in calls)
+    # another rank scores the same sequences between the same steps (its failure said on rank 0)
+    calls.clear()
+    other = FakeDecoder()
+    follow(other, SimpleNamespace(recv=iter(plans).__next__))
+    assert [(c[1], c[2]) for c in calls] == asked and all(c[0] is other for c in calls)
+    assert other.steps == dec.steps
 
 
 def test_an_idle_rank_0_sends_heartbeats_and_a_missed_one_stops_it(made, monkeypatch):
@@ -328,7 +378,9 @@ def test_the_detokenized_stream_adds_up_to_the_final_text():
     d(Tokens(tuple(ids[:4])))
     d(Tokens(tuple(ids[4:6])))
     d(Tokens(tuple(ids[6:7])))  # ("hello X": the X is held back)
-    assert got == [Text("hel"), Text("lo"), Text(" ")]
+    # (each piece with the tokens committed since the last: the text lags what is held back)
+    assert got == [Text("hel", tuple(ids[:4])), Text("lo", tuple(ids[4:6])),
+                   Text(" ", tuple(ids[6:7]))]
     end = Finished("stop", ids, 2, 9, 1, 0.1, 0.01)
     d(end)
     assert got[-1].full_text == "hello " and got[-1].text == ""

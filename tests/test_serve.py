@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from helpers import child_env, run_cli
@@ -316,9 +317,32 @@ def test_lm_evals_local_completions_scores_as_setdiff_lm_eval_does(small, traine
         os.environ.clear()
         os.environ.update(saved)
     assert sum(lp.token_logprobs[5:len(prompt)]) == pytest.approx(want, abs=1e-4)
-    with pytest.raises(openai.BadRequestError, match="without stream"):
-        server.client.completions.create(model="tiny", prompt="a", max_tokens=1, echo=True,
-                                         stream=True)
+    # streamed: the prompt with the first chunk, each chunk its tokens' scores; together they
+    # are the unstreamed answer's
+    ask = dict(SAMPLED, max_tokens=16, echo=True, logprobs=2)
+    whole = server.complete("Rough winds", **ask).choices[0]
+    chunks = [c.choices[0] for c in server.complete("Rough winds", stream=True, **ask)]
+    assert len(chunks) > 2 and "".join(c.text for c in chunks) == whole.text
+    assert chunks[0].text.startswith("Rough winds")
+    same_scores(sum_logprobs(c.logprobs for c in chunks), whole.logprobs, 1e-5)
+
+
+def sum_logprobs(objects):
+    """The ``logprobs`` objects of a stream's chunks, end to end."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in objects:
+        for k in out:
+            out[k] += getattr(lp, k)
+    return SimpleNamespace(**out)
+
+
+def same_scores(got, want, tol):
+    assert got.tokens == want.tokens and got.text_offset == want.text_offset
+    assert got.token_logprobs[0] is None is want.token_logprobs[0]
+    assert got.token_logprobs[1:] == pytest.approx(want.token_logprobs[1:], abs=tol)
+    for g, w in zip(got.top_logprobs[1:], want.top_logprobs[1:], strict=True):
+        assert sorted(g) == sorted(w) and [g[t] for t in sorted(g)] == \
+            pytest.approx([w[t] for t in sorted(w)], abs=tol)
 
 
 def test_stop_strings_end_the_text_before_them(server):
@@ -338,7 +362,7 @@ def test_bad_requests_get_an_openai_error_and_nothing_else_changes(server):
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
     assert raw.json()["error"]["type"] == "invalid_request_error"
     cases = [(dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported"),
-             (dict(echo=True, stream=True), "without stream"), (dict(logprobs=21), "logprobs"),
+             (dict(logprobs=21), "logprobs"),
              (dict(temperature=5), "temperature"), (dict(top_p=0), "top_p"),
              (dict(max_tokens=0), "max_tokens"), (dict(window=0), "window"),
              (dict(n=0), "n"), (dict(threshold=-1), "threshold"),
@@ -573,6 +597,12 @@ def test_tensor_parallel_serving_under_torchrun_answers_as_tp1(server, set_run, 
         assert max(c.largest_batch for c in got.values()) > 1
         alone = two.complete(asks[0][0], return_token_ids=True, **asks[0][1])
         assert alone.choices[0].token_ids == want[0]
+        # echo / logprobs at TP=2 (every rank scores; the normaliser reduced and each rank's
+        # top k gathered over the group): TP=1's scores
+        ask = dict(GREEDY, max_tokens=6, echo=True, logprobs=3)
+        one, tp2 = (s.complete("When in disgrace", **ask).choices[0] for s in (server, two))
+        assert tp2.text == one.text
+        same_scores(tp2.logprobs, one.logprobs, 1e-4)
         # a rank that dies mid-request: the request fails at once with the reason (it does
         # not hang), and rank 0 exits 1 so that the job ends and can be restarted
         rank1 = [int(p) for p in subprocess.run(["pgrep", "-P", str(two.proc.pid)],

@@ -5,13 +5,12 @@
   token ids or a list of those; ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
   vLLM's ``top_k``, ``stream``, ``stream_options``, ``n``, ``user``, ``echo`` and
   ``logprobs``: each token's log-probability and the k most likely at its place, scored as
-  setdiff-eval scores them, between decoding steps; TP=1, not streamed) and set decoding's
-  (``window``,
-  ``threshold``, ``repetition_penalty``, ``max_repeat_run``, ``ignore_eos``,
-  ``return_token_ids``). What a request leaves out comes from the checkpoint's ``decode``
-  section, as in ``setdiff-generate``. The answer is OpenAI's completion object; each choice
-  and the ``usage`` also carry ``forward_steps`` and ``tokens_per_step`` (and the choice
-  ``largest_batch``: the most requests it decoded beside, itself included).
+  setdiff-eval scores them, between decoding steps, at any tensor-parallel size; streamed too)
+  and set decoding's (``window``, ``threshold``, ``repetition_penalty``, ``max_repeat_run``,
+  ``ignore_eos``, ``return_token_ids``). What a request leaves out comes from the checkpoint's
+  ``decode`` section, as in ``setdiff-generate``. The answer is OpenAI's completion object;
+  each choice and the ``usage`` also carry ``forward_steps`` and ``tokens_per_step`` (and the
+  choice ``largest_batch``: the most requests it decoded beside, itself included).
 - ``stream: true``: server-sent events, one chunk per decoding step that makes new text. The
   text is the part of the completion committed and contiguous from the prompt, so the chunks
   add up to exactly the final text although set decoding commits positions out of order.
@@ -68,7 +67,7 @@ from setdiff_dist.serve.chat import (
 
 from .batch import Spec, check_spec
 from .guard import error_body
-from .messages import Failed, Finished
+from .messages import Failed, Finished, Text
 from .scheduler import QueueFull
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting (non-streamed) request checks for its client
@@ -97,7 +96,7 @@ class CompletionRequest(CompletionFields):
     # the prompt back before the completion (with logprobs: the prompt's token log-probs too),
     # and the log-probability of each token with the ``logprobs`` most likely at its place
     # (scored as setdiff-eval scores them: the causal LM's, or the set-diffusion model's under
-    # the autoregressive order); not streamed
+    # the autoregressive order); streamed: each chunk's tokens
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=20)
 
@@ -111,9 +110,7 @@ class CompletionRequest(CompletionFields):
         return self
 
     @model_validator(mode="after")
-    def _scored_not_streamed(self):
-        if self.stream and (self.echo or self.logprobs is not None):
-            raise ValueError("echo and logprobs are answered whole: send them without stream")
+    def _something_to_generate(self):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens=0 generates nothing: it goes with echo=true (the "
                              "prompt back, scored with logprobs); ask for 1 or more tokens")
@@ -310,19 +307,14 @@ class Service:
     async def scored(self, req: CompletionRequest, specs: list, outs: list,
                      choices: list) -> None:
         """``echo`` and ``logprobs`` into ``choices`` (in place): each prompt and its completion
-        scored in one pass on the decoding thread (:meth:`Scheduler.score`); OpenAI's
-        ``logprobs`` object (``tokens``, ``token_logprobs``, ``top_logprobs``,
-        ``text_offset``) over the prompt's tokens and the completion's (``echo``) or the
-        completion's; a completion that ended at end-of-text has that token last, as vLLM
-        returns it."""
+        scored in one pass between decoding steps (:meth:`Scheduler.score`, on every
+        tensor-parallel rank); OpenAI's ``logprobs`` object (``tokens``, ``token_logprobs``,
+        ``top_logprobs``, ``text_offset``) over the prompt's tokens and the completion's
+        (``echo``) or the completion's; a completion that ended at end-of-text has that token
+        last, as vLLM returns it."""
         tok = self.model.tokenizer
-        seqs = []
-        for spec, out in zip(specs, outs):
-            gen = list(out.tokens)
-            if out.finish_reason == "stop" and spec.eos_stop and not spec.stop \
-                    and not spec.patterns:
-                gen.append(tok.eos_id)  # (it stopped at end-of-text: the token it chose)
-            seqs.append((list(spec.prompt), gen))
+        seqs = [(list(spec.prompt), scored_tokens(spec, out, tok)) for spec, out in
+                zip(specs, outs)]
         k = max(req.logprobs or 0, 1)
         scores = await self.scheduler.score([p + g for p, g in seqs], k)
         for c, (prompt, gen), per in zip(choices, seqs, scores):
@@ -330,20 +322,12 @@ class Service:
                 c["text"] = tok.decode(prompt) + c["text"]
             if req.logprobs is None:
                 continue
-            ids = prompt + gen
-            first = 0 if req.echo else len(prompt)
-            # (position 0 has no log-probability: nothing before it)
-            rows = [(None, None)] + [(lp, {tok.decode([t]): v for t, v in top[:k]})
-                                     for lp, top in per]
-            pieces = [tok.decode([t]) for t in ids]
-            offsets, at = [], 0
-            for piece in pieces:
-                offsets.append(at)
-                at += len(piece)
-            c["logprobs"] = {"tokens": pieces[first:],
-                             "token_logprobs": [lp for lp, _ in rows[first:]],
-                             "top_logprobs": [top for _, top in rows[first:]],
-                             "text_offset": offsets[first:]}
+            rows = [(None, None)] + per  # (position 0 has no log-probability: nothing before it)
+            if req.echo:
+                c["logprobs"], _ = logprobs_object(tok, prompt + gen, rows, k, 0)
+            else:
+                at = sum(len(tok.decode([t])) for t in prompt)
+                c["logprobs"], _ = logprobs_object(tok, gen, rows[len(prompt):], k, at)
 
     @staticmethod
     def usage(outs: list) -> dict:
@@ -353,6 +337,30 @@ class Service:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion, "forward_steps": steps,
                 "tokens_per_step": completion / max(steps, 1)}
+
+
+def scored_tokens(spec, out: Finished, tok) -> list:
+    """The completion's tokens as ``logprobs`` scores them: with end-of-text last when it
+    stopped there (the token it chose), as vLLM returns it."""
+    gen = list(out.tokens)
+    if out.finish_reason == "stop" and spec.eos_stop and not spec.stop and not spec.patterns:
+        gen.append(tok.eos_id)
+    return gen
+
+
+def logprobs_object(tok, ids: list, rows: list, k: int, at: int) -> tuple[dict, int]:
+    """OpenAI's ``logprobs`` object for the tokens ``ids`` whose scores are ``rows`` (``(log p,
+    top [(id, log p)])`` each, ``(None, None)`` for a sequence's first token), the first one's
+    text starting at character ``at``; and where the text after them starts."""
+    pieces = [tok.decode([t]) for t in ids]
+    offsets = []
+    for piece in pieces:
+        offsets.append(at)
+        at += len(piece)
+    return {"tokens": pieces, "token_logprobs": [lp for lp, _ in rows],
+            "top_logprobs": [None if top is None else {tok.decode([t]): v for t, v in top[:k]}
+                             for _, top in rows],
+            "text_offset": offsets}, at
 
 
 def create_app(service: Service, lifespan=None, strict: bool = False):
@@ -546,8 +554,6 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
                 await service.scored(req, specs, ordered, choices)
             except RuntimeError as exc:
                 message = f"echo / logprobs could not be scored: {exc}"
-                if "tensor-parallel" in str(exc):  # (the server's layout: the request's to change)
-                    return bad_request(message)
                 service.count("failed")
                 return JSONResponse(error_body(message, type_="server_error"), status_code=500)
         body = service.completion(rid, choices, usage=service.usage(ordered),
@@ -573,8 +579,13 @@ def create_app(service: Service, lifespan=None, strict: bool = False):
 async def _stream(service: Service, req: CompletionRequest, specs, events, rid,
                   chat: bool = False):
     """The server-sent events of a streamed completion (``chat``: chat completion chunks; the
-    client going away cancels this generator: its rows leave the batch)."""
+    client going away cancels this generator: its rows leave the batch). With ``echo`` the
+    first chunk of each choice starts with its prompt; with ``logprobs`` each chunk carries
+    the scores of the tokens it adds (:class:`_StreamScores`)."""
     finished, outs, backlog, first = set(), {}, collections.deque(), set()
+    tok = service.model.tokenizer
+    scores = _StreamScores(service, req, specs) if req.logprobs is not None else None
+    begun = set()
 
     def chunk(choices, usage=None):
         body = service.completion(rid, choices, usage, specs[0].seed)
@@ -589,6 +600,19 @@ async def _stream(service: Service, req: CompletionRequest, specs, events, rid,
                 yield f"data: {json.dumps(body)}\n\n"
                 continue
             c = {"index": i, "text": ev.text, "logprobs": None, "finish_reason": None}
+            echoed = req.echo and i not in begun
+            if echoed:
+                c["text"] = tok.decode(list(specs[i].prompt)) + c["text"]
+            begun.add(i)
+            if scores is not None:
+                try:
+                    c["logprobs"] = await scores.chunk(i, ev, echoed)
+                except RuntimeError as exc:
+                    body = error_body(f"logprobs could not be scored: {exc}",
+                                      type_="server_error")
+                    service.count("failed")
+                    yield f"data: {json.dumps(body)}\n\n"
+                    return
             if isinstance(ev, Finished):
                 finished.add(i)
                 outs[i] = ev
@@ -604,6 +628,39 @@ async def _stream(service: Service, req: CompletionRequest, specs, events, rid,
         service.cancel(specs, finished)
 
 
+class _StreamScores:
+    """The ``logprobs`` of a streamed completion, chunk by chunk: the tokens a chunk adds,
+    scored with everything before them (one scoring pass per chunk, between decoding steps;
+    a token's score depends only on the tokens left of it, so the chunks' objects add up to
+    the unstreamed response's)."""
+
+    def __init__(self, service: Service, req: CompletionRequest, specs: list):
+        self.service, self.specs = service, specs
+        self.tok = service.model.tokenizer
+        self.k = max(req.logprobs or 0, 1)
+        self.sent = collections.defaultdict(list)  # choice -> its tokens scored so far
+        self.at = {}  # choice -> where the text after them starts
+
+    async def chunk(self, i: int, ev, echoed: bool) -> dict:
+        spec, tok = self.specs[i], self.tok
+        prompt, done = list(spec.prompt), self.sent[i]
+        if isinstance(ev, Finished):
+            new = scored_tokens(spec, ev, tok)[len(done):]
+        else:
+            new = list(ev.ids)
+        if i not in self.at:
+            self.at[i] = 0 if echoed else sum(len(tok.decode([t])) for t in prompt)
+        ids = (prompt if echoed else []) + new
+        if ids:
+            (per,) = await self.service.scheduler.score([prompt + done + new], self.k)
+            rows = ([(None, None)] + per)[-len(ids):]
+        else:
+            rows = []
+        obj, self.at[i] = logprobs_object(tok, ids, rows, self.k, self.at[i])
+        done.extend(new)
+        return obj
+
+
 async def _coalesced(events: asyncio.Queue, backlog: collections.deque):
     """The next event of a stream, with the text of every later event of the same prompt that
     is already waiting folded into it (a client slower than the decoding steps gets fewer,
@@ -616,6 +673,7 @@ async def _coalesced(events: asyncio.Queue, backlog: collections.deque):
     i, ev = backlog.popleft()
     while not ev.done and backlog and backlog[0][0] == i and \
             not isinstance(backlog[0][1], Failed):
-        _, nxt = backlog.popleft()
-        ev = replace(nxt, text=ev.text + nxt.text)  # (a Text, or the Finished after it)
+        _, nxt = backlog.popleft()  # (a Text, or the Finished after it: its tokens are all)
+        ev = replace(nxt, text=ev.text + nxt.text,
+                     **({"ids": ev.ids + nxt.ids} if isinstance(nxt, Text) else {}))
     return i, ev

@@ -114,9 +114,11 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Text:
-    """New text of a streamed request (:class:`Tokens` detokenized)."""
+    """New text of a streamed request (:class:`Tokens` detokenized); ``ids``: the tokens
+    committed since the last :class:`Text` (the text lags them by what is held back)."""
 
     text: str
+    ids: tuple = ()
     done: ClassVar[bool] = False
 
 

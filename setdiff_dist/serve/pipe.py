@@ -109,8 +109,8 @@ class EngineHost(_PipeEnd):
         self.send(Reply(m.n, self.scheduler.status()))
 
     def _score(self, m: Score) -> None:
-        self.scheduler.call(lambda: self.scheduler.score(m.seqs, m.k),
-                            lambda value, error: self.send(Reply(m.n, value, error)))
+        self.scheduler.score(m.seqs, m.k,
+                             lambda value, error: self.send(Reply(m.n, value, error)))
 
     def _exposition(self, m: Exposition) -> None:
         self.send(Reply(m.n, self.metrics.exposition()))

@@ -36,13 +36,14 @@ class QueueFull(Exception):
 
 @dataclass
 class Plan:
-    """What every rank does before the next step: admit these specs, cancel these ids; or
-    ``stop`` (the server is done)."""
+    """What every rank does before the next step: score these sequences (echo / logprobs),
+    admit these specs, cancel these ids; or ``stop`` (the server is done)."""
 
     admit: list = field(default_factory=list)
     cancel: list = field(default_factory=list)
     stop: bool = False
     reset: bool = False  # a step failed on rank 0: every rank empties its batch first
+    score: list = field(default_factory=list)  # [(sequences of token ids, k)]
 
 
 class PlanChannel:
@@ -88,9 +89,9 @@ class Scheduler:
         self._queue: collections.deque = collections.deque()
         self._cancels: set = set()
         self._tickets: dict = {}
-        # work that must run on the decoding thread between steps (scoring for echo / logprobs):
-        # (fn, on_done(result, error))
-        self._work: collections.deque = collections.deque()
+        # scoring asked for (echo / logprobs): (seqs, k, on_done(result, error)), run by every
+        # rank between two steps (it is a forward of the model each rank holds a shard of)
+        self._scores: collections.deque = collections.deque()
         self._stopping = False
         self._reset = False
         self.thread: Optional[threading.Thread] = None
@@ -136,28 +137,17 @@ class Scheduler:
             self._gauges()
             self._cond.notify()
 
-    def call(self, fn: Callable[[], object], on_done: Callable[[object, Optional[str]], None]
-             ) -> None:
-        """Run ``fn`` on the decoding thread between two steps (it uses the model the steps
-        use), then ``on_done(result, None)``, or ``on_done(None, why)`` if it raised. At
-        tensor-parallel size 1 only: the other ranks would not take part."""
-        if self.channel is not None:
-            on_done(None, "this needs --tensor-parallel 1")
-            return
+    def score(self, seqs: list, k: int,
+              on_done: Callable[[Optional[list], Optional[str]], None]) -> None:
+        """Score each sequence of token ids between two steps (:func:`score_sequences`, on
+        every tensor-parallel rank: the next plan carries it), then ``on_done(scores, None)``,
+        or ``on_done(None, why)`` if it could not be done."""
         with self._cond:
-            self._work.append((fn, on_done))
+            if self.fatal:
+                on_done(None, self.fatal)
+                return
+            self._scores.append((seqs, k, on_done))
             self._cond.notify()
-
-    def _run_work(self) -> None:
-        with self._cond:
-            work, self._work = list(self._work), collections.deque()
-        for fn, on_done in work:
-            try:
-                result = fn()
-            except Exception as exc:  # (the request's own failure: the others go on)
-                on_done(None, f"{type(exc).__name__}: {exc}")
-                continue
-            on_done(result, None)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.run, name="setdiff-decode", daemon=True)
@@ -188,16 +178,6 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._queue)
 
-    def score(self, seqs: list, k: int) -> list:
-        """For each sequence of token ids, each position's ``(log p, top k [(id, log p)])``
-        after the first (:func:`setdiff_dist.objective.token_logprobs`): on the decoding
-        thread (:meth:`call`)."""
-        from setdiff_dist.objective import token_logprobs
-
-        d = self.decoder  # (a causal checkpoint decodes "causal": the causal LM's scores)
-        return [token_logprobs(d.model, d.causal_lm, list(ids), k, d.tok.vocab_size)
-                for ids in seqs]
-
     def status(self) -> Health:
         """What ``GET /health`` reports."""
         return Health(self.alive, self.fatal, len(self.batch), self.waiting)
@@ -209,8 +189,7 @@ class Scheduler:
 
     def run(self) -> None:
         while True:
-            self._run_work()
-            plan = self._next_plan()
+            plan, answers = self._next_plan()
             if plan is None:
                 continue
             if self.channel is not None:
@@ -223,6 +202,7 @@ class Scheduler:
             if plan.stop:
                 return
             try:
+                self._score(plan, answers)
                 self._apply(plan)
             except Exception as exc:
                 if self.channel is not None and collective_failed(exc):
@@ -239,6 +219,9 @@ class Scheduler:
         with self._cond:
             self.fatal = why
             waiting, self._queue = list(self._queue), collections.deque()
+            scores, self._scores = list(self._scores), collections.deque()
+        for _, _, on_done in scores:
+            on_done(None, why)
         self._fail_all(why)
         for ticket in waiting:
             self._tickets.pop(ticket.spec.id, None)
@@ -249,19 +232,39 @@ class Scheduler:
     def _next_plan(self) -> Optional[Plan]:
         with self._cond:
             idle = lambda: not (self._queue or self._cancels or len(self.batch)  # noqa: E731
-                                or self._stopping or self._work)
+                                or self._stopping or self._scores)
             if idle():
                 self._cond.wait(HEARTBEAT_S if self.channel is not None else None)
                 if idle():  # (a heartbeat for the other ranks, or a spurious wake-up)
-                    return Plan() if self.channel is not None else None
-            if self._stopping and not self._queue and not len(self.batch):
-                return Plan(stop=True)
+                    return (Plan() if self.channel is not None else None), []
+            scores, self._scores = list(self._scores), collections.deque()
+            if self._stopping and not self._queue and not len(self.batch) and not scores:
+                return Plan(stop=True), []
             room = self.max_batch - (len(self.batch) - len(self._cancels))
             admit = [self._queue.popleft().spec for _ in range(min(max(room, 0),
                                                                      len(self._queue)))]
             cancel, self._cancels = sorted(self._cancels), set()
             reset, self._reset = self._reset, False
-            return Plan(admit=admit, cancel=cancel, reset=reset)
+            return Plan(admit=admit, cancel=cancel, reset=reset,
+                        score=[(seqs, k) for seqs, k, _ in scores]), \
+                [on_done for _, _, on_done in scores]
+
+    def _score(self, plan: Plan, answers: list) -> None:
+        """The plan's scoring, answered; a sequence that cannot be scored fails its request
+        alone (a broken tensor-parallel group raises: nothing can go on)."""
+        for i, ((seqs, k), on_done) in enumerate(zip(plan.score, answers)):
+            try:
+                result = score_sequences(self.decoder, seqs, k)
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                if self.channel is not None and collective_failed(exc):
+                    for unanswered in answers[i:]:
+                        unanswered(None, f"a tensor-parallel rank failed or cannot be reached "
+                                         f"({why})")
+                    raise
+                on_done(None, why)
+                continue
+            on_done(result, None)
 
     def _apply(self, plan: Plan) -> None:
         for row in self.batch.cancel(plan.cancel):
@@ -364,6 +367,12 @@ def follow(decoder, channel: PlanChannel) -> None:
             return
         if plan.reset:
             batch = ContinuousBatch(decoder)
+        for seqs, k in plan.score:  # (rank 0 answers; a failure is its request's, said there)
+            try:
+                score_sequences(decoder, seqs, k)
+            except Exception as exc:
+                if collective_failed(exc):
+                    raise
         batch.cancel(plan.cancel)
         batch.admit(plan.admit)  # (a request refused here is refused on rank 0 alike)
         try:
@@ -372,3 +381,13 @@ def follow(decoder, channel: PlanChannel) -> None:
             if collective_failed(exc):
                 raise
             traceback.print_exc(file=sys.stderr)  # (rank 0 failed the same step: a reset comes)
+
+
+def score_sequences(decoder, seqs: list, k: int) -> list:
+    """For each sequence of token ids, each position's ``(log p, top k [(id, log p)])`` after
+    the first (:func:`setdiff_dist.objective.token_logprobs`; a causal checkpoint's decoder
+    scores as the causal LM)."""
+    from setdiff_dist.objective import token_logprobs
+
+    return [token_logprobs(decoder.model, decoder.causal_lm, list(ids), k,
+                           decoder.tok.vocab_size) for ids in seqs]

@@ -28,6 +28,7 @@ class Detokenizer:
         self.stream, self.listener, self.on_failed = stream, listener, on_failed
         self.request_id = request_id
         self.failed = False
+        self._held: tuple = ()  # (tokens whose text is held back: they go with the next Text)
         self._handlers = {Tokens: self._tokens, Finished: self._finished, Failed: lambda e: e}
 
     def __call__(self, event) -> None:
@@ -47,7 +48,11 @@ class Detokenizer:
 
     def _tokens(self, event: Tokens) -> Optional[Text]:
         piece = self.stream.push(list(event.ids))
-        return Text(piece) if piece else None
+        self._held += tuple(event.ids)
+        if not piece:
+            return None
+        out, self._held = Text(piece, self._held), ()
+        return out
 
     def _finished(self, event: Finished) -> Finished:
         full = self.stream.final(event.tokens)
