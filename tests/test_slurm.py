@@ -41,6 +41,18 @@ def _cluster_up():
 
 @pytest.fixture(scope="module")
 def cluster():
+    """The cluster, this module's alone while it runs: a second test session on this machine
+    (CI runs the slow tier beside the default one) waits for it rather than submitting beside
+    its jobs or losing a node under them."""
+    import fcntl
+
+    os.makedirs(BASE, exist_ok=True)
+    with open(os.path.join(BASE, "tests.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield from _cluster()
+
+
+def _cluster():
     started = False
     if not _cluster_up():
         res = subprocess.run(["bash", CLUSTER, "start", "3"], capture_output=True, text=True)
