@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 # a sixth of the tiny model, not grown with DP (megatron's floor of 1M elements per rank would
 # make the tiny model one bucket)
 BUCKET = ("zero.reduce_bucket_size=20000", "zero.min_bucket_per_rank=0")
-STEPS = 4
+STEPS = 3  # (the second step is measured: the first sets up, the last ends the run)
 # the timers' phases of a step (what the trainer does between steps, logging, is not the step's)
 PHASES = ("data_wait", "forward", "backward", "grad_reduce", "optimizer", "param_gather")
 
@@ -66,11 +66,13 @@ def _train(rank, shards, root, out, world):
     from setdiff_dist.train.loop import Trainer
 
     found = {}
+    # (bf16 at DP 2 and 4: its collectives are fp32's with other bytes)
+    precisions = ("fp32", "bf16") if world < 8 else ("fp32",)
     runs = {f"dp-{impl}-{precision}": [f"zero.implementation={impl}",
                                        f"train.precision={precision}"]
-            for impl in ("deepspeed", "megatron") for precision in ("fp32", "bf16")}
+            for impl in ("deepspeed", "megatron") for precision in precisions}
     runs.update({f"dp-fsdp-{precision}": ["zero.stage=2", f"train.precision={precision}"]
-                 for precision in ("fp32", "bf16")})
+                 for precision in precisions})
     if world >= 4:  # PP2 x DP2, PP2 x DP4
         runs.update({f"pp2-{impl}-fp32": [f"zero.implementation={impl}", "train.precision=fp32",
                                           "parallel.pipeline=2"]
@@ -125,7 +127,7 @@ def test_megatron_sends_the_same_collectives_at_every_dp_at_the_byte_bound(runs,
     same bytes."""
     e = 2 if precision == "bf16" else 4
     counts = {"megatron": {}, "deepspeed": {}}
-    worlds = (2, 4, 8) if layout == "dp" else (4, 8)
+    worlds = ((2, 4, 8) if precision == "fp32" else (2, 4)) if layout == "dp" else (4, 8)
     for world in worlds:
         for impl in counts:
             for found in runs[world]:
@@ -171,7 +173,7 @@ def test_megatron_follows_deepspeeds_fp32_losses_and_resumes_exactly(runs):
     tp_ds, tp_mg = runs[4][0]["tp2-deepspeed"]["curve"], runs[4][0]["tp2-megatron"]["curve"]
     assert tp_mg == pytest.approx(tp_ds, rel=1e-6, abs=1e-6)
     # bf16: the same fp32 accumulation and reduction, in another order
-    for world in (2, 4, 8):
+    for world in (2, 4):
         assert runs[world][0]["dp-megatron-bf16"]["curve"] == pytest.approx(
             runs[world][0]["dp-deepspeed-bf16"]["curve"], rel=0.02)
     resumed = runs[2][0]["megatron-resumed"]["curve"]
@@ -187,7 +189,7 @@ def test_fsdp_sends_the_same_collectives_at_every_dp_at_the_byte_bound(runs):
     per micro-batch. The timers never wait for the device inside a step."""
     for precision, e in (("fp32", 4), ("bf16", 2)):
         per_unit = set()
-        for world in (2, 4, 8):
+        for world in (2, 4, 8) if precision == "fp32" else (2, 4):
             micro = 16 // world
             for found in runs[world]:
                 info = found[f"dp-fsdp-{precision}"]
@@ -212,13 +214,15 @@ def test_fsdp_sends_the_same_collectives_at_every_dp_at_the_byte_bound(runs):
 
 def test_fsdp_follows_deepspeeds_fp32_losses_and_resumes_exactly(runs):
     """FSDP's ZeRO-2 and DeepSpeed's ZeRO-1 run the same fp32 AdamW: the same losses (1e-6) on
-    DP 2, 4, 8 and TP2 x DP2; bf16 within 2%; a resume at step 2 continues bit-exactly."""
+    DP 2, 4, 8 and TP2 x DP2; bf16 within 2% (DP 2 and 4); a resume at step 2 continues
+    bit-exactly."""
     for world in (2, 4, 8):
         ds = runs[world][0]["dp-deepspeed-fp32"]["curve"]
         fs = runs[world][0]["dp-fsdp-fp32"]["curve"]
         assert len(fs) == STEPS and fs == pytest.approx(ds, rel=1e-6, abs=1e-6), (world, ds, fs)
-        assert runs[world][0]["dp-fsdp-bf16"]["curve"] == pytest.approx(
-            runs[world][0]["dp-deepspeed-bf16"]["curve"], rel=0.02)
+        if world < 8:
+            assert runs[world][0]["dp-fsdp-bf16"]["curve"] == pytest.approx(
+                runs[world][0]["dp-deepspeed-bf16"]["curve"], rel=0.02)
     assert runs[4][0]["tp2-fsdp"]["curve"] == pytest.approx(runs[4][0]["tp2-deepspeed"]["curve"],
                                                             rel=1e-6, abs=1e-6)
     assert runs[2][0]["fsdp-resumed"]["curve"] == runs[2][0]["fsdp-saved"]["curve"][2:]
