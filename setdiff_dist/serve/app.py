@@ -322,12 +322,7 @@ class Service:
                 c["text"] = tok.decode(prompt) + c["text"]
             if req.logprobs is None:
                 continue
-            rows = [(None, None)] + per  # (position 0 has no log-probability: nothing before it)
-            if req.echo:
-                c["logprobs"], _ = logprobs_object(tok, prompt + gen, rows, k, 0)
-            else:
-                at = sum(len(tok.decode([t])) for t in prompt)
-                c["logprobs"], _ = logprobs_object(tok, gen, rows[len(prompt):], k, at)
+            c["logprobs"], _ = logprobs_object(tok, prompt, gen, per, k, req.echo)
 
     @staticmethod
     def usage(outs: list) -> dict:
@@ -348,10 +343,18 @@ def scored_tokens(spec, out: Finished, tok) -> list:
     return gen
 
 
-def logprobs_object(tok, ids: list, rows: list, k: int, at: int) -> tuple[dict, int]:
-    """OpenAI's ``logprobs`` object for the tokens ``ids`` whose scores are ``rows`` (``(log p,
-    top [(id, log p)])`` each, ``(None, None)`` for a sequence's first token), the first one's
-    text starting at character ``at``; and where the text after them starts."""
+def logprobs_object(tok, prompt: list, new: list, per: list, k: int, echo: bool,
+                    at: Optional[int] = None) -> tuple[dict, int]:
+    """OpenAI's ``logprobs`` object for the tokens ``new`` at the end of a sequence that starts
+    with ``prompt`` (``prompt`` first too with ``echo``), ``per`` the sequence's scores
+    (:meth:`Scheduler.score`: ``(log p, top [(id, log p)])`` of each token after the first); the
+    first token's text starts at character ``at`` (None: where it starts in the sequence's text,
+    or 0 with ``echo``). Returns it and where the text after it starts."""
+    ids = (prompt if echo else []) + new
+    if at is None:
+        at = 0 if echo else sum(len(tok.decode([t])) for t in prompt)
+    # (the sequence's first token has no log-probability: nothing before it)
+    rows = ([(None, None)] + per)[len(per) + 1 - len(ids):]
     pieces = [tok.decode([t]) for t in ids]
     offsets = []
     for piece in pieces:
@@ -648,15 +651,11 @@ class _StreamScores:
             new = scored_tokens(spec, ev, tok)[len(done):]
         else:
             new = list(ev.ids)
-        if i not in self.at:
-            self.at[i] = 0 if echoed else sum(len(tok.decode([t])) for t in prompt)
-        ids = (prompt if echoed else []) + new
-        if ids:
+        per = []  # (nothing to score: an empty object)
+        if new or echoed:
             (per,) = await self.service.scheduler.score([prompt + done + new], self.k)
-            rows = ([(None, None)] + per)[-len(ids):]
-        else:
-            rows = []
-        obj, self.at[i] = logprobs_object(tok, ids, rows, self.k, self.at[i])
+        obj, self.at[i] = logprobs_object(tok, prompt, new, per, self.k, echoed,
+                                          self.at.get(i))
         done.extend(new)
         return obj
 
