@@ -30,6 +30,12 @@ from .metrics import NoMetrics
 HEARTBEAT_S = 1.0  # an idle rank 0 tells the other ranks it is alive this often
 
 
+def rank_lost(exc: BaseException) -> str:
+    """Why decoding (or scoring) cannot go on: another tensor-parallel rank's collective
+    failed with ``exc``."""
+    return f"a tensor-parallel rank failed or cannot be reached ({type(exc).__name__}: {exc})"
+
+
 class QueueFull(Exception):
     """The queue of waiting requests is full (HTTP 429)."""
 
@@ -196,8 +202,7 @@ class Scheduler:
                 try:
                     self.channel.send(plan)
                 except Exception as exc:  # another rank died: nothing can decode any more
-                    self._die(f"a tensor-parallel rank failed or cannot be reached "
-                              f"({type(exc).__name__}: {exc})")
+                    self._die(rank_lost(exc))
                     return
             if plan.stop:
                 return
@@ -206,8 +211,7 @@ class Scheduler:
                 self._apply(plan)
             except Exception as exc:
                 if self.channel is not None and collective_failed(exc):
-                    self._die(f"a tensor-parallel rank failed or cannot be reached "
-                              f"({type(exc).__name__}: {exc})")
+                    self._die(rank_lost(exc))
                     return
                 # a failed step: fail the batch, keep serving
                 traceback.print_exc(file=sys.stderr)
@@ -259,8 +263,7 @@ class Scheduler:
                 why = f"{type(exc).__name__}: {exc}"
                 if self.channel is not None and collective_failed(exc):
                     for unanswered in answers[i:]:
-                        unanswered(None, f"a tensor-parallel rank failed or cannot be reached "
-                                         f"({why})")
+                        unanswered(None, rank_lost(exc))
                     raise
                 on_done(None, why)
                 continue
