@@ -1,10 +1,10 @@
 """setdiff-dist: distributed pretraining of set-diffusion language models."""
 
-from setdiff_dist import _lazy_jit
+from setdiff_dist import _lazy
 
 __version__ = "0.1.0"
 
-_lazy_jit.install()  # (before megatron-core is imported: see _lazy_jit)
+_lazy.install()  # (before megatron-core is imported: see _lazy)
 
 
 def load(path, tensor_parallel: int = 1, dtype="auto", device=None, raw_weights: bool = False):

@@ -178,10 +178,11 @@ def test_the_check_sees_relative_and_lazy_imports(tmp_path):
     assert "setdiff_dist.model.hf" in found          # imported inside a method
 
 
-def test_a_rank_imports_no_compiler_until_a_fused_function_runs():
-    """megatron-core's jit_fuser (torch.compile) is lazy (setdiff_dist._lazy_jit): a training
-    rank's imports leave torch._dynamo and torch._inductor out (about a third of them), the
-    launcher imports no torch at all, and a fused function compiles at its first call."""
+def test_a_rank_imports_no_compiler_or_wandb_until_they_are_used():
+    """megatron-core's jit_fuser (torch.compile) and its ``import wandb`` are lazy
+    (setdiff_dist._lazy): a training rank's imports leave torch._dynamo, torch._inductor and
+    wandb's own modules out, the launcher imports no torch at all, and a fused function compiles
+    at its first call."""
     import subprocess
     import sys
 
@@ -190,18 +191,18 @@ def test_a_rank_imports_no_compiler_until_a_fused_function_runs():
             "launcher = sorted(m for m in ('torch', 'megatron', 'deepspeed') if m in sys.modules)\n"
             "import setdiff_dist.train.loop, deepspeed, megatron.core.jit as jit\n"
             "print(launcher, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules,\n"
-            "      jit.jit_fuser.__module__)\n")
+            "      jit.jit_fuser.__module__, 'wandb.sdk' in sys.modules)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip().splitlines()[-1] == "[] False False setdiff_dist._lazy_jit", \
+    assert res.stdout.strip().splitlines()[-1] == "[] False False setdiff_dist._lazy False", \
         res.stdout
 
 
 def test_a_lazily_fused_function_compiles_once_at_its_first_call(monkeypatch):
     import torch
 
-    from setdiff_dist._lazy_jit import lazy_compile
+    from setdiff_dist._lazy import lazy_compile
 
     compiled = []
 

@@ -46,7 +46,9 @@ def check_loggers(cfg) -> None:
     """Refuse, at start, a logger that cannot run here (never a silent fallback)."""
     if cfg.logging.wandb:
         try:
-            import wandb  # noqa: F401
+            import wandb
+
+            wandb.init  # noqa: B018 (loads it: setdiff_dist._lazy makes the import itself lazy)
         except ImportError:
             from setdiff_dist.errors import TrainingError
 
