@@ -4,19 +4,26 @@ checkpoint, within ``train.max_restarts`` (:func:`launch`); and the stop signals
 from its first line (:data:`SIGNALS`). Imports nothing heavy: the launcher never builds a model.
 
 Under torchrun or Slurm their agents do this job (``launchers/``); this one is for a single
-machine without them."""
+machine without them. On a CPU machine its ranks are forked by :mod:`setdiff_dist.rank_server`
+(:class:`RankServer`), which imports the training stack once for every rank and restart."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
-from setdiff_dist.errors import EXIT_FAILED, EXIT_HUNG, EXIT_STOPPED, restartable
+from setdiff_dist.errors import EXIT_FAILED, EXIT_HUNG, EXIT_STOPPED, SetdiffError, restartable
 
 COMMAND = "setdiff_dist.cli.train"  # what every rank runs (python -m)
+SERVER = "setdiff_dist.rank_server"  # what forks them (python -m), where it does
+# the longest a rank server may take to fork a rank: its imports (seconds; minutes on a cold
+# network file system) the first time, a fork after that
+SERVER_REPLY_S = 600.0
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -45,8 +52,6 @@ class Signals:
                 signal.signal(s, self.original[s])
 
     def _on(self, signum, frame):
-        import time
-
         if signum == signal.SIGINT and self.first_int is not None:
             if time.monotonic() - self.first_int < 1.0:
                 return  # the same Ctrl-C, delivered twice (by the terminal and by torchrun)
@@ -89,25 +94,39 @@ def launch(nproc: int, argv: list[str], grace_s: float = 10.0, max_restarts: int
         print(f"setdiff-train: {threads['OMP_NUM_THREADS']} CPU thread(s) per rank "
               "(OMP_NUM_THREADS overrides)", file=sys.stderr, flush=True)
     restart, launch_id = 0, uuid.uuid4().hex  # (the starts of one launch share its id)
-    while True:
-        if SIGNALS.got:  # stopped before any rank started: start none
-            return 128 + SIGNALS.got[0]
-        code, failed = attempt(nproc, argv, grace_s,
-                                dict(threads, SETDIFF_RESTART=str(restart),
-                                     SETDIFF_LAUNCH_ID=launch_id))
-        if failed is None or not restartable(failed[1]) or SIGNALS.got:
-            return code
-        how = how_ended(failed[1])
-        if restart >= max_restarts:
-            if max_restarts:
-                print(f"setdiff-train: rank {failed[0]} failed again ({how}) and no restart is "
-                      f"left (train.max_restarts={max_restarts}, all used): its own output above "
-                      "says why; the last checkpoint is intact, and resume=auto goes on from it",
-                      file=sys.stderr, flush=True)
-            return code
-        restart += 1
-        print(f"setdiff-train: restart {restart} of {max_restarts} (rank {failed[0]}: {how}): "
-              "every rank starts again from the last checkpoint", file=sys.stderr, flush=True)
+    server = RankServer(dict(os.environ, **threads)) if warm_start() else None
+    try:
+        while True:
+            if SIGNALS.got:  # stopped before any rank started: start none
+                return 128 + SIGNALS.got[0]
+            code, failed = attempt(nproc, argv, grace_s,
+                                    dict(threads, SETDIFF_RESTART=str(restart),
+                                         SETDIFF_LAUNCH_ID=launch_id), server)
+            if failed is None or not restartable(failed[1]) or SIGNALS.got:
+                return code
+            restart = next_restart(restart, max_restarts, failed)
+            if restart is None:
+                return code
+    finally:
+        if server is not None:
+            server.close()
+
+
+def next_restart(restart: int, max_restarts: int, failed) -> int | None:
+    """The number of the restart after ``failed`` (rank, exit code), said; None when none is
+    left."""
+    how = how_ended(failed[1])
+    if restart >= max_restarts:
+        if max_restarts:
+            print(f"setdiff-train: rank {failed[0]} failed again ({how}) and no restart is "
+                  f"left (train.max_restarts={max_restarts}, all used): its own output above "
+                  "says why; the last checkpoint is intact, and resume=auto goes on from it",
+                  file=sys.stderr, flush=True)
+        return None
+    restart += 1
+    print(f"setdiff-train: restart {restart} of {max_restarts} (rank {failed[0]}: {how}): "
+          "every rank starts again from the last checkpoint", file=sys.stderr, flush=True)
+    return restart
 
 
 def how_ended(code: int) -> str:
@@ -116,11 +135,143 @@ def how_ended(code: int) -> str:
     return f"signal {-code}" if code < 0 else f"exit code {code}"
 
 
-def attempt(nproc: int, argv: list[str], grace_s: float, extra_env: dict):
-    """One start of every rank (see :func:`launch`): (the exit code, (rank, code) of the first
-    rank that failed or None)."""
-    import time
+def warm_start() -> bool:
+    """Whether the ranks are forked by the rank server (:mod:`setdiff_dist.rank_server`): where
+    there is no NVIDIA driver, unless ``SETDIFF_WARM_START=0`` (``=1`` forces it); and only
+    where this process can adopt them (Linux)."""
+    from setdiff_dist.processes import adopt_orphans
 
+    wanted = os.environ.get("SETDIFF_WARM_START", "")
+    if wanted not in ("", "0", "1"):
+        raise SetdiffError(f"SETDIFF_WARM_START={wanted!r}: set 0 (every rank its own "
+                           "interpreter) or 1 (ranks forked by one process that imported the "
+                           "stack), or unset it (1 where there is no NVIDIA driver)")
+    if wanted == "0" or (wanted == "" and os.path.exists("/dev/nvidiactl")):
+        return False
+    if not adopt_orphans():
+        print("setdiff-train: this system cannot make the launcher adopt forked ranks "
+              "(PR_SET_CHILD_SUBREAPER): every rank imports the stack itself",
+              file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+class RankServerLost(SetdiffError):
+    """The rank server ended before it started a rank: exit 1 (what it printed says why)."""
+
+    exit_code = EXIT_FAILED
+
+
+class Adopted:
+    """A rank forked by the rank server and adopted by this process: the part of
+    :class:`subprocess.Popen`'s interface the launcher uses."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def _reap(self, flags: int) -> None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, flags)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+
+    def poll(self):
+        self._reap(os.WNOHANG)
+        return self.returncode
+
+    def wait(self) -> int:
+        self._reap(0)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class RankServer:
+    """This launcher's end of :mod:`setdiff_dist.rank_server`: started at the first rank, kept
+    for the ranks of a restart, closed at the end of the launch."""
+
+    def __init__(self, env: dict):
+        self.env, self.proc, self.replies, self.pending = env, None, None, b""
+
+    def _start(self) -> None:
+        from setdiff_dist.processes import own_group_and_die_with_parent
+
+        self.close()
+        reply, into = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-m", SERVER,
+                                      str(into)], stdin=subprocess.PIPE, pass_fds=(into,),
+                                     env=self.env, preexec_fn=own_group_and_die_with_parent)
+        os.close(into)
+        self.replies, self.pending = reply, b""
+
+    def start(self, rank: int, argv: list[str], env: dict) -> Adopted:
+        """Rank ``rank`` of ``setdiff-train argv`` with the environment ``env``, adopted."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        request = {"rank": rank, "argv": argv, "env": env, "launcher": os.getpid()}
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # (the server has died: said below)
+        line = self._line(time.monotonic() + SERVER_REPLY_S)
+        if line is None:
+            try:
+                code = self.proc.wait(timeout=2.0)  # (its pipe has closed: it is ending)
+            except subprocess.TimeoutExpired:  # (hung: in its imports, or a fork that never came)
+                self.proc.kill()
+                raise RankServerLost(
+                    f"the rank server (pid {self.proc.pid}) started no rank {rank} within "
+                    f"{SERVER_REPLY_S:.0f} s and was killed (SETDIFF_WARM_START=0 starts every "
+                    "rank as its own interpreter)") from None
+            raise RankServerLost(
+                f"the rank server (pid {self.proc.pid}) ended with exit code {code} before "
+                f"rank {rank} started: its output above says why (SETDIFF_WARM_START=0 starts "
+                "every rank as its own interpreter)")
+        said, pid = map(int, line.split())
+        assert said == rank, (said, rank)
+        return Adopted(pid)
+
+    def _line(self, deadline: float):
+        """The next reply line, or None once the server has ended without one or ``deadline``
+        (``time.monotonic()``) has passed."""
+        import select
+
+        while b"\n" not in self.pending:
+            if time.monotonic() > deadline:
+                return None
+            ready, _, _ = select.select([self.replies], [], [], 1.0)
+            if ready:
+                data = os.read(self.replies, 4096)
+                if not data:
+                    return None
+                self.pending += data
+            elif self.proc.poll() is not None:
+                return None
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            os.close(self.replies)
+            self.proc = None
+
+
+def attempt(nproc: int, argv: list[str], grace_s: float, extra_env: dict,
+            server: RankServer | None = None):
+    """One start of every rank (see :func:`launch`), forked by ``server`` or executed: (the
+    exit code, (rank, code) of the first rank that failed or None)."""
     from setdiff_dist.processes import free_port, own_group_and_die_with_parent
 
     port = str(free_port())
@@ -129,8 +280,11 @@ def attempt(nproc: int, argv: list[str], grace_s: float, extra_env: dict):
         env = dict(os.environ, **extra_env, RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, SETDIFF_LAUNCHED="1")
-        children.append(subprocess.Popen([sys.executable, "-m", COMMAND] + argv,
-                                         env=env, preexec_fn=own_group_and_die_with_parent))
+        if server is not None:
+            children.append(server.start(rank, argv, env))
+        else:
+            children.append(subprocess.Popen([sys.executable, "-m", COMMAND] + argv,
+                                             env=env, preexec_fn=own_group_and_die_with_parent))
 
     def forward(signum):
         for c in children:

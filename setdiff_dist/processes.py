@@ -39,6 +39,28 @@ def die_with_parent() -> None:
         pass
 
 
+def name_process(name: str) -> None:
+    """Name this process (``ps -o comm``, ``top``; Linux's ``PR_SET_NAME``, 15 bytes)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)
+    except OSError:
+        pass
+
+
+def adopt_orphans() -> bool:
+    """Make this process the *child subreaper* of its descendants (Linux's
+    ``PR_SET_CHILD_SUBREAPER``): an orphaned descendant becomes its child, which it waits for
+    and signals. False where that cannot be done."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+    except OSError:
+        return False
+
+
 def own_group_and_die_with_parent() -> None:
     """In a child: a process group of its own (a terminal's Ctrl-C reaches the parent alone,
     which forwards it once) and :func:`die_with_parent`."""

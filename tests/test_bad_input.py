@@ -189,6 +189,19 @@ def test_bad_input_is_one_message_and_exit_code_2_and_writes_nothing(workspace, 
     assert tree_hash(workspace) == before
 
 
+def test_a_bad_warm_start_setting_is_one_message_and_exit_code_2(workspace, capsys,
+                                                                 monkeypatch):
+    """SETDIFF_WARM_START (how the launcher starts its ranks) takes 0 or 1: anything else is
+    refused before a rank starts, never read as one of them."""
+    monkeypatch.setenv("SETDIFF_WARM_START", "yes")
+    before = tree_hash(workspace)
+    code, err = cli("setdiff_dist.cli.train",
+                    [a.format(ws=workspace) for a in TRAIN + ["--nproc-per-node", "2"]], capsys)
+    assert code == 2, err
+    assert "SETDIFF_WARM_START='yes': set 0" in err and "Traceback" not in err
+    assert tree_hash(workspace) == before
+
+
 def test_a_corrupt_shard_met_in_training_is_one_message_from_the_rank_that_read_it(tmp_path):
     """With data.verify=full a shard is hashed when a loader worker first opens it: the error
     comes from inside a DataLoader worker of one rank, and is printed as the reader raised it,

@@ -207,13 +207,15 @@ def test_a_failed_background_write_is_saved_again_with_a_retry_left(sonnets, tmp
 def test_stop_and_resume_reproduces_the_uninterrupted_curve_bit_exactly(trained, sonnets,
                                                                           tmp_path, layout):
     """Two ranks: from step 3, to ``train.exit_at_step=5`` (a checkpoint, then exit 0), then on
-    to the end: every step's loss is the uninterrupted run's, bit for bit."""
+    to the end: every step's loss is the uninterrupted run's, bit for bit. The last part runs
+    its ranks as interpreters of their own (``SETDIFF_WARM_START=0``), the others forked by the
+    rank server: the two starts train alike."""
     ref = trained(*layout)
     run = rewound(ref, tmp_path)
     res = train(run, sonnets, *layout, "train.exit_at_step=5")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and latest(run) == "step_0000005"
-    res = train(run, sonnets, *layout)  # resume=auto
+    res = train(run, sonnets, *layout, env=dict(os.environ, SETDIFF_WARM_START="0"))  # auto
     assert res.returncode == 0, res.stderr[-3000:]
     assert losses(run) == losses(ref)  # every step, bit for bit
 
@@ -478,6 +480,20 @@ def _children(pid):
     return kids
 
 
+def _ranks(pid):
+    """{rank: pid} of the launcher ``pid``'s children named ``setdiff-rankN`` (forked ranks)."""
+    ranks = {}
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/comm") as fh:
+                name = fh.read().strip()
+        except OSError:
+            continue
+        if name.startswith("setdiff-rank"):
+            ranks[int(name.removeprefix("setdiff-rank"))] = child
+    return ranks
+
+
 def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -490,14 +506,14 @@ def test_no_rank_outlives_a_killed_launcher(sonnets, tmp_path):
     proc = subprocess.Popen(command(tmp_path, sonnets, 100000), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     _wait_for_step(proc, 1)
-    ranks = _children(proc.pid)
-    assert len(ranks) == 2
+    children = _children(proc.pid)  # the two ranks and the rank server that forked them
+    assert sorted(_ranks(proc.pid)) == [0, 1] and len(children) == 3
     proc.kill()
     proc.wait()
     deadline = time.time() + 30
-    while any(_alive(r) for r in ranks) and time.time() < deadline:
+    while any(_alive(r) for r in children) and time.time() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(r) for r in ranks)
+    assert not any(_alive(r) for r in children)
 
 
 def _layout_weights(rank, shards, root, layouts, out):
@@ -751,21 +767,18 @@ def test_a_resume_that_would_change_or_lose_the_run_is_refused(trained, sonnets,
 
 def test_a_rank_killed_during_start_up_ends_the_job_within_seconds(sonnets, tmp_path):
     """The launcher notices a dead rank, names it, and stops the others (they would otherwise
-    wait in a collective for the process group's 30-minute timeout)."""
+    wait in a collective for the process group's 30-minute timeout). The ranks, forked by the
+    rank server, are the launcher's children, named ``setdiff-rankN``."""
     proc = subprocess.Popen(command(tmp_path, sonnets, 4, "zero.stage=2"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=child_env(None))
-    children = []
+    ranks = {}
     deadline = time.monotonic() + 60
-    while len(children) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-        try:
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fh:
-                children = [int(p) for p in fh.read().split()]
-        except OSError:
-            pass
-    assert len(children) == 2, "the launcher did not start two ranks"
-    time.sleep(2.0)  # in start-up: imports, the process group
-    os.kill(children[1], signal.SIGKILL)
+    while len(ranks) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        ranks = _ranks(proc.pid)
+    assert sorted(ranks) == [0, 1], "the launcher did not start two ranks"
+    time.sleep(0.5)  # in start-up: the process group, the model
+    os.kill(ranks[1], signal.SIGKILL)
     killed = time.monotonic()
     _, err = proc.communicate(timeout=60)
     assert time.monotonic() - killed < 30

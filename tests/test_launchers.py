@@ -77,3 +77,25 @@ def test_every_shell_script_passes_shellcheck():
     res = subprocess.run([shellcheck, "--severity=warning", "--external-sources", *scripts],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("server", ["no_such_module", "setdiff_dist.rank_server"],
+                         ids=["ends", "hangs"])
+def test_a_rank_server_that_ends_or_hangs_is_one_error_not_a_wait(monkeypatch, server):
+    """setdiff-train's launcher forks its ranks from a rank server (on a CPU machine): one that
+    ends before it starts a rank, or starts none in time, is a RankServerLost (exit 1) naming
+    it and the way around it, and is not left running."""
+    from setdiff_dist import launcher
+
+    monkeypatch.setattr(launcher, "SERVER", server)
+    # (the real server's imports take longer than 0.3 s; the missing module ends at once)
+    monkeypatch.setattr(launcher, "SERVER_REPLY_S", 60.0 if server == "no_such_module" else 0.3)
+    rank_server = launcher.RankServer(dict(os.environ))
+    with pytest.raises(launcher.RankServerLost) as lost:
+        rank_server.start(0, ["--help"], dict(os.environ))
+    assert lost.value.exit_code == 1
+    said = str(lost.value)
+    expected = "ended with exit code 1" if server == "no_such_module" else "within 0 s and was"
+    assert expected in said and "SETDIFF_WARM_START=0" in said
+    assert rank_server.proc.wait(timeout=10) != 0
+    rank_server.close()
