@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from setdiff_dist.parallel import free_port
 
 # what every rank imports, imported once by the fork server (a rank that needs more imports it)
-PRELOAD = ["mp_harness", "setdiff_dist.train.loop", "setdiff_dist.model.transformer",
+PRELOAD = ["mp_quiet", "mp_harness", "setdiff_dist.train.loop", "setdiff_dist.model.transformer",
            "deepspeed", "torch._dynamo"]
 
 
@@ -38,9 +38,28 @@ def _entry(rank, world_size, port, fn, args, environ, cwd):
     destroy_model_parallel()
 
 
+def start_fork_server() -> None:
+    """Start the fork server (if it is not running) with this directory on its PYTHONPATH:
+    Python 3.11's fork server does not take the caller's sys.path, and a preloaded module it
+    cannot find is skipped without a word."""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("PYTHONPATH")
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 def spawn(fn, world_size, *args):
     """Call ``fn(rank, *args)`` on ``world_size`` processes; fails if any of them fails."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    start_fork_server()
     mp.start_processes(_entry, args=(world_size, free_port(), fn, args, dict(os.environ),
                                                os.getcwd()),
                        nprocs=world_size, join=True, start_method="forkserver")
