@@ -28,37 +28,32 @@ def threads_per_rank(local_ranks: int) -> int:
     return max(1, cpus // max(1, local_ranks))
 
 
-def die_with_parent() -> None:
-    """In a child (``preexec_fn``): SIGKILL when the parent dies, even by SIGKILL (Linux's
-    ``PR_SET_PDEATHSIG``), so that a killed job leaves no process behind to keep writing."""
+def prctl(option: int, arg) -> bool:
+    """Linux's ``prctl(option, arg)`` on this process; False where it failed or there is none."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent() -> None:
+    """In a child (``preexec_fn``): SIGKILL when the parent dies, even by SIGKILL (Linux's
+    ``PR_SET_PDEATHSIG``), so that a killed job leaves no process behind to keep writing."""
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def name_process(name: str) -> None:
     """Name this process (``ps -o comm``, ``top``; Linux's ``PR_SET_NAME``, 15 bytes)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)
-    except OSError:
-        pass
+    prctl(15, name.encode()[:15])
 
 
 def adopt_orphans() -> bool:
     """Make this process the *child subreaper* of its descendants (Linux's
     ``PR_SET_CHILD_SUBREAPER``): an orphaned descendant becomes its child, which it waits for
     and signals. False where that cannot be done."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1, 0, 0, 0) == 0
-    except OSError:
-        return False
+    return prctl(36, 1)
 
 
 def own_group_and_die_with_parent() -> None:

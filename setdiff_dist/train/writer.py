@@ -211,21 +211,13 @@ def _error(name: str, message: str, os_error) -> BaseException:
 
 # --------------------------------------------------------------------------- the writer side
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main() -> None:
     """The writer's loop (``python -m setdiff_dist.train.writer``)."""
     from multiprocessing import resource_tracker, shared_memory
 
-    _die_with_parent()
+    from setdiff_dist.processes import die_with_parent
+
+    die_with_parent()
     try:
         os.nice(19)
     except OSError:
