@@ -32,8 +32,13 @@ ADOPTION_S = 30.0  # a fork not adopted by the launcher within this is an error
 
 
 def preload() -> None:
+    """Import what a rank imports, the libraries' known notices filtered first (as
+    ``setdiff-train`` filters them before its imports): once here for every rank."""
     import importlib
 
+    from setdiff_dist.quiet import quiet
+
+    quiet()
     for name in PRELOAD:
         importlib.import_module(name)
 
@@ -94,9 +99,6 @@ def become_rank(request: dict, reply_fd: int) -> None:
 
 
 def main() -> None:
-    from setdiff_dist.quiet import quiet
-
-    quiet()  # (the libraries' known notices, filtered once here for every rank)
     reply_fd = int(sys.argv[1])
     preload()
     serve(reply_fd)

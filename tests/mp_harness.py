@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 
 from setdiff_dist.parallel import free_port
 
-# what every rank imports, imported once by the fork server (a rank that needs more imports it)
-PRELOAD = ["mp_quiet", "mp_harness", "setdiff_dist.train.loop", "setdiff_dist.model.transformer",
-           "deepspeed", "torch._dynamo"]
+# imported once by the fork server: what a training rank imports (mp_preload: the rank
+# server's list, notices filtered first) and this module (a rank that needs more imports it)
+PRELOAD = ["mp_preload", "mp_harness"]
 
 
 def _entry(rank, world_size, port, fn, args, environ, cwd):
