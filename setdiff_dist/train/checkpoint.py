@@ -50,7 +50,7 @@ from setdiff_dist.checkpoint.manifest import needs_universal as layout_needs_uni
 from setdiff_dist.checkpoint.saving import check_space, save_failed, write_failure
 from setdiff_dist.progress import progress
 
-from .optimizer_state import optimizer_changes
+from .optimizer_state import FRAGMENTS, optimizer_changes, saved_form
 
 
 def universal_info(model, group=None) -> dict:
@@ -104,6 +104,41 @@ def needs_universal(path: str, cfg) -> bool:
         return False  # (check_compatible says what is wrong with it)
     return layout_needs_universal(saved, layout(), optimizer_changes(path, cfg) is not None
                                   or stage != cfg.zero.stage)
+
+
+def decay_names(path: Optional[str], cfg) -> str:
+    """Which names DeepSpeed's weight-decay groups go by in a run of ``cfg`` that resumes from
+    ``path`` (None: a fresh run), :func:`setdiff_dist.train.engine.param_groups`: ``"global"``,
+    or ``"local"`` in the run of a pipeline-parallel checkpoint with tied embeddings that
+    DeepSpeed saved before manifests said which (``decay_names``). Its last stage decayed its
+    copy of the embedding as a matrix, and its optimizer state is grouped so: the run goes on
+    as it was saved (:func:`say_decay_names` tells the user)."""
+    from setdiff_dist.config import resolved_model, zero_implementation
+
+    if path is None or zero_implementation(cfg) != "deepspeed":
+        return "global"
+    try:
+        with open(os.path.join(path, MANIFEST)) as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError):
+        return "global"  # (check_compatible says what is wrong with it)
+    if "decay_names" in manifest:
+        return manifest["decay_names"]
+    if saved_form(path) in FRAGMENTS or manifest.get("layout", {}).get("pipeline", 1) == 1:
+        return "global"
+    return "local" if resolved_model(manifest.get("model", {})).get("tie_embeddings") \
+        else "global"
+
+
+def say_decay_names(path: str, cfg, names: str) -> None:
+    """(Rank 0.) The note for a run whose weight-decay groups go by each stage's own names
+    (:func:`decay_names`) where that decays something: the last stage's tied output weight."""
+    if names == "local" and cfg.optimizer.adamw_weight_decay > 0 and cfg.parallel.pipeline > 1:
+        print(f"note: {path} was saved when the last pipeline stage weight-decayed its copy of "
+              "the tied embedding as a matrix (so it drifts from the first stage's copy; fixed "
+              "since); this run goes on that way so that its optimizer state loads as saved. "
+              "To train with the fix, start from its weights: set checkpoint.init_from="
+              f"{path} with a new run_dir", flush=True)
 
 
 def make_universal(path: str, zero3_rows: Optional[int] = None, hashes: bool = True) -> str:
@@ -415,7 +450,7 @@ class Save:
                                 "points at the previous checkpoint")
         manifest = build_manifest(self.step, layout(), self.cfg, self.tokenizer_identity,
                                   {k: v for t in tables for k, v in t["files"].items()},
-                                  self.data)
+                                  self.data, getattr(self.engine, "decay_names", "global"))
         write_atomic(os.path.join(self.path, MANIFEST), json.dumps(manifest, indent=2))
         write_atomic(os.path.join(root, LATEST), tag + "\n")
         if self.best:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from .fragments import FragmentCheckpoints
+from .schedule import decayed
 
 # megatron's tensor-parallel marks, which FSDP's new (sharded) parameters do not carry over
 _TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
@@ -87,7 +88,7 @@ class FsdpEngine(FragmentCheckpoints):
         o = cfg.optimizer
         decay, no_decay = [], []
         for p, name in self.names.items():
-            (no_decay if p.dim() < 2 or "embedding" in name else decay).append(p)
+            (decay if decayed(p, name) else no_decay).append(p)
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.adamw_weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],

@@ -29,6 +29,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from .fragments import FragmentCheckpoints
+from .schedule import decayed
 
 
 def bucket_elements(cfg, dp: int) -> int:
@@ -80,12 +81,11 @@ class MegatronEngine(FragmentCheckpoints):
             clip_grad=o.grad_clip, bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
             use_distributed_optimizer=True, overlap_param_gather=z.overlap_param_gather)
-        # weight decay on matrices; none on norms, biases or embeddings (by the layout-free
-        # name: the last stage's tied output weight is the embedding)
+        # weight decay by the layout-free name (the last stage's tied output weight is the
+        # embedding)
         names = {id(p): global_name(model, n) for n, p in model.named_parameters()}
         no_decay = ParamKey(with_name_predicate=ParamWithNamePredicate(
-            name="setdiff_no_decay",
-            fn=lambda p, n: p.dim() < 2 or "embedding" in names.get(id(p), n)))
+            name="setdiff_no_decay", fn=lambda p, n: not decayed(p, names.get(id(p), n))))
         self.optimizer = get_megatron_optimizer(
             opt_cfg, [self.ddp], config_overrides={no_decay: ParamGroupOverride(wd_mult=0.0)},
             use_gloo_process_groups=False)

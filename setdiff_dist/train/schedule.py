@@ -1,6 +1,7 @@
-"""The learning-rate schedule as a multiplier of ``optimizer.lr`` per optimizer step: the one
-function the trainer (DeepSpeed's ``LambdaLR``, megatron's and FSDP's optimizers) and the CPU
-demo use. Imports nothing heavy."""
+"""The optimizer's schedule and rules that every engine shares (DeepSpeed's ``LambdaLR``,
+megatron's and FSDP's optimizers) and the CPU demo uses: the learning rate as a multiplier of
+``optimizer.lr`` per optimizer step, and which parameters are weight-decayed. Imports nothing
+heavy."""
 
 from __future__ import annotations
 
@@ -23,3 +24,12 @@ def lr_multiplier(opt_cfg, total_steps: int):
         return 1.0
 
     return f
+
+
+def decayed(param, name: str) -> bool:
+    """Whether AdamW weight-decays ``param``, given its layout-free name (:func:`~setdiff_dist.
+    model.transformer.global_name`): matrices yes; norms, biases and the embedding no
+    (Megatron-LM's rule). By the global name, because under pipeline parallelism the last
+    stage's copy of a tied embedding is called ``output_layer.weight`` there: decayed as a
+    matrix, it would drift from the first stage's copy."""
+    return param.dim() >= 2 and "embedding" not in name
