@@ -181,7 +181,8 @@ _DIVERGE = ["optimizer.lr=1e30", "optimizer.grad_clip=0", "train.max_nonfinite_s
 _QK = ["model.qk_norm=true", "checkpoint.save_at_end=true"]
 LAYOUTS = {
     1: [("dp1", []), ("bf16-dp1", ["train.precision=bf16"]), ("qk-tp1", _QK)],
-    2: [("zero0", ["zero.stage=0"]), ("zero2", ["zero.stage=2"]), ("zero3", ["zero.stage=3"]),
+    2: [("zero0", ["zero.stage=0"]), ("zero0-pp2", ["zero.stage=0", "parallel.pipeline=2"]),
+        ("zero2", ["zero.stage=2"]), ("zero3", ["zero.stage=3"]),
         ("tp2", ["parallel.tensor=2"]), ("pp2", ["parallel.pipeline=2"]),
         ("tp2-sp", ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
         ("bf16", ["train.precision=bf16"]),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -394,7 +395,44 @@ def build_engine(cfg, model, load_universal: bool = False, decay_names: str = "g
                                  + ps.get_tensor_model_parallel_rank())
     name_globally(engine)
     engine.decay_names = decay_names
+    clip_by_one_norm(engine, cfg.optimizer.grad_clip)
     return engine
+
+
+def clip_by_one_norm(engine, max_norm: float) -> None:
+    """Make an fp32 ZeRO-0 engine (DeepSpeed's basic optimizer) clip by the norm every other
+    engine clips by, and keep it for ``get_global_grad_norm``; other engines are left as they are.
+
+    There DeepSpeed clips with ``deepspeed.runtime.utils.clip_grad_norm_``, which counts the last
+    pipeline stage's copy of the tied embedding a second time (DeepSpeed's ZeRO and bf16
+    optimizers skip parameters marked ``ds_pipe_replicated``; it does not): on the tiny model at
+    PP=2 the loss left the one-stage run's at the second step. It also keeps no norm, so the
+    metrics said ``grad nan``. Instead, before DeepSpeed's step: each gradient counted once (a
+    parameter whole on every TP rank on the first, the tied copy on the first stage), one
+    all-reduce over the model-parallel group, then every gradient (the copy too) scaled by
+    megatron's clip coefficient, as :class:`~setdiff_dist.train.megatron_dp.MegatronEngine` does."""
+    if engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization():
+        return
+    take_step = engine._take_model_step
+
+    def _take_model_step(lr_kwargs):
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        first = ps.get_tensor_model_parallel_rank() == 0
+        counted = [p.grad.float().pow(2).sum() for p in engine.module.parameters()
+                   if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+                   and (first or getattr(p, "tensor_model_parallel", False))]
+        squares = torch.stack(counted).sum().reshape(1) if counted else \
+            torch.zeros(1, device=engine.device)
+        dist.all_reduce(squares, group=ps.get_model_parallel_group())
+        norm = float(squares.sqrt())
+        engine._global_grad_norm = norm
+        coef = max_norm / (norm + 1e-6) if max_norm > 0 and math.isfinite(norm) else 1.0
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+        return take_step(lr_kwargs)
+
+    engine._take_model_step = _take_model_step
+    engine.clip_fp32_gradients = lambda: None  # (done above)
 
 
 def name_globally(engine) -> None:
