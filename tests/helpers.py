@@ -196,9 +196,12 @@ LAYOUTS = {
         ("qk-tp2-sp-fsdp", [*_QK, "parallel.tensor=2", "parallel.sequence_parallel=true",
                             "zero.stage=2"]),
         ("pp-diverges", [*_DIVERGE, "zero.stage=0", "parallel.pipeline=2"]),
-        # DeepSpeed's groups at PP=2 with weight decay (the last stage's tied output weight)
-        ("pp2-ds-decay", ["zero.implementation=deepspeed", "parallel.pipeline=2",
-                          "optimizer.weight_decay=0.5", "checkpoint.save_at_end=true"]),
+        # weight decay on megatron's engine, DeepSpeed's at ZeRO-3 (partitioned parameters)
+        # and at PP=2 (the last stage's tied output weight)
+        ("decay", ["optimizer.weight_decay=0.5"]),
+        ("decay-zero3", ["zero.stage=3", "optimizer.weight_decay=0.5"]),
+        ("decay-pp2-deepspeed", ["zero.implementation=deepspeed", "parallel.pipeline=2",
+                                 "optimizer.weight_decay=0.5", "checkpoint.save_at_end=true"]),
         ("cp2", ["parallel.context=2"])],
     4: [("tp2xpp2", ["parallel.tensor=2", "parallel.pipeline=2"]),
         ("cp2-tp2", ["parallel.context=2", "parallel.tensor=2"]),

@@ -341,37 +341,43 @@ def test_a_change_of_optimizer_state_form_is_converted_or_refused(tmp_path):
         f"zero.min_bucket_per_rank: checkpoint {mega.zero.min_bucket_per_rank}, this run 5"
 
 
-def test_the_run_of_a_pipeline_checkpoint_saved_before_global_decay_names_keeps_its_groups(
-        tmp_path):
-    """Pure logic: DeepSpeed's weight-decay groups go by the global names, except in the run of
-    a DeepSpeed pipeline checkpoint with tied embeddings whose manifest predates
-    ``decay_names`` (its last stage decayed the tied output weight, and its optimizer state is
-    grouped so: DeepSpeed refuses to load it into other groups)."""
+def test_a_checkpoint_saved_with_the_old_weight_decay_groups_resumes_in_them(tmp_path):
+    """Pure logic: DeepSpeed's weight-decay groups decay every matrix but the embedding, by its
+    global name and whole shape, except in the run of a DeepSpeed checkpoint whose manifest
+    predates ``decay_rule`` and that loads as saved (DeepSpeed refuses optimizer state of
+    other groups): at ZeRO-3 nothing was decayed, under pipeline parallelism with tied
+    embeddings the last stage's copy was. Through the universal form any groups load."""
     import yaml
 
     from setdiff_dist.config import load_config
-    from setdiff_dist.train.checkpoint import decay_names
+    from setdiff_dist.train.checkpoint import decay_rule
 
     here = load_config("configs/tiny-cpu.yaml", ["zero.implementation=deepspeed",
                                                  "parallel.pipeline=2"])
     saved = here.to_dict()
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     old = {"layout": {"tensor": 1, "pipeline": 2, "data": 1, "world": 2, "context": 1},
-           "model": saved["model"], "zero_implementation": "deepspeed"}
+           "model": saved["model"], "zero_implementation": "deepspeed", "zero_stage": 1}
 
-    def names(manifest, cfg=here):
+    def rule(manifest, cfg=here, universal=False):
         (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-        return decay_names(str(tmp_path), cfg)
+        return decay_rule(str(tmp_path), cfg, universal)
 
-    assert decay_names(None, here) == "global"  # a fresh run
-    assert names(old) == "local"
-    assert names(dict(old, decay_names="local")) == "local"  # (that run's later checkpoints)
-    assert names(dict(old, decay_names="global")) == "global"
-    assert names(dict(old, layout=dict(old["layout"], pipeline=1))) == "global"
-    assert names(dict(old, model=dict(saved["model"], tie_embeddings=False))) == "global"
-    assert names(dict(old, zero_implementation="megatron")) == "global"  # (by global names)
-    assert names(old, load_config("configs/tiny-cpu.yaml", ["parallel.pipeline=2"])) \
+    assert decay_rule(None, here) == "global"  # a fresh run
+    assert rule(old) == "local"
+    assert rule(old, universal=True) == "global"
+    assert rule(dict(old, decay_rule="local")) == "local"  # (that run's later checkpoints)
+    assert rule(dict(old, decay_rule="global")) == "global"
+    assert rule(dict(old, layout=dict(old["layout"], pipeline=1))) == "global"
+    assert rule(dict(old, model=dict(saved["model"], tie_embeddings=False))) == "global"
+    assert rule(dict(old, zero_implementation="megatron")) == "global"  # (by global names)
+    assert rule(old, load_config("configs/tiny-cpu.yaml", ["parallel.pipeline=2"])) \
         == "global"  # (megatron's optimizer: through the universal form, by name)
+    zero3 = load_config("configs/tiny-cpu.yaml", ["zero.stage=3"])
+    flat = dict(old, zero_stage=3, layout=dict(old["layout"], pipeline=1, data=2))
+    assert rule(flat, zero3) == "none"
+    assert rule(flat, zero3, universal=True) == "global"
+    assert rule(dict(flat, decay_rule="global"), zero3) == "global"
 
 
 def test_which_layout_changes_resume_and_which_are_refused():

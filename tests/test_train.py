@@ -56,21 +56,26 @@ def test_the_clipping_norm_counts_the_tied_embedding_once_under_pipeline_paralle
         assert got == pytest.approx(ref, rel=0.02 if "bf16" in name else 1e-4), name
 
 
-def test_the_tied_embeddings_copies_stay_equal_under_pipeline_parallelism(layouts):
-    """DeepSpeed at PP=2 with weight decay: the last stage's copy of the tied embedding (named
-    ``output_layer.weight`` there) is not decayed, as the first stage's is not, so the two
-    copies stay bit-equal (before, it was decayed as a matrix and drifted: 2.847 against 2.863
-    in norm after 6 steps). The saved weights name both ``embedding.weight``."""
+def test_weight_decay_is_one_curve_on_every_engine(trained, layouts):
+    """Weight decay on megatron's engine, DeepSpeed's ZeRO-3 and DeepSpeed at PP=2 gives one
+    curve (before, ZeRO-3 decayed nothing: its groups were made from the partitioned, empty
+    parameters; and at PP=2 the last stage decayed its copy of the tied embedding, which drifted
+    from the first stage's: 2.847 against 2.863 in norm after 6 steps). Both copies are saved
+    as ``embedding.weight``: they are bit-equal."""
     from safetensors.torch import load_file
 
     found, _, root = layouts
-    assert len(found["pp2-ds-decay"][0]) == STEPS
-    ckpt = root / "pp2-ds-decay" / "checkpoints"
+    decayed = found["decay"][0]
+    assert len(decayed) == STEPS
+    assert decayed != pytest.approx(curve(trained())[0], rel=1e-6, abs=0)  # (it decays)
+    for name in ("decay-zero3", "decay-pp2-deepspeed"):
+        assert found[name][0] == pytest.approx(decayed, rel=2e-6, abs=0), name
+    ckpt = root / "decay-pp2-deepspeed" / "checkpoints"
     tag = ckpt / (ckpt / "latest").read_text().strip()
     first, last = (load_file(tag / "weights" / f"tp00_pp0{p}.safetensors")["embedding.weight"]
                    for p in (0, 1))
     assert torch.equal(first, last)
-    assert json.loads((tag / "manifest.json").read_text())["decay_names"] == "global"
+    assert json.loads((tag / "manifest.json").read_text())["decay_rule"] == "global"
 
 
 def test_metrics_and_run_directory(sonnets, tmp_path):

@@ -77,10 +77,10 @@ RUN_FREE = ("attention_backend", "attention_dropout", "hidden_dropout")
 
 
 def build_manifest(step: int, layout: dict, cfg, tokenizer_identity: dict, files: dict,
-                   data: Optional[dict] = None, decay_names: str = "global") -> dict:
+                   data: Optional[dict] = None, decay_rule: str = "global") -> dict:
     """The manifest of a checkpoint of ``cfg``'s run at ``step``, saved in ``layout``, with its
-    ``files`` (``{name: {"bytes", "sha256"}}``), its data stream's identity ``data`` and the
-    names its weight-decay groups went by (:func:`setdiff_dist.train.checkpoint.decay_names`)."""
+    ``files`` (``{name: {"bytes", "sha256"}}``), its data stream's identity ``data`` and what
+    its weight-decay groups decayed (:func:`setdiff_dist.train.checkpoint.decay_rule`)."""
     saved = cfg.to_dict()
     manifest = {"format": FORMAT, "step": step, "layout": layout,
                 "zero_stage": cfg.zero.stage, "model": saved["model"], "order": saved["order"],
@@ -89,8 +89,8 @@ def build_manifest(step: int, layout: dict, cfg, tokenizer_identity: dict, files
                 # DeepSpeed's optimizer state is named by the parameters' global names
                 # (train.engine.name_globally): it can change pipeline size
                 "optimizer_names": "global",
-                # the names weight decay was decided by ("global" since this key exists)
-                "decay_names": decay_names,
+                # what the weight-decay groups decayed ("global" since this key exists)
+                "decay_rule": decay_rule,
                 # who ran the data parallelism ("auto" has meant other ones over time)
                 "zero_implementation": zero_implementation(cfg)}
     if data is not None:

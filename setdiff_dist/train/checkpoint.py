@@ -106,39 +106,53 @@ def needs_universal(path: str, cfg) -> bool:
                                   or stage != cfg.zero.stage)
 
 
-def decay_names(path: Optional[str], cfg) -> str:
-    """Which names DeepSpeed's weight-decay groups go by in a run of ``cfg`` that resumes from
-    ``path`` (None: a fresh run), :func:`setdiff_dist.train.engine.param_groups`: ``"global"``,
-    or ``"local"`` in the run of a pipeline-parallel checkpoint with tied embeddings that
-    DeepSpeed saved before manifests said which (``decay_names``). Its last stage decayed its
-    copy of the embedding as a matrix, and its optimizer state is grouped so: the run goes on
-    as it was saved (:func:`say_decay_names` tells the user)."""
+def decay_rule(path: Optional[str], cfg, universal: bool = False) -> str:
+    """What DeepSpeed's weight-decay groups decay in a run of ``cfg`` that resumes from ``path``
+    (None: a fresh run; ``universal``: through the universal form, which loads each parameter's
+    state by name into any groups), :func:`setdiff_dist.train.engine.param_groups`:
+    ``"global"``, or, in the run of a checkpoint DeepSpeed saved before manifests said
+    (``decay_rule``) and loaded as saved, the groups its optimizer state was saved in:
+
+    - ``"none"`` at ZeRO-3: the groups were made from the partitioned (empty, one-dimensional)
+      parameters, so nothing was decayed;
+    - ``"local"`` under pipeline parallelism with tied embeddings: the last stage decayed its
+      copy of the embedding as a matrix (it drifted from the first stage's).
+
+    DeepSpeed refuses optimizer state saved in other groups, so such a run goes on as it was
+    saved (:func:`say_decay_rule` tells the user)."""
     from setdiff_dist.config import resolved_model, zero_implementation
 
-    if path is None or zero_implementation(cfg) != "deepspeed":
+    if path is None or universal or zero_implementation(cfg) != "deepspeed":
         return "global"
     try:
         with open(os.path.join(path, MANIFEST)) as fh:
             manifest = json.load(fh)
     except (OSError, ValueError):
         return "global"  # (check_compatible says what is wrong with it)
-    if "decay_names" in manifest:
-        return manifest["decay_names"]
-    if saved_form(path) in FRAGMENTS or manifest.get("layout", {}).get("pipeline", 1) == 1:
+    if "decay_rule" in manifest:
+        return manifest["decay_rule"]
+    if saved_form(path) in FRAGMENTS:
         return "global"
-    return "local" if resolved_model(manifest.get("model", {})).get("tie_embeddings") \
-        else "global"
+    if manifest.get("zero_stage") == 3:
+        return "none"
+    if manifest.get("layout", {}).get("pipeline", 1) > 1 and \
+            resolved_model(manifest.get("model", {})).get("tie_embeddings"):
+        return "local"
+    return "global"
 
 
-def say_decay_names(path: str, cfg, names: str) -> None:
-    """(Rank 0.) The note for a run whose weight-decay groups go by each stage's own names
-    (:func:`decay_names`) where that decays something: the last stage's tied output weight."""
-    if names == "local" and cfg.optimizer.adamw_weight_decay > 0 and cfg.parallel.pipeline > 1:
-        print(f"note: {path} was saved when the last pipeline stage weight-decayed its copy of "
-              "the tied embedding as a matrix (so it drifts from the first stage's copy; fixed "
-              "since); this run goes on that way so that its optimizer state loads as saved. "
-              "To train with the fix, start from its weights: set checkpoint.init_from="
-              f"{path} with a new run_dir", flush=True)
+def say_decay_rule(path: str, cfg, rule: str) -> None:
+    """(Rank 0.) The note for a run whose weight-decay groups are those of an earlier version
+    (:func:`decay_rule`), where that changes what is decayed."""
+    if cfg.optimizer.adamw_weight_decay <= 0 or rule == "global" or \
+            (rule == "local" and cfg.parallel.pipeline == 1):
+        return
+    then = ("ZeRO-3 weight-decayed no parameter" if rule == "none" else
+            "the last pipeline stage weight-decayed its copy of the tied embedding as a matrix "
+            "(so it drifted from the first stage's copy)")
+    print(f"note: {path} was saved when {then}, since fixed; this run goes on that way so that "
+          "its optimizer state loads as saved. To train with the fix, start from its weights: "
+          f"checkpoint.init_from={path} with a new run_dir", flush=True)
 
 
 def make_universal(path: str, zero3_rows: Optional[int] = None, hashes: bool = True) -> str:
@@ -450,7 +464,7 @@ class Save:
                                 "points at the previous checkpoint")
         manifest = build_manifest(self.step, layout(), self.cfg, self.tokenizer_identity,
                                   {k: v for t in tables for k, v in t["files"].items()},
-                                  self.data, getattr(self.engine, "decay_names", "global"))
+                                  self.data, getattr(self.engine, "decay_rule", "global"))
         write_atomic(os.path.join(self.path, MANIFEST), json.dumps(manifest, indent=2))
         write_atomic(os.path.join(root, LATEST), tag + "\n")
         if self.best:

@@ -299,18 +299,19 @@ def schedule_changes(saved: dict, cfg) -> list[str]:
     return out
 
 
-def param_groups(model, weight_decay: float, names: str = "global") -> list[dict]:
+def param_groups(model, weight_decay: float, rule: str = "global") -> list[dict]:
     """DeepSpeed's parameter groups: weight decay where :func:`~setdiff_dist.train.schedule.
-    decayed` says so, by the global names (``names="global"``) or, for the run of a checkpoint
-    saved before (:func:`setdiff_dist.train.checkpoint.decay_names`), by each stage's own
-    (``"local"``), so that its optimizer state loads into the groups it was saved from."""
+    decayed` says so (``rule="global"``) or, in the run of a checkpoint saved before, as it was
+    then (:func:`setdiff_dist.train.checkpoint.decay_rule`: ``"local"``, by each pipeline
+    stage's own names; ``"none"``, nothing), so that its optimizer state loads into the groups
+    it was saved from."""
     from setdiff_dist.model.transformer import global_name
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            key = global_name(model, name) if names == "global" else name
-            (decay if decayed(p, key) else no_decay).append(p)
+            key = global_name(model, name) if rule == "global" else name
+            (decay if rule != "none" and decayed(p, key) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
@@ -353,13 +354,13 @@ def zero_optimizer_for_bf16(wanted: bool):
         ds_engine.DeepSpeedEngine._do_optimizer_sanity_check = original
 
 
-def build_engine(cfg, model, load_universal: bool = False, decay_names: str = "global"):
+def build_engine(cfg, model, load_universal: bool = False, decay_rule: str = "global"):
     """``deepspeed.initialize`` over ``model`` with megatron's groups (with
     megatron's data parallelism, :func:`~setdiff_dist.config.zero_implementation`:
     :class:`~setdiff_dist.train.megatron_dp.MegatronEngine`, the same surface over megatron-core's
     distributed optimizer; with FSDP's, :class:`~setdiff_dist.train.fsdp_dp.FsdpEngine`).
-    ``decay_names``: which names DeepSpeed's weight-decay groups go by (:func:`param_groups`);
-    the engine keeps it as ``decay_names`` for the checkpoints' manifests."""
+    ``decay_rule``: what DeepSpeed's weight-decay groups decay (:func:`param_groups`); the
+    engine keeps it as ``decay_rule`` for the checkpoints' manifests."""
     from setdiff_dist.config import zero_implementation
 
     implementation = zero_implementation(cfg)
@@ -384,7 +385,7 @@ def build_engine(cfg, model, load_universal: bool = False, decay_names: str = "g
     with zero_optimizer_for_bf16(optimizer_form(cfg.to_dict()) == "zero"):
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, cfg.optimizer.adamw_weight_decay,
-                                                       decay_names),
+                                                       decay_rule),
             config=deepspeed_config(cfg, dp, load_universal), mpu=MegatronMPU(),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     # DeepSpeed names checkpoint files by the mpu's model-parallel rank, which is the TP rank
@@ -394,7 +395,7 @@ def build_engine(cfg, model, load_universal: bool = False, decay_names: str = "g
                                  * ps.get_tensor_model_parallel_world_size()
                                  + ps.get_tensor_model_parallel_rank())
     name_globally(engine)
-    engine.decay_names = decay_names
+    engine.decay_rule = decay_rule
     clip_by_one_norm(engine, cfg.optimizer.grad_clip)
     return engine
 

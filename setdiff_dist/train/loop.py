@@ -165,12 +165,12 @@ class Trainer:
         # a checkpoint of another data-parallel size resumes through its universal form
         self.universal = self.resume_path is not None and \
             checkpoint.needs_universal(self.resume_path, cfg)
-        decay_names = checkpoint.decay_names(self.resume_path, cfg)
+        decay_rule = checkpoint.decay_rule(self.resume_path, cfg, self.universal)
         if self.rank == 0 and self.resume_path is not None:
-            checkpoint.say_decay_names(self.resume_path, cfg, decay_names)
+            checkpoint.say_decay_rule(self.resume_path, cfg, decay_rule)
         self._starting("engine build")
         self.engine = build_engine(cfg, self.model, load_universal=self.universal,
-                                   decay_names=decay_names)
+                                   decay_rule=decay_rule)
         # the EMA of the weights starts at the initial weights (or the checkpoint's, on resume)
         self.ema = EMA(self.engine.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.sync = GradientSync(self.engine)  # where gradients accumulate, when they reduce

@@ -31,5 +31,7 @@ def decayed(param, name: str) -> bool:
     model.transformer.global_name`): matrices yes; norms, biases and the embedding no
     (Megatron-LM's rule). By the global name, because under pipeline parallelism the last
     stage's copy of a tied embedding is called ``output_layer.weight`` there: decayed as a
-    matrix, it would drift from the first stage's copy."""
-    return param.dim() >= 2 and "embedding" not in name
+    matrix, it would drift from the first stage's copy. By the parameter's whole shape, because
+    ZeRO-3 holds a partitioned parameter as an empty one-dimensional tensor (``ds_shape`` is
+    its shape): by that, nothing would be decayed."""
+    return len(getattr(param, "ds_shape", param.shape)) >= 2 and "embedding" not in name
