@@ -14,7 +14,6 @@ first logged step and to the end. Results go to ``benchmarks/results/rank_start.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import subprocess
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from startup_groups import RESULTS, ROOT, shards  # noqa: E402
+from startup_groups import ROOT, alternated, means, shards, write_results  # noqa: E402
 
 VARIANTS = {"forked": "1", "executed": "0"}
 
@@ -67,18 +66,16 @@ def main() -> int:
     launch("forked", args.ranks[0], 1, data, work)  # (fills the caches: neither variant pays it)
     out = {"steps": args.steps}
     for ranks in args.ranks:
-        rows = out[f"ranks{ranks}"] = {}
-        for i in range(args.repeats):
-            for variant in VARIANTS if i % 2 == 0 else list(VARIANTS)[::-1]:
-                rows.setdefault(variant, []).append(launch(variant, ranks, args.steps, data, work))
-        mean = {v: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for v, rs in rows.items()}
+        rows = out[f"ranks{ranks}"] = alternated(
+            tuple(VARIANTS), args.repeats,
+            lambda variant, _, ranks=ranks: launch(variant, ranks, args.steps, data, work))
+        mean = means(rows)
         f, e = mean["forked"], mean["executed"]
         print(f"{ranks} ranks, {args.steps} steps: CPU {f['cpu_s']:.1f} s forked vs "
               f"{e['cpu_s']:.1f} s executed ({e['cpu_s'] / f['cpu_s']:.2f}x); first step at "
               f"{f['seconds_to_first_step']:.1f} vs {e['seconds_to_first_step']:.1f} s; "
               f"end at {f['seconds_total']:.1f} vs {e['seconds_total']:.1f} s", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "rank_start.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_results("rank_start", out)
     return 0
 
 

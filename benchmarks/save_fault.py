@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from startup_groups import RESULTS, ROOT, shards  # noqa: E402
+from startup_groups import ROOT, alternated, means, shards, write_results  # noqa: E402
 
 VARIANTS = ("clean", "retried", "ended")
 
@@ -90,21 +90,21 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="save-fault-"))
     data = shards(work / "data")
     variant("clean", work, data, args)  # (fills the caches: no variant pays it)
-    rows: dict = {}
-    for i in range(args.repeats):
-        for name in VARIANTS if i % 2 == 0 else VARIANTS[::-1]:
-            rows.setdefault(name, []).append(variant(name, work, data, args))
-            print(f"{name}: {rows[name][-1]}", flush=True)
-    mean = {n: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for n, rs in rows.items()}
+
+    def measure(name, _):
+        r = variant(name, work, data, args)
+        print(f"{name}: {r}", flush=True)
+        return r
+
+    rows = alternated(VARIANTS, args.repeats, measure)
+    mean = means(rows)
     clean = mean["clean"]["seconds"]
     for name in VARIANTS:
         m = mean[name]
         print(f"{name:8s} {m['seconds']:6.1f} s, {m['seconds'] - clean:+5.1f} s against clean "
               f"({m['seconds'] / clean:.2f}x), {m['steps_again']:.0f} step(s) trained again",
               flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "save_fault.json").write_text(json.dumps(
-        {"args": vars(args), "runs": rows, "mean": mean}, indent=2) + "\n")
+    write_results("save_fault", {"args": vars(args), "runs": rows, "mean": mean})
     return 0
 
 

@@ -61,6 +61,28 @@ atexit.register(_write)
 '''
 
 
+def alternated(variants, repeats: int, measure) -> dict:
+    """``{variant: [measure(variant, round) for each round]}``: every variant ``repeats`` times,
+    in the reverse order every other round, so that a drift of the machine falls on each
+    alike. The benchmarks' side-by-side runs."""
+    rows: dict = {v: [] for v in variants}
+    for i in range(repeats):
+        for v in variants if i % 2 == 0 else variants[::-1]:
+            rows[v].append(measure(v, i))
+    return rows
+
+
+def means(rows: dict) -> dict:
+    """``{variant: {key: mean}}`` of :func:`alternated`'s rows of numbers."""
+    return {v: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for v, rs in rows.items()}
+
+
+def write_results(name: str, out: dict) -> None:
+    """``out`` as ``benchmarks/results/<name>.json``."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
 def shards(directory: Path) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import sonnet_shards
@@ -113,15 +135,15 @@ def main() -> int:
     data = shards(work / "data")
     out = {"ranks": args.ranks, "tensor": args.tensor, "pipeline": args.pipeline}
     run("warmup", data, work, args)  # (the first launch fills caches: neither variant pays it)
-    variants = ("before", "deepspeed", "after")
-    for i in range(args.repeats):
-        for variant in variants if i % 2 == 0 else variants[::-1]:
-            r = run(f"{variant}{i}", data, work, args)
-            out.setdefault(variant, []).append(r)
-            print(f"{variant:9s}: {max(r['new_group_per_rank'])} process groups created per "
-                  f"rank, first step at {r['seconds_to_first_step']:.1f} s", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "startup_groups.json").write_text(json.dumps(out, indent=2) + "\n")
+
+    def measure(variant, i):
+        r = run(f"{variant}{i}", data, work, args)
+        print(f"{variant:9s}: {max(r['new_group_per_rank'])} process groups created per "
+              f"rank, first step at {r['seconds_to_first_step']:.1f} s", flush=True)
+        return r
+
+    out.update(alternated(("before", "deepspeed", "after"), args.repeats, measure))
+    write_results("startup_groups", out)
     return 0
 
 
