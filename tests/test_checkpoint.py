@@ -361,9 +361,9 @@ def test_a_checkpoint_saved_with_the_old_weight_decay_groups_resumes_in_them(tmp
 
     def rule(manifest, cfg=here, universal=False):
         (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-        return decay_rule(str(tmp_path), cfg, universal)
+        return decay_rule(str(tmp_path), manifest, cfg, universal)
 
-    assert decay_rule(None, here) == "global"  # a fresh run
+    assert decay_rule(None, None, here) == "global"  # a fresh run
     assert rule(old) == "local"
     assert rule(old, universal=True) == "global"
     assert rule(dict(old, decay_rule="local")) == "local"  # (that run's later checkpoints)

@@ -106,10 +106,12 @@ def needs_universal(path: str, cfg) -> bool:
                                   or stage != cfg.zero.stage)
 
 
-def decay_rule(path: Optional[str], cfg, universal: bool = False) -> str:
+def decay_rule(path: Optional[str], manifest: Optional[dict], cfg,
+               universal: bool = False) -> str:
     """What DeepSpeed's weight-decay groups decay in a run of ``cfg`` that resumes from ``path``
-    (None: a fresh run; ``universal``: through the universal form, which loads each parameter's
-    state by name into any groups), :func:`setdiff_dist.train.engine.param_groups`:
+    (None: a fresh run), whose ``manifest`` :func:`~setdiff_dist.checkpoint.manifest.
+    check_resume` returned (``universal``: through the universal form, which loads each
+    parameter's state by name into any groups), :func:`setdiff_dist.train.engine.param_groups`:
     ``"global"``, or, in the run of a checkpoint DeepSpeed saved before manifests said
     (``decay_rule``) and loaded as saved, the groups its optimizer state was saved in:
 
@@ -124,11 +126,6 @@ def decay_rule(path: Optional[str], cfg, universal: bool = False) -> str:
 
     if path is None or universal or zero_implementation(cfg) != "deepspeed":
         return "global"
-    try:
-        with open(os.path.join(path, MANIFEST)) as fh:
-            manifest = json.load(fh)
-    except (OSError, ValueError):
-        return "global"  # (check_compatible says what is wrong with it)
     if "decay_rule" in manifest:
         return manifest["decay_rule"]
     if saved_form(path) in FRAGMENTS:
@@ -464,7 +461,7 @@ class Save:
                                 "points at the previous checkpoint")
         manifest = build_manifest(self.step, layout(), self.cfg, self.tokenizer_identity,
                                   {k: v for t in tables for k, v in t["files"].items()},
-                                  self.data, getattr(self.engine, "decay_rule", "global"))
+                                  self.data, self.engine.decay_rule)
         write_atomic(os.path.join(self.path, MANIFEST), json.dumps(manifest, indent=2))
         write_atomic(os.path.join(root, LATEST), tag + "\n")
         if self.best:

@@ -33,6 +33,8 @@ class FragmentCheckpoints:
     """Save and load of a fragment-sharded engine (see the module's docstring)."""
 
     form = "megatron"
+    # weight decay by the global names (train.schedule.decayed), in every checkpoint's manifest
+    decay_rule = "global"
 
     def _checkpoint_engine(self):
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (

@@ -152,7 +152,8 @@ class Trainer:
         self.train_set, self.valid_set, self.tokenizer = open_data(cfg)
         self.resume_path = resume_path(cfg)  # None: a fresh run
         TALLY.reset()  # (what the resume reads of the checkpoint: checksums and loads)
-        self._check_resume()  # before any model is built: a refusal costs seconds, not minutes
+        # before any model is built: a refusal costs seconds, not minutes (None: a fresh run)
+        self.resume_manifest = self._check_resume()
         config = transformer_config(cfg.model, par.tensor, par.pipeline,
                                     sequence_parallel=par.sequence_parallel,
                                     fp8_recipe=cfg.train.fp8_recipe
@@ -165,7 +166,8 @@ class Trainer:
         # a checkpoint of another data-parallel size resumes through its universal form
         self.universal = self.resume_path is not None and \
             checkpoint.needs_universal(self.resume_path, cfg)
-        decay_rule = checkpoint.decay_rule(self.resume_path, cfg, self.universal)
+        decay_rule = checkpoint.decay_rule(self.resume_path, self.resume_manifest, cfg,
+                                           self.universal)
         if self.rank == 0 and self.resume_path is not None:
             checkpoint.say_decay_rule(self.resume_path, cfg, decay_rule)
         self._starting("engine build")
@@ -242,10 +244,12 @@ class Trainer:
             print(f"initialized from the Hugging Face checkpoint {hf}", flush=True)
         return model
 
-    def _check_resume(self) -> None:
-        """Refuse, before building anything, a checkpoint this run cannot go on from."""
-        if self.resume_path is not None:
-            check_resume(self.resume_path, self.cfg, self.tokenizer_identity,
+    def _check_resume(self) -> Optional[dict]:
+        """Refuse, before building anything, a checkpoint this run cannot go on from; the
+        manifest of the one it can (None: a fresh run)."""
+        if self.resume_path is None:
+            return None
+        return check_resume(self.resume_path, self.cfg, self.tokenizer_identity,
                          checkpoint.layout(), self.loader(0).state_dict(),
                          say=self.rank == 0, group=dist.group.WORLD,
                          form_change=deepspeed_form_change(self.resume_path, self.cfg))
