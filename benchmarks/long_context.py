@@ -110,7 +110,7 @@ def main() -> None:
             model = models[kind]
             if kind == "causal":
                 inp = causal_lm_inputs(x)
-                loss = causal_lm_nll(model(inp.tokens, inp.positions, None), x).mean()
+                loss = causal_lm_nll(model(inp.tokens, inp.positions, None), x, inp).mean()
             else:  # the training objective's own step (setdiff_dist.objective)
                 out, terms = nelbo_step(model, x, sample, kind)
                 total, tokens = terms(out)

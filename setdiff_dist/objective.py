@@ -20,6 +20,7 @@ from setdiff_dist.diffusion import make_schedule, nelbo, sample_orders
 from setdiff_dist.diffusion.kinds import order_of
 from setdiff_dist.model.forward import (
     causal_lm_inputs,
+    causal_lm_nll,
     set_diffusion_inputs,
     set_diffusion_nll,
     vocab_parallel_nll,
@@ -71,15 +72,7 @@ class Objective:
         """``(model output, terms_fn)``; ``terms_fn(logits) -> (loss sum, target tokens)``."""
         tokens = batch.tokens
         if self.order.causal_lm:
-            inp = causal_lm_inputs(tokens)
-            out = module(inp.tokens, inp.positions, None)
-            mask = self.target_mask(batch).to(tokens.device)
-
-            def terms(logits):
-                nll = vocab_parallel_nll(logits[:-1], tokens[:, 1:])
-                return torch.where(mask, nll, 0.0).sum(), mask.sum().to(nll.dtype)
-
-            return out, terms
+            return causal_lm_step(module, tokens, self.target_mask(batch))
         sample = sample_orders(self.schedule, self.seq_len, batch.indices, self.seed,
                                context=first_clean(batch.context), padding=batch.padding,
                                stream=self.stream, strata=self.strata)
@@ -128,6 +121,25 @@ def nelbo_step(module, tokens: torch.Tensor, sample, backend: str, per_sequence:
         if per_sequence:
             return bound.total, sample.targets.any(dim=1).sum().to(bound.total.dtype)
         return bound.total, bound.tokens
+
+    return out, terms
+
+
+def causal_lm_step(module, tokens: torch.Tensor, mask: torch.Tensor):
+    """The causal LM's forward of ``tokens [b, L]``: ``(model output, terms_fn)`` with
+    ``terms_fn(logits) -> (next-token loss sum over mask [b, L-1], target tokens)``; under
+    context parallelism, of this rank's positions (the group's sums are the sequence's)."""
+    inp = causal_lm_inputs(tokens)
+    out = module(inp.tokens, inp.positions, inp.attention_mask)
+    mask = mask.to(tokens.device)
+    if inp.context is not None:
+        mine = torch.zeros(tokens.shape[1], dtype=torch.bool, device=tokens.device)
+        mine[inp.context.to(tokens.device)] = True
+        mask = mask & mine[:-1]
+
+    def terms(logits):
+        nll = causal_lm_nll(logits, tokens, inp)
+        return torch.where(mask, nll, 0.0).sum(), mask.sum().to(nll.dtype)
 
     return out, terms
 

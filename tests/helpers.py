@@ -180,7 +180,8 @@ _DIVERGE = ["optimizer.lr=1e30", "optimizer.grad_clip=0", "train.max_nonfinite_s
             "optimizer.warmup_steps=0", "optimizer.schedule=constant", "optimizer.min_lr=0"]
 _QK = ["model.qk_norm=true", "checkpoint.save_at_end=true"]
 LAYOUTS = {
-    1: [("dp1", []), ("bf16-dp1", ["train.precision=bf16"]), ("qk-tp1", _QK)],
+    1: [("dp1", []), ("bf16-dp1", ["train.precision=bf16"]), ("qk-tp1", _QK),
+        ("causal-dp1", ["order.kind=causal"])],
     2: [("zero0", ["zero.stage=0"]), ("zero0-pp2", ["zero.stage=0", "parallel.pipeline=2"]),
         ("zero2", ["zero.stage=2"]), ("zero3", ["zero.stage=3"]),
         ("tp2", ["parallel.tensor=2"]), ("pp2", ["parallel.pipeline=2"]),
@@ -202,7 +203,8 @@ LAYOUTS = {
         ("decay-zero3", ["zero.stage=3", "optimizer.weight_decay=0.5"]),
         ("decay-pp2-deepspeed", ["zero.implementation=deepspeed", "parallel.pipeline=2",
                                  "optimizer.weight_decay=0.5", "checkpoint.save_at_end=true"]),
-        ("cp2", ["parallel.context=2"])],
+        ("cp2", ["parallel.context=2"]),
+        ("causal-cp2", ["order.kind=causal", "parallel.context=2"])],
     4: [("tp2xpp2", ["parallel.tensor=2", "parallel.pipeline=2"]),
         ("cp2-tp2", ["parallel.context=2", "parallel.tensor=2"]),
         ("cp2-pp2", ["parallel.context=2", "parallel.pipeline=2"]),

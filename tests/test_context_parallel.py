@@ -1,6 +1,7 @@
 """Context parallelism: a sequence split over 2 ranks (zigzag) gives the losses and gradients of
 the unsplit sequence, for the autoregressive and staggered orders with the dense-mask and the
-permuted backends and for the in-set orders (block, masked) with the dense mask, on gloo."""
+permuted backends, for the in-set orders (block, masked) with the dense mask and for the plain
+causal LM, on gloo."""
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ L, B, V = 16, 2, 128
 # (GQA for the staggered cases, one key/value head per query head for the others: the
 # gathered keys' gradient arrives strided without GQA's repeat)
 CASES = [(kind, backend) for kind in ("autoregressive", "staggered")
-         for backend in ("sdpa", "permuted_causal")] + [("block", "sdpa"), ("masked", "sdpa")]
+         for backend in ("sdpa", "permuted_causal")] + [("block", "sdpa"), ("masked", "sdpa"),
+                                                          ("causal", "sdpa")]
 
 
 def _step(kind, backend):
@@ -21,7 +23,7 @@ def _step(kind, backend):
     from setdiff_dist.config import load_config
     from setdiff_dist.diffusion import make_schedule, sample_orders
     from setdiff_dist.model.transformer import build_model, global_name, transformer_config
-    from setdiff_dist.objective import nelbo_step
+    from setdiff_dist.objective import causal_lm_step, first_clean, nelbo_step
 
     groups = 2 if kind == "staggered" else 4
     cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=32",
@@ -32,9 +34,12 @@ def _step(kind, backend):
     x = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(0))
     pad = torch.arange(L).expand(B, L) >= torch.tensor([[L], [L - 5]])
     context = torch.arange(L).expand(B, L) < 3
-    sample = sample_orders(make_schedule(kind, L, mean_set_size=3), L, range(B), 2,
-                           context=context, padding=pad)
-    out, terms = nelbo_step(model, x, sample, backend)
+    if kind == "causal":  # (the plain causal LM: next-token loss on the unpadded targets)
+        out, terms = causal_lm_step(model, x, ~(pad | first_clean(context))[:, 1:])
+    else:
+        sample = sample_orders(make_schedule(kind, L, mean_set_size=3), L, range(B), 2,
+                               context=context, padding=pad)
+        out, terms = nelbo_step(model, x, sample, backend)
     total, tokens = terms(out)
     sums = torch.stack([total.detach(), tokens.detach()])
     group = ps.get_context_parallel_group()
@@ -134,14 +139,27 @@ def test_context_parallel_composes_with_tensor_and_pipeline_parallelism(layouts,
         assert a == pytest.approx(b, rel=2e-4)
 
 
+@pytest.mark.multiprocess
+def test_the_causal_baseline_trains_with_context_parallel_2_as_on_one_rank(layouts):
+    """(conftest.layouts.) The plain causal LM at CP=2 follows its one-rank curve, training and
+    validation (Megatron users train their GPT baselines at long context this way)."""
+    (got, valid), (one_rank, valid_one) = layouts[0]["causal-cp2"], layouts[0]["causal-dp1"]
+    assert len(got) == len(one_rank) > 0 and len(valid) == len(valid_one) > 0
+    assert got == pytest.approx(one_rank, rel=1e-6)
+    assert [v["valid_loss"] for v in valid] == pytest.approx(
+        [v["valid_loss"] for v in valid_one], rel=1e-6)
+    assert [v["valid_tokens"] for v in valid] == [v["valid_tokens"] for v in valid_one]
+    # and it is the causal LM's curve, not the set-diffusion one's
+    assert got[0] != pytest.approx(layouts[0]["dp1"][0][0], rel=1e-3)
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.context=4"], "not divisible by parallel.tensor=1 x parallel.pipeline=1 x "
                              "parallel.context=4"),
     (["parallel.context=2", "data.seq_len=30"], "must be a multiple of 4"),
-    (["parallel.context=2", "order.kind=causal"], "train the causal baseline"),
     (["parallel.context=2", "model.attention_backend=flex", "order.kind=block"],
      "context parallelism runs on sdpa or permuted_causal")],
-    ids=["world", "seq_len", "causal", "flex"])
+    ids=["world", "seq_len", "flex"])
 def test_context_parallel_configs_that_cannot_run_are_refused(sonnets, tmp_path, capsys,
                                                               overrides, message):
     """setdiff-train --nproc-per-node 2, in this process: refused before any rank starts."""

@@ -107,7 +107,7 @@ def measure(tp, out):
         res["ar_nelbo"] = nelbo(vec, ar).total.item()
         # the plain causal LM mode of the same weights
         inp = causal_lm_inputs(x)
-        res["causal_nll"] = causal_lm_nll(model(inp.tokens, inp.positions, None), x)
+        res["causal_nll"] = causal_lm_nll(model(inp.tokens, inp.positions, None), x, inp)
     # backends that cannot run here say so
     errors = []
     try:

@@ -68,12 +68,16 @@ def test_the_dry_run_flags_what_does_not_fit_and_layouts_that_cannot_run():
 
 # -- the activation plan against the tensors real layers save ---------------------------------
 
-# backend x precision x recompute x GQA (and each under CP2, on two ranks)
+# backend x precision x recompute x GQA, and the causal LM (each under CP2, on two ranks)
 SAVED_CASES = [
     [f"model.attention_backend={backend}", f"train.precision={precision}",
      f"train.recompute={recompute}", f"model.num_query_groups={groups}"]
     for backend in ("sdpa", "permuted_causal") for precision in ("fp32", "bf16")
-    for recompute in ("none", "selective", "full") for groups in (4, 2)]
+    for recompute in ("none", "selective", "full") for groups in (4, 2)] + [
+    # the plain causal LM (SDPA's causal kernel; under CP2 its rows of the causal mask)
+    ["order.kind=causal", "model.attention_backend=sdpa", f"train.precision={precision}",
+     f"train.recompute={recompute}"]
+    for precision in ("fp32", "bf16") for recompute in ("none", "selective")]
 
 
 def saved_per_layer(overrides, backward: bool = False):

@@ -149,12 +149,32 @@ def set_diffusion_nll(logits: torch.Tensor, tokens: torch.Tensor,
 
 
 def causal_lm_inputs(tokens: torch.Tensor) -> ModelInputs:
-    """The plain causal LM over ``tokens [b, L]`` (SDPA's causal kernel: no mask tensor)."""
+    """The plain causal LM over ``tokens [b, L]`` (SDPA's causal kernel: no mask tensor). Under
+    context parallelism, this rank's zigzag share of the positions and its rows of the causal
+    mask over the gathered keys (:mod:`.context`: the same split as set diffusion's, one half)."""
     B, L = tokens.shape
     positions = torch.arange(L, device=tokens.device).expand(B, L)
-    return ModelInputs(tokens, positions, None, 0, None)
+    from . import context
+
+    if context.size() == 1:
+        return ModelInputs(tokens, positions, None, 0, None)
+    part = context.split(L, halves=1)
+    local, keys = part.local.to(tokens.device), part.keys.to(tokens.device)
+    rows = keys[None, None, None, :] <= local[None, None, :, None]  # [1, 1, L / cp, L]
+    return ModelInputs(tokens[:, local], positions[:, local], context.ContextMask(rows), 0,
+                       None, context=part.half)
 
 
-def causal_lm_nll(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token ``-log p`` ``[b, L-1]``: the output at ``l - 1`` predicts ``x_l``."""
-    return vocab_parallel_nll(logits[:-1], tokens[:, 1:])
+def causal_lm_nll(logits: torch.Tensor, tokens: torch.Tensor,
+                  inputs: ModelInputs) -> torch.Tensor:
+    """Next-token ``-log p`` ``[b, L-1]``: the output at ``l - 1`` predicts ``x_l`` (under
+    context parallelism: of the positions this rank holds, 0 elsewhere)."""
+    if inputs.context is None:
+        return vocab_parallel_nll(logits[:-1], tokens[:, 1:])
+    L = tokens.shape[1]
+    mine = inputs.context.to(tokens.device)
+    # (the last position predicts nothing: its term is computed on a stand-in and cut off)
+    targets = tokens[:, (mine + 1).clamp_max(L - 1)]
+    nll = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    nll[:, mine] = vocab_parallel_nll(logits, targets)
+    return nll[:, :-1]

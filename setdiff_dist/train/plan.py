@@ -267,6 +267,9 @@ def kept_by_layer(cfg, fused_norm: bool = False) -> float:
             per_token += 4 * heads / tp      # log-sum-exp
             if backend == "sdpa" and not order_of(cfg.order).causal_lm:
                 per_token += seq * e         # this layer's copy of the mask: a row per token
+            elif backend == "sdpa" and cfg.parallel.context > 1:
+                # the causal LM's rows under CP: one copy for every sample of the micro-batch
+                per_token += seq * e / cfg.data.micro_batch_size
     per_token += (3 if m.activation == "swiglu" else 2) * ffn / tp * e
     if m.hidden_dropout > 0:
         per_token += 2 * h / sp              # two boolean dropout masks
@@ -288,8 +291,10 @@ def activation_bytes(cfg, layers: int, first: bool, last: bool,
     mask = 0 if m.attention_backend in ("flex", "permuted_causal") or order.causal_lm \
         else d.micro_batch_size * seq * seq    # the dense boolean mask, shared by the layers
     if cp > 1:
-        # this rank's rows of the mask (one for all samples in the permuted form)
-        mask = (1 if m.attention_backend == "permuted_causal" else d.micro_batch_size) \
+        # this rank's rows of the mask (one for all samples in the permuted form and the
+        # causal LM's)
+        mask = (1 if m.attention_backend == "permuted_causal" or order.causal_lm
+                else d.micro_batch_size) \
             * (seq // cp) * seq
     if first:
         saved += tokens * h * b                # the embedding output

@@ -17,10 +17,3 @@ class Causal(Order):
     def schedule(self, order_cfg, seq_len, evaluation=False):
         raise ValueError("'causal' is the plain causal-LM baseline (L tokens, next-token loss), "
                          "not a set-diffusion order: it has no schedule")
-
-    def problems(self, cfg) -> list[str]:
-        if cfg.parallel.context > 1:
-            return [f"parallel.context={cfg.parallel.context} with order.kind=causal: context "
-                    "parallelism serves the set-diffusion orders; train the causal baseline "
-                    "with parallel.context=1"]
-        return []
