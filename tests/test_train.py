@@ -11,6 +11,7 @@ command is.
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -76,6 +77,65 @@ def test_weight_decay_is_one_curve_on_every_engine(trained, layouts):
                    for p in (0, 1))
     assert torch.equal(first, last)
     assert json.loads((tag / "manifest.json").read_text())["decay_rule"] == "global"
+
+
+def test_a_checkpoint_whose_tied_copies_drifted_reads_as_the_untied_model_it_trained_as(
+        layouts, tmp_path, capsys):
+    """A DeepSpeed PP=2 checkpoint saved before the fix above (no ``decay_rule``; its last
+    stage's copy of the tied embedding decayed apart from the first's; made here from the
+    fixed one by shrinking that copy) is read for inference and export as the untied model
+    that trained: the first stage's copy embeds, the last's projects, with a note. ``init_from``
+    (a tied model starting from it) reads the last stage's copy, with a note; a resumed run's
+    EMA, each stage's own. A checkpoint whose copies agree reads as saved, tied."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from setdiff_dist.checkpoint.weights import open_weights, read_full_state_dict
+    from setdiff_dist.paths import sha256_file
+
+    found, _, root = layouts
+    src = root / "decay-pp2-deepspeed" / "checkpoints"
+    tag = (src / "latest").read_text().strip()
+    fixed = src / tag
+    state, cfg, _, _ = read_full_state_dict(str(fixed))
+    assert cfg.model.tie_embeddings and "output_layer.weight" not in state
+    assert "note:" not in capsys.readouterr().err
+
+    old = shutil.copytree(fixed, tmp_path / tag)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["decay_rule"]
+    copies = {}
+    for sub in ("weights", "weights_ema"):
+        if not (old / sub).is_dir():
+            continue
+        for p in (0, 1):
+            name = f"{sub}/tp00_pp0{p}.safetensors"
+            with safe_open(old / name, framework="pt") as fh:
+                meta = fh.metadata()
+            tensors = load_file(old / name)
+            if p == 1:
+                tensors["embedding.weight"] = tensors["embedding.weight"] * 0.9
+                save_file(tensors, old / name, metadata=meta)
+                manifest["files"][name].update(bytes=(old / name).stat().st_size,
+                                               sha256=sha256_file(str(old / name)))
+            copies[sub, p] = tensors["embedding.weight"][:cfg.model.vocab_size + 1]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    which = "weights_ema" if ("weights_ema", 0) in copies else "weights"
+
+    state, cfg, _, _ = read_full_state_dict(str(old))
+    err = capsys.readouterr().err
+    assert "copies of the tied embedding differ" in err and "untied model" in err, err
+    assert not cfg.model.tie_embeddings
+    assert torch.equal(state["embedding.weight"], copies[which, 0])
+    assert torch.equal(state["output_layer.weight"], copies[which, 1])
+    tied, cfg, _, _ = open_weights(str(old), raw=True, untie_drifted=False)
+    assert "reading the last stage's copy" in capsys.readouterr().err
+    assert cfg.model.tie_embeddings and "output_layer.weight" not in tied
+    assert torch.equal(tied["embedding.weight"], copies["weights", 1])
+    # a resumed run's EMA: each stage its own copy
+    for stage, p in (("first", 0), ("last", 1)):
+        own = open_weights(str(old), which=which, stage=stage)[0]["embedding.weight"]
+        assert torch.equal(own, copies[which, p]), stage
 
 
 def test_metrics_and_run_directory(sonnets, tmp_path):

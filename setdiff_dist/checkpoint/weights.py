@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Optional
 
@@ -156,6 +157,12 @@ def tensor_names(file: str) -> list[str]:
     return list(tensors)
 
 
+def _stored(name: str, meta: Optional[dict]) -> str:
+    """The name a tensor has in its file (``name``, unless the source maps it to another's:
+    :func:`_untie_drifted`)."""
+    return meta.get("stored", name) if meta else name
+
+
 class TensorSource(Mapping):
     """The full tensors of a checkpoint or export by global name, read *one at a time* (each
     from the per-rank files that hold its slices, merged), so that loading never holds the
@@ -181,7 +188,7 @@ class TensorSource(Mapping):
         parts = self._files[name]
         file, meta = parts[0]
         with safe_open(file, framework="pt") as fh:
-            shape = list(fh.get_slice(name).get_shape())
+            shape = list(fh.get_slice(_stored(name, meta)).get_shape())
         if meta and meta["tensor_parallel"] and len(parts) > 1:
             shape[meta["dim"]] *= len(parts)
         if name in VOCAB_ROWS:
@@ -205,7 +212,7 @@ class TensorSource(Mapping):
         if saved_tp:
             n = len(parts)
             with safe_open(parts[0][0], framework="pt") as fh:
-                local = fh.get_slice(name).get_shape()[dim]
+                local = fh.get_slice(_stored(name, parts[0][1])).get_shape()[dim]
             c = local // stride
             for r, (file, _) in enumerate(parts):
                 for j in range(stride):
@@ -221,7 +228,7 @@ class TensorSource(Mapping):
                 if x >= y:
                     continue
                 with safe_open(file, framework="pt") as fh:
-                    sl = fh.get_slice(name)
+                    sl = fh.get_slice(_stored(name, parts[0][1]))
                     index = (slice(None),) * dim + (slice(at + x - lo, at + y - lo),)
                     pieces.append(sl[index])
         if not pieces:
@@ -236,7 +243,7 @@ class TensorSource(Mapping):
         parts, meta = [], None
         for file, meta in self._files[name]:  # noqa: B007 (every part has the same meta)
             with safe_open(file, framework="pt") as fh:  # closed at once: no mapped pages kept
-                parts.append(fh.get_tensor(name))
+                parts.append(fh.get_tensor(_stored(name, meta)))
         if meta and meta["tensor_parallel"] and len(parts) > 1:
             full = merge_shards(parts, meta["dim"], meta["stride"])
         else:
@@ -353,14 +360,19 @@ def check_weight_files(path: str, raw: bool = False, which: Optional[str] = None
 
 
 def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
-                 checksums: bool = True, group=None, what: str = "--checkpoint"):
+                 checksums: bool = True, group=None, what: str = "--checkpoint",
+                 untie_drifted: bool = True, stage: str = "last"):
     """``(TensorSource, config, tokenizer, source directory)`` of a checkpoint (any training
     layout) or an export; tensors are read when asked for. A checkpoint's EMA of the weights
     is read when it has one, unless ``raw`` (``which`` names the directory outright). Every
     file read is checked first against the manifest (:func:`check_weight_files`: its size and,
     unless ``checksums`` is False, its SHA-256; ``group``: the ranks that share the hashing),
     then complete and holding the tensors its list names. Errors name ``path`` as ``what``
-    gave it."""
+    gave it. ``untie_drifted``: a checkpoint whose pipeline stages' copies of the tied embedding
+    differ (:func:`_untie_drifted`) is read as the untied model it trained as; otherwise its
+    last stage's copy is read, with a note. ``stage``: which pipeline stage's copy of a tied
+    embedding the name ``embedding.weight`` reads where the stages saved one each, ``"first"``
+    or ``"last"`` (equal since the fix; a run that resumes its EMA reads its own stage's)."""
     check_weight_files(path, raw, which, checksums, group, what)
     kind, directory = locate(path, what)
     cfg = _config_of(directory)
@@ -377,6 +389,7 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
     sub = which or weights_dir(directory, raw)
     layout = manifest["layout"]
     files: dict[str, list] = {}
+    stages: dict[int, dict] = {}  # the tied embedding's copy of each pipeline stage, by TP rank
     for pp in range(layout["pipeline"]):
         for tp in range(layout["tensor"]):
             base = os.path.join(directory, sub, weights_name(tp, pp))
@@ -407,6 +420,8 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
                         raise LoadError(f"{file} holds tensor {name} that "
                                         f"{os.path.basename(base)}.json does not list")
                     files.setdefault(name, {})[tp] = (file, meta[name])
+                    if name == TIED:
+                        stages.setdefault(pp, {})[tp] = (file, meta[name])
     for name, by_tp in files.items():  # a tensor-parallel tensor needs every TP rank's slice
         if any(m["tensor_parallel"] for _, m in by_tp.values()) and \
                 len(by_tp) != layout["tensor"]:
@@ -414,8 +429,43 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
             raise LoadError(f"tensor {name}: the slice of TP rank {absent[0]} is missing "
                             f"({sub}/{weights_name(absent[0], 0).split('_')[0]}_pp*.safetensors)")
     files = {name: [by_tp[tp] for tp in sorted(by_tp)] for name, by_tp in files.items()}
+    if stage == "first" and len(stages) > 1:
+        files[TIED] = [e for _, e in sorted(stages[min(stages)].items())]
+    elif which is None and len(stages) > 1 and manifest.get("decay_rule") != "global":
+        _untie_drifted(files, stages, rows, cfg, path, untie_drifted)
     return TensorSource(files, rows), cfg, _tokenizer_of(directory, manifest["tokenizer"]), \
         directory
+
+
+TIED = "embedding.weight"  # (a tied model's output layer: saved by the first and last stage)
+
+
+def _untie_drifted(files: dict, stages: dict, rows: int, cfg, path: str, untie: bool) -> None:
+    """A checkpoint DeepSpeed saved under pipeline parallelism before the weight-decay groups
+    went by global name (its manifest has no ``decay_rule``, or ``"local"``) trained with the
+    last stage's copy of the tied embedding weight-decayed as a matrix and the first's not:
+    the copies drifted apart, and the model that trained is untied (the first stage's copy
+    embeds, the last's projects). If they differ, ``files`` is made that model with ``untie``
+    (``cfg.model.tie_embeddings`` off, ``output_layer.weight`` read from the last stage's
+    copy), else left reading the last stage's copy for both, with a note either way."""
+    first, last = (sorted(stages[p].items()) for p in (min(stages), max(stages)))
+    first, last = [e for _, e in first], [e for _, e in last]
+    a, b = TensorSource({TIED: first}, rows)[TIED], TensorSource({TIED: last}, rows)[TIED]
+    if torch.equal(a, b):
+        return
+    drift = float((a - b).float().norm() / b.float().norm().clamp_min(1e-30))
+    said = (f"note: {path}: its pipeline stages' copies of the tied embedding differ (relative "
+            f"difference {drift:.2g}): it was saved when DeepSpeed weight-decayed the last "
+            "stage's copy alone, since fixed")
+    if not untie:
+        print(f"{said}; reading the last stage's copy (the output layer's)", file=sys.stderr,
+              flush=True)
+        return
+    files[TIED] = first
+    files["output_layer.weight"] = [(f, dict(m, stored=TIED)) for f, m in last]
+    cfg.model.tie_embeddings = False
+    print(f"{said}; read as the untied model it trained as (the first stage's copy embeds, the "
+          "last stage's projects)", file=sys.stderr, flush=True)
 
 
 def provenance(path: str, raw: bool = False) -> dict:

@@ -34,8 +34,10 @@ def init_from_weights(model, cfg, path: str, gathered=None) -> None:
     ``gathered(p)``: a context in which a ZeRO-3 partitioned parameter is whole."""
     what = f"checkpoint.init_from={path}"
     # (every rank hashes its share of the files)
+    # (a checkpoint whose stages' tied copies drifted: read as tied, with a note, so that a
+    # tied model can start from it)
     state, saved, _, _ = open_weights(path, raw=True, group=dist.group.WORLD,
-                                      what="checkpoint.init_from")
+                                      what="checkpoint.init_from", untie_drifted=False)
     diffs = model_differences(cfg.to_dict()["model"], saved.to_dict()["model"],
                               RUN_FREE + ("layer_spec",))
     if diffs:

@@ -87,7 +87,11 @@ def load_ema(ema: EMA, model, path: str) -> bool:
 
     if not os.path.isdir(os.path.join(path, EMA_WEIGHTS)):
         return False
-    state = open_weights(path, which=EMA_WEIGHTS, checksums=False)[0]  # (verified at resume)
+    # (verified at resume; a first pipeline stage reads its own copy of a tied embedding: the
+    # stages' copies differ in a checkpoint saved before the weight-decay fix, 0c8d7b7)
+    first = ps.is_pipeline_first_stage() and not ps.is_pipeline_last_stage()
+    state = open_weights(path, which=EMA_WEIGHTS, checksums=False,
+                         stage="first" if first else "last")[0]
     for name, _, local in local_tensors(model, state, f"the EMA of {path}",
                                         shape_of=lambda p: getattr(p, "ds_shape", p.shape)):
         ema.load(name, local)
