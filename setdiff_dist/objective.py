@@ -132,10 +132,8 @@ def causal_lm_step(module, tokens: torch.Tensor, mask: torch.Tensor):
     inp = causal_lm_inputs(tokens)
     out = module(inp.tokens, inp.positions, inp.attention_mask)
     mask = mask.to(tokens.device)
-    if inp.context is not None:
-        mine = torch.zeros(tokens.shape[1], dtype=torch.bool, device=tokens.device)
-        mine[inp.context.to(tokens.device)] = True
-        mask = mask & mine[:-1]
+    if inp.context is not None:  # (position l - 1 predicts token l)
+        mask = mask & inp.scored(tokens.shape[1])[:, :-1]
 
     def terms(logits):
         nll = causal_lm_nll(logits, tokens, inp)

@@ -389,7 +389,7 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
     sub = which or weights_dir(directory, raw)
     layout = manifest["layout"]
     files: dict[str, list] = {}
-    stages: dict[int, dict] = {}  # the tied embedding's copy of each pipeline stage, by TP rank
+    stages: dict = {}  # the tied embedding's copy of each pipeline stage, by TP rank
     for pp in range(layout["pipeline"]):
         for tp in range(layout["tensor"]):
             base = os.path.join(directory, sub, weights_name(tp, pp))
@@ -429,10 +429,12 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
             raise LoadError(f"tensor {name}: the slice of TP rank {absent[0]} is missing "
                             f"({sub}/{weights_name(absent[0], 0).split('_')[0]}_pp*.safetensors)")
     files = {name: [by_tp[tp] for tp in sorted(by_tp)] for name, by_tp in files.items()}
+    stages = {pp: [by_tp[tp] for tp in sorted(by_tp)] for pp, by_tp in stages.items()}
     if stage == "first" and len(stages) > 1:
-        files[TIED] = [e for _, e in sorted(stages[min(stages)].items())]
+        files[TIED] = stages[min(stages)]
     elif which is None and len(stages) > 1 and manifest.get("decay_rule") != "global":
-        _untie_drifted(files, stages, rows, cfg, path, untie_drifted)
+        _untie_drifted(files, stages[min(stages)], stages[max(stages)], rows, cfg, path,
+                       untie_drifted)
     return TensorSource(files, rows), cfg, _tokenizer_of(directory, manifest["tokenizer"]), \
         directory
 
@@ -440,16 +442,16 @@ def open_weights(path: str, raw: bool = False, which: Optional[str] = None,
 TIED = "embedding.weight"  # (a tied model's output layer: saved by the first and last stage)
 
 
-def _untie_drifted(files: dict, stages: dict, rows: int, cfg, path: str, untie: bool) -> None:
+def _untie_drifted(files: dict, first: list, last: list, rows: int, cfg, path: str,
+                   untie: bool) -> None:
     """A checkpoint DeepSpeed saved under pipeline parallelism before the weight-decay groups
     went by global name (its manifest has no ``decay_rule``, or ``"local"``) trained with the
     last stage's copy of the tied embedding weight-decayed as a matrix and the first's not:
     the copies drifted apart, and the model that trained is untied (the first stage's copy
     embeds, the last's projects). If they differ, ``files`` is made that model with ``untie``
     (``cfg.model.tie_embeddings`` off, ``output_layer.weight`` read from the last stage's
-    copy), else left reading the last stage's copy for both, with a note either way."""
-    first, last = (sorted(stages[p].items()) for p in (min(stages), max(stages)))
-    first, last = [e for _, e in first], [e for _, e in last]
+    copy), else left reading the last stage's copy for both, with a note either way.
+    ``first``, ``last``: the two stages' copies, by TP rank."""
     a, b = TensorSource({TIED: first}, rows)[TIED], TensorSource({TIED: last}, rows)[TIED]
     if torch.equal(a, b):
         return
