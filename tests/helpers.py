@@ -208,6 +208,7 @@ LAYOUTS = {
     4: [("tp2xpp2", ["parallel.tensor=2", "parallel.pipeline=2"]),
         ("cp2-tp2", ["parallel.context=2", "parallel.tensor=2"]),
         ("cp2-pp2", ["parallel.context=2", "parallel.pipeline=2"]),
+        ("causal-cp2-pp2", ["order.kind=causal", "parallel.context=2", "parallel.pipeline=2"]),
         ("bf16-tp2xpp2", ["train.precision=bf16", "parallel.tensor=2", "parallel.pipeline=2"]),
         ("bf16-tp2xpp2-sp", ["train.precision=bf16", "parallel.tensor=2", "parallel.pipeline=2",
                              "parallel.sequence_parallel=true"])],

@@ -128,10 +128,13 @@ def test_training_with_context_parallel_2_equals_one_rank_and_resumes_exactly(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["cp2-tp2", "cp2-pp2"])
-def test_context_parallel_composes_with_tensor_and_pipeline_parallelism(layouts, layout):
-    """(conftest.layouts: trained in-process on four ranks.)"""
-    got, one_rank = layouts[0][layout][0], layouts[0]["dp1"][0]
+@pytest.mark.parametrize("layout,reference", [("cp2-tp2", "dp1"), ("cp2-pp2", "dp1"),
+                                              ("causal-cp2-pp2", "causal-dp1")])
+def test_context_parallel_composes_with_tensor_and_pipeline_parallelism(layouts, layout,
+                                                                        reference):
+    """(conftest.layouts: trained in-process on four ranks; the causal LM's against its own
+    one-rank curve.)"""
+    got, one_rank = layouts[0][layout][0], layouts[0][reference][0]
     assert len(got) == len(one_rank)
     # float reordering over 4 ranks (the pipeline accumulates its micro-batches in another
     # order), amplified by Adam over the steps, as in test_train
