@@ -297,7 +297,7 @@ def test_a_lost_node_is_requeued_by_slurm_and_resumes_exactly(uninterrupted, clu
     and requeues it on the nodes that answer; it resumes from the checkpoint, records the
     requeue in faults.jsonl, and ends with the uninterrupted job's losses, bit for bit. The
     surviving agent, which waits for its lost peer, is ended at Slurm's SIGTERM, not after
-    KillWait."""
+    KillWait (faults.jsonl records that too)."""
     _, _, straight_job = uninterrupted
     assert straight_job["JobState"] == "COMPLETED"
     try:
@@ -311,9 +311,15 @@ def test_a_lost_node_is_requeued_by_slurm_and_resumes_exactly(uninterrupted, clu
     assert job["Restarts"] == "1" and node not in job["NodeList"], (job, log[-3000:])
     faults = [json.loads(line) for line in
               (tmp_path / "run" / "faults.jsonl").read_text().splitlines()]
-    assert [f["kind"] for f in faults] == ["requeued-by-slurm"], faults
+    # the survivor's agent.sh records its end in faults.jsonl (its log line goes through srun,
+    # which the ending step can take down first: CI lost it once under load)
+    ended = [f["node"] for f in faults if f["kind"] == "agent-ended"]
+    assert [f["kind"] for f in faults if f["kind"] != "agent-ended"] == ["requeued-by-slurm"] \
+        and faults[-1]["kind"] == "requeued-by-slurm", faults
+    if node == "n2":  # the surviving agent, on the batch node, did not wait out KillWait
+        assert ended == ["n1"], faults
+    else:  # the survivor on n2 may have ended before the SIGTERM: its store was on n1
+        assert ended in ([], ["n2"]), faults
     assert re.search(r"^requeue 1: step \d+ done [\d.]+ s after the previous start's last step",
                      log, re.M), log[-3000:]
-    if node == "n2":  # (the surviving agent, on the batch node, did not wait out KillWait)
-        assert "SIGTERM while no rank runs here" in log, log[-3000:]
     assert losses(tmp_path / "run") == losses(uninterrupted[0] / "run")
