@@ -105,11 +105,15 @@ def test_causal_export_scores_the_same_through_lm_evals_hf_model(runs, tmp_path)
     assert ours["exact_likelihood"] is True
     import lm_eval
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
+    from setdiff_dist.eval.harness import task_manager
+
+    # (the index setdiff-eval built above, from the same task files: lm-eval's own class)
     lm = HFLM(pretrained=str(export), device="cpu", dtype="float32", batch_size=4)
+    manager = task_manager(["setdiff_choice", "setdiff_rolling"], TASKS)
+    assert task_manager(["setdiff_choice"], TASKS) is manager  # (built once in a process)
     out = lm_eval.simple_evaluate(model=lm, tasks=["setdiff_choice", "setdiff_rolling"],
-                                  task_manager=TaskManager(include_path=TASKS), log_samples=True)
+                                  task_manager=manager, log_samples=True)
     hf = {"results": out["results"], "samples": {
         t: [{"doc_id": s["doc_id"], "resps": s["resps"]} for s in v]
         for t, v in out["samples"].items()}}
@@ -247,11 +251,13 @@ def test_long_five_shot_prompts_are_cut_as_lm_evals_hf_cuts_them(runs, tmp_path)
     assert ours["n-shot"]["setdiff_gsm_long"] == 5
     import lm_eval
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
+
+    from setdiff_dist.eval.harness import task_manager
 
     lm = HFLM(pretrained=str(export), device="cpu", dtype="float32", batch_size=4)
     hf = lm_eval.simple_evaluate(model=lm, tasks=["setdiff_gsm_long"],
-                                 task_manager=TaskManager(include_path=TASKS), log_samples=True)
+                                 task_manager=task_manager(["setdiff_gsm_long"], TASKS),
+                                 log_samples=True)
     theirs = {s["doc_id"]: s["resps"][0][0] for s in hf["samples"]["setdiff_gsm_long"]}
     mine = {s["doc_id"]: s["resps"][0][0] for s in ours["samples"]["setdiff_gsm_long"]}
     assert sorted(mine) == sorted(theirs) == list(range(10))
@@ -356,3 +362,27 @@ def test_lm_eval_on_a_damaged_checkpoint_is_one_line_and_exit_code_2(trained, tm
     errors = [line for line in res.stderr.splitlines() if "error:" in line]
     assert errors and errors[0].startswith("setdiff-lm-eval: error: "), res.stderr[-3000:]
     assert weights.name in res.stderr and "(truncated)" in res.stderr, res.stderr[-3000:]
+
+
+def test_the_task_index_is_built_again_when_a_task_file_changes(tmp_path):
+    """setdiff-eval keeps lm-eval's task index (10-20 s to build) for the process, keyed by the
+    task files of --include-path: an edited, added or removed file gives another key."""
+    import shutil
+
+    from setdiff_dist.eval.harness import _index_key
+
+    tasks = tmp_path / "tasks"
+    shutil.copytree(TASKS, tasks)
+    key = _index_key(str(tasks))
+    assert _index_key(str(tasks)) == key and _index_key(None) == (None,)
+    yaml = next(tasks.glob("*.yaml"))
+    yaml.write_text(yaml.read_text() + "\n# edited\n")
+    edited = _index_key(str(tasks))
+    assert edited != key
+    (tasks / "sub").mkdir()
+    shutil.copy(yaml, tasks / "sub" / "more.yaml")
+    assert _index_key(str(tasks)) != edited
+    (tasks / "sub" / "more.yaml").unlink()
+    assert _index_key(str(tasks)) == edited
+    (tasks / "notes.txt").write_text("not a task")  # (not a task file)
+    assert _index_key(str(tasks)) == edited

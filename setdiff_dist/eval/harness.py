@@ -376,16 +376,43 @@ def _leaves(tasks) -> list:
     return out
 
 
+# the task indexes built in this process, by what they were built from (_index_key)
+_MANAGERS: dict = {}
+
+
+def _index_key(include_path: Optional[str]) -> tuple:
+    """What a task index is built from: lm-eval's own tasks (fixed in a process) and the YAML
+    files under ``include_path``, by path, size and modification time, so that an edited task
+    is read again."""
+    import os
+
+    if not include_path:
+        return (None,)
+    files = []
+    for root, dirs, names in os.walk(os.path.realpath(include_path)):
+        dirs.sort()
+        for name in sorted(names):
+            if name.endswith((".yaml", ".yml", ".py")):
+                st = os.stat(os.path.join(root, name))
+                files.append((os.path.join(root, name), st.st_size, st.st_mtime_ns))
+    return (os.path.realpath(include_path), tuple(files))
+
+
 def task_manager(tasks: list[str], include_path: Optional[str]):
     """The harness's task index with ``include_path``'s tasks; refuses unknown task names
-    (before any model is loaded)."""
+    (before any model is loaded). lm-eval reads every one of its ~14,000 task files to build
+    the index (10-20 s on a CPU core): a process builds it once per set of task files (the
+    index holds file paths and configs; the tasks themselves are loaded afresh each run)."""
     from lm_eval.tasks import TaskManager
 
     from setdiff_dist.errors import rank_and_world
 
     if rank_and_world()[0] != 0:  # (every rank runs the harness; rank 0 speaks)
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    manager = TaskManager(include_path=include_path)
+    key = _index_key(include_path)
+    manager = _MANAGERS.get(key)
+    if manager is None:
+        manager = _MANAGERS[key] = TaskManager(include_path=include_path)
     known = set(manager.all_tasks)
     missing = [t for t in tasks if t not in known]
     if missing:
