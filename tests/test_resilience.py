@@ -239,7 +239,10 @@ def test_an_injected_slow_rank_is_named_within_three_intervals_and_no_rank_witho
         trained, sonnets, tmp_path):
     """A 0.2 s sleep in each of rank 1's forwards (the test-only SETDIFF_TEST_SLOW_RANK) names
     rank 1 by the third log interval, in metrics.jsonl and in a line of its own; the session's
-    reference run, on the same 2 gloo ranks without it, names no rank."""
+    reference run, on the same 2 gloo ranks without it, names a rank only on the evidence: the
+    slowest by more than the margin in each of the three intervals before (on two cores that
+    CI shares between two test sessions, a rank can be that slow for a while; the noise the
+    margin and floor ignore is the test above's)."""
     env = dict(os.environ, SETDIFF_TEST_SLOW_RANK="1:0.2")
     res = run_train(tmp_path / "run", sonnets, "train.eval_batches=1",
                     "checkpoint.save_at_end=false", steps=4, env=env)
@@ -249,7 +252,13 @@ def test_an_injected_slow_rank_is_named_within_three_intervals_and_no_rank_witho
     assert rows[2]["forward_slowest_rank"] == 1 and rows[2]["forward_ratio_max"] > 1.3
     assert "straggler: rank 1 on" in res.stdout
     reference = _train_rows(trained())
-    assert reference and all(r["stragglers"] == [] for r in reference), reference
+    assert reference, reference
+    for i, row in enumerate(reference):
+        for rank in row["stragglers"]:
+            before = reference[max(0, i - 2):i + 1]
+            assert len(before) == 3 and all(r["forward_slowest_rank"] == rank
+                                            and r["forward_ratio_max"] > 1.3
+                                            for r in before), reference
 
 
 def _train_rows(run):

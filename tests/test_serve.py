@@ -698,7 +698,9 @@ def test_the_http_process_and_rank_0_end_together(set_run, tmp_path):
                 open(f"/proc/{child}/stat").read().split()[2] != "Z":
             assert time.monotonic() < deadline, "the HTTP process outlived rank 0"
             time.sleep(0.1)
-        with pytest.raises(httpx.ConnectError):
+        # nothing answers there: refused, or (when another process of the machine has since
+        # bound the freed port, as CI's second test session can) not HTTP
+        with pytest.raises(httpx.TransportError):
             httpx.get(f"{s.url}/health", timeout=5)
     finally:
         s.close()
