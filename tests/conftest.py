@@ -10,6 +10,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# One CPU thread per process unless the caller says otherwise, as torchrun gives its ranks: a
+# session starts many processes (gloo ranks, commands) on a few cores, where the OpenMP threads
+# of several processes stall one another (CI's layer-plan tests ran 5-40x slower than alone;
+# under two busy loops here, 1.6x slower with 2 threads than with 1). Set before torch loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # No hub from the tests (this machine has none): datasets and transformers read local files only,
 # and their caches live in a directory of the session's own, not in the user's home. Set before
 # anything imports them (they read these at import).
