@@ -9,8 +9,42 @@ import signal
 import socket
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ephemeral ports (Linux's ``ip_local_port_range``; its default
+    elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            lo, hi = (int(x) for x in fh.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+# torch's defaults (torchrun's rendezvous 29400, MASTER_PORT 29500): another job's, probably
+_TORCH_DEFAULTS = range(29400, 29600)
+
+
 def free_port() -> int:
-    """A TCP port free on this machine now (for a rendezvous)."""
+    """A TCP port free on this machine now, for a rendezvous that rank 0 binds a moment later.
+    Drawn at random below the kernel's ephemeral range: a port of that range, once probed and
+    released, is the kernel's to hand to the next outgoing connection of any process (a gloo
+    rank's, a store client's) or the next bind to port 0, and rank 0 then fails with
+    EADDRINUSE (seen in CI, two test sessions side by side). Below the range only a process
+    that names the port itself can take it. Where the range leaves too little room below it,
+    the kernel's pick (bind to port 0)."""
+    import random
+
+    lo, _ = _ephemeral_ports()
+    pool = [p for p in range(10000, lo) if p not in _TORCH_DEFAULTS]
+    pick = random.SystemRandom()
+    for _ in range(64 if len(pool) >= 1000 else 0):
+        port = pick.choice(pool)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # (every address, as the store binds: taken on any is taken)
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

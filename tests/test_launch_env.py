@@ -33,7 +33,7 @@ def test_srun_alone_derives_the_rendezvous_from_the_allocation(clean_env):
     clean_env.setenv("SLURM_JOB_ID", "4242")
     le = launch_env()
     assert (le.rank, le.world_size, le.local_rank) == (5, 16, 1)
-    assert (le.master_addr, le.master_port) == ("gpu12", 20000 + 4242 % 20000)
+    assert (le.master_addr, le.master_port) == ("gpu12", 20000 + 4242 % 9400)
     clean_env.setenv("MASTER_ADDR", "10.1.2.3")  # an explicit choice still wins
     clean_env.setenv("MASTER_PORT", "29511")
     le = launch_env()
@@ -93,3 +93,28 @@ def test_local_ranks_share_the_cpus_out_instead_of_each_taking_them_all(monkeypa
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert [threads_per_rank(n) for n in (1, 2, 3, 4, 16, 32)] == [16, 8, 5, 4, 1, 1]
 
+
+
+def test_a_rendezvous_port_is_drawn_where_the_kernel_hands_out_no_port_of_its_own(monkeypatch):
+    """A port the kernel may give to another process's outgoing connection between the probe
+    and rank 0's bind is EADDRINUSE at start (CI, two sessions of ranks side by side): the
+    launcher's rendezvous port is drawn below the ephemeral range, bindable, at random; with
+    no room below the range, the kernel's own pick."""
+    import random
+    import socket
+
+    from setdiff_dist import processes
+
+    lo, _ = processes._ephemeral_ports()
+    ports = {processes.free_port() for _ in range(20)}
+    assert len(ports) > 1 and all(10000 <= p < lo and p not in range(29400, 29600)
+                                  for p in ports), ports
+    taken, free = sorted(ports)[:2]
+    with socket.socket() as s:  # a port in use is never drawn
+        s.bind(("", taken))
+        draws = iter([taken, taken, free])
+        monkeypatch.setattr(random.SystemRandom, "choice", lambda self, pool: next(draws))
+        assert processes.free_port() == free
+    monkeypatch.undo()
+    monkeypatch.setattr(processes, "_ephemeral_ports", lambda: (10010, 60999))
+    assert processes.free_port() >= 1024  # (no room below the range: the kernel's pick)

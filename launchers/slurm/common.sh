@@ -10,8 +10,10 @@
 #                     bin/activate, ...); by default the submitting shell's environment is used
 #                     (sbatch --export=ALL), so activate the environment before sbatch
 #   NPROC_PER_NODE    ranks per node; default: the GPUs Slurm gave the node, else 1
-#   MASTER_PORT       rendezvous port; default 20000 + job id mod 20000, so that concurrent jobs
-#                     on shared nodes do not collide and a requeued job gets the same one
+#   MASTER_PORT       rendezvous port; default 20000 + job id mod 9400, so that concurrent jobs
+#                     on shared nodes do not collide and a requeued job gets the same one; below
+#                     torch's defaults (29400, 29500) and the kernel's ephemeral ports (32768 and
+#                     up), which any outgoing connection of the node may hold
 #   RDZV_TIMEOUT      seconds the agents wait for each other (default 900)
 #   MAX_RESTARTS      in-job restarts (torchrun --max-restarts; train.sbatch sets it from
 #                     train.max_restarts): after a rank dies, every node's agent stops its
@@ -43,7 +45,7 @@ command -v torchrun >/dev/null || { echo "setdiff: torchrun is not on PATH; acti
 environment that has setdiff-dist before sbatch, or set SETDIFF_ENV" >&2; exit 2; }
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 9400 ))}
 if [ -z "${NPROC_PER_NODE:-}" ]; then
     NPROC_PER_NODE=${SLURM_GPUS_ON_NODE:-1}
 fi

@@ -53,7 +53,8 @@ def first_host(nodelist: str) -> str:
 def launch_env() -> LaunchEnv:
     """Rank and rendezvous of this process, from torchrun, Slurm, or nothing (a world of one).
     Under ``srun`` alone (one task per rank, no torchrun) the rendezvous is the allocation's
-    first node and port ``20000 + job id mod 20000`` (the Slurm launchers' rule), unless
+    first node and port ``20000 + job id mod 9400`` (the Slurm launchers' rule: below torch's
+    defaults and the kernel's ephemeral ports, which an outgoing connection may hold), unless
     ``MASTER_ADDR`` / ``MASTER_PORT`` say otherwise."""
     env = os.environ
     slurm = False
@@ -76,7 +77,7 @@ def launch_env() -> LaunchEnv:
     if "MASTER_PORT" in env:
         port = int(env["MASTER_PORT"])
     elif slurm and "SLURM_JOB_ID" in env:
-        port = 20000 + int(env["SLURM_JOB_ID"]) % 20000
+        port = 20000 + int(env["SLURM_JOB_ID"]) % 9400
     else:
         port = free_port() if world == 1 else 29500
     return LaunchEnv(rank, world, local, addr, port)
