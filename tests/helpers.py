@@ -204,6 +204,7 @@ LAYOUTS = {
         ("decay-pp2-deepspeed", ["zero.implementation=deepspeed", "parallel.pipeline=2",
                                  "optimizer.weight_decay=0.5", "checkpoint.save_at_end=true"]),
         ("cp2", ["parallel.context=2"]),
+        ("bf16-cp2", ["train.precision=bf16", "parallel.context=2"]),
         ("causal-cp2", ["order.kind=causal", "parallel.context=2"])],
     4: [("tp2xpp2", ["parallel.tensor=2", "parallel.pipeline=2"]),
         ("cp2-tp2", ["parallel.context=2", "parallel.tensor=2"]),

@@ -20,7 +20,7 @@ def shards(sonnets):
 
 BF16 = {"dp2-zero1": "bf16", "dp2-zero2": "bf16-zero2", "dp2-zero3": "bf16-zero3",
         "tp2": "bf16-tp2", "pp2": "bf16-pp2",  # PP2: crashed at step 1 once
-        "tp2xpp2": "bf16-tp2xpp2", "tp2xpp2-sp": "bf16-tp2xpp2-sp"}
+        "tp2xpp2": "bf16-tp2xpp2", "tp2xpp2-sp": "bf16-tp2xpp2-sp", "cp2": "bf16-cp2"}
 
 
 @pytest.mark.parametrize("layout", sorted(BF16))

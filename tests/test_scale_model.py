@@ -12,10 +12,10 @@ from setdiff_dist.train.scale import HARDWARE, step_flows, wire_bytes
 
 pytestmark = pytest.mark.multiprocess
 
-# DP2, TP2 (with and without sequence parallelism), PP2, CP2 (alone, with TP2, with PP2, and the
-# causal LM's), TP2 x PP2, ZeRO-2, fp32 and bf16
-CHECKED = ("bf16", "tp2", "tp2-sp", "pp2", "bf16-pp2", "cp2", "cp2-tp2", "cp2-pp2", "causal-cp2",
-           "zero2", "bf16-tp2xpp2", "bf16-tp2xpp2-sp")
+# DP2, TP2 (with and without sequence parallelism), PP2, CP2 (alone, in bf16, with TP2, with PP2,
+# and the causal LM's), TP2 x PP2, ZeRO-2, fp32 and bf16
+CHECKED = ("bf16", "tp2", "tp2-sp", "pp2", "bf16-pp2", "cp2", "bf16-cp2", "cp2-tp2", "cp2-pp2",
+           "causal-cp2", "zero2", "bf16-tp2xpp2", "bf16-tp2xpp2-sp")
 WORLD = {name: world for world, group in LAYOUTS.items() for name, _ in group}
 OVERRIDES = {name: o for group in LAYOUTS.values() for name, o in group}
 
