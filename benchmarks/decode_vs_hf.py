@@ -93,13 +93,13 @@ def _runners(model_cfg, state, directory, device, dtype):
     from setdiff_dist.inference.lean import LeanTransformer
 
     hf = _hf_model(model_cfg, state, directory, device, dtype)
-    lean = LeanTransformer.from_state_dict(model_cfg, state).to(device, dtype).eval()
-    # the same weights packed for oneDNN (a no-op on a GPU), as setdiff-generate loads a
-    # set-diffusion model on the CPU
-    packed = LeanTransformer.from_state_dict(model_cfg, state, pack=True).to(device, dtype) \
-        .eval()
-    auto = LeanTransformer.from_state_dict(model_cfg, state, pack="auto", pack_rows=5) \
-        .to(device, dtype).eval()
+    lean = LeanTransformer.from_state_dict(model_cfg, state, device=device, dtype=dtype).eval()
+    # the same weights packed for oneDNN, as setdiff-generate loads a set-diffusion model on the
+    # CPU; built on the device in its dtype (off the CPU or fp32 nothing is packed)
+    packed = LeanTransformer.from_state_dict(model_cfg, state, pack=True, device=device,
+                                             dtype=dtype).eval()
+    auto = LeanTransformer.from_state_dict(model_cfg, state, pack="auto", pack_rows=5,
+                                           device=device, dtype=dtype).eval()
     print(f"pack='auto' packed: {sorted(k.split('.')[-1] for k in auto._packed) or 'nothing'}",
           flush=True)
     greedy, ctx = Sampling(greedy=True), 4096

@@ -674,6 +674,26 @@ def test_packing_is_decided_by_measuring_both_kernels_once_per_shape(monkeypatch
         engine.LeanTransformer.from_state_dict(None, {}, pack="yes")
 
 
+def test_a_model_packed_for_onednn_refuses_to_leave_the_cpu_or_fp32():
+    """The packed weights are not buffers: ``.to("cuda")`` or ``.to(torch.bfloat16)`` would
+    leave them behind and fail at the first forward, far from the cause (the GPU decode
+    benchmark did so); the move is refused naming the fix, and an unpacked model moves."""
+    from setdiff_dist.config import load_config
+    from setdiff_dist.inference.lean import LeanError, LeanTransformer
+
+    model = LeanTransformer(load_config("configs/tiny-cpu.yaml").model)
+    model.register_buffer("w_head", torch.zeros(4, 4), persistent=False)
+    model.to("cpu", torch.float32)  # (it stays where oneDNN runs)
+    model._packed["head"] = torch.zeros(1)
+    for move in (lambda m: m.to(torch.bfloat16), lambda m: m.half(),
+                 lambda m: m.to("meta")):
+        with pytest.raises(LeanError, match="from_state_dict"):
+            move(model)
+    assert model.w_head.dtype == torch.float32
+    model._packed.clear()
+    assert model.to(torch.bfloat16).w_head.dtype == torch.bfloat16
+
+
 def test_the_length_penalty_is_transformers_exponential_decay_on_the_generated_count():
     """``length_penalty`` raises end-of-text's logit as transformers'
     ``ExponentialDecayLengthPenalty`` does for a sequence of the candidate's count of generated

@@ -264,6 +264,21 @@ class LeanTransformer(nn.Module):
             self.register_buffer("w_" + k.replace(".", "_"), v.contiguous(), persistent=False)
             w[k] = None  # (the full tensor can go as soon as the caller drops it)
 
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.cuda()``, ``.half()``...: refused where the model holds oneDNN-packed
+        weights and the move leaves the CPU or fp32. Those weights are not buffers, so they
+        would stay behind, packed for the CPU, and the first forward would fail far from here
+        (a CUDA input to a oneDNN matmul)."""
+        if self._packed:
+            probe = fn(torch.zeros(1))
+            if probe.device.type != "cpu" or probe.dtype != torch.float32:
+                raise LeanError(
+                    f"this model's matmul weights are packed for oneDNN (pack=True or 'auto'), "
+                    f"which runs on the CPU in fp32: it cannot move to {probe.device} "
+                    f"{probe.dtype}. Build it there instead (from_state_dict(..., device=, "
+                    "dtype=): off the CPU or fp32 nothing is packed)")
+        return super()._apply(fn, recurse)
+
     def _packs(self, pack, t: torch.Tensor, wide: bool) -> bool:
         if not (pack and t.device.type == "cpu" and t.dtype == torch.float32
                 and t.numel() >= _PACK_MIN):
