@@ -334,3 +334,26 @@ def test_partial_gradients_are_summed_over_tensor_parallel_ranks(layouts):
         assert any("q_layernorm" in k for k in replicated)
         for key in replicated:
             assert torch.equal(a[key], b[key]), (name, key)
+
+
+def test_a_cast_model_keeps_its_rotary_frequencies_in_float32():
+    """``model.to(dtype=torch.bfloat16)`` (the GPU script's backend checks do this) casts the
+    weights; the rotary frequencies stay the float32 ones of the config, not bf16 roundings
+    that move the angles of far positions by radians."""
+    from helpers import process_group
+
+    from setdiff_dist.config import load_config
+    from setdiff_dist.model.dims import rotary_inv_freq
+    from setdiff_dist.model.transformer import build_model, transformer_config
+
+    cfg = load_config(None, ["model.num_layers=1", "model.hidden_size=64",
+                             "model.num_attention_heads=2", "model.num_query_groups=2",
+                             "model.vocab_size=64", "model.rotary_base=500000"]).model
+    with process_group("gloo"):
+        model = build_model(cfg, transformer_config(cfg, compute_dtype=torch.bfloat16), seed=0)
+        want = rotary_inv_freq(cfg, 32)
+        assert torch.equal(model.inv_freq, want)
+        model.to(dtype=torch.bfloat16)
+        assert next(model.parameters()).dtype == torch.bfloat16
+        assert model.inv_freq.dtype == torch.float32 and torch.equal(model.inv_freq, want)
+        assert not torch.equal(want.bfloat16().float(), want)  # (what the cast would have kept)

@@ -142,8 +142,20 @@ class SetDiffusionTransformer(MegatronModule):
                 self.output_layer.weight.ds_pipe_replicated = True
         _mark_tensor_parallel(self)
         _sum_partial_grads_over_tensor_parallel_ranks(self)
+        self._rotary_dim = config.kv_channels
         self.register_buffer("inv_freq", rotary_inv_freq(model_cfg, config.kv_channels),
                              persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.bfloat16()``...: the rotary frequencies stay float32, computed again
+        from the config where the move cast them (positions times frequencies is a float32
+        product; frequencies rounded to bf16 shift the angles of positions in the thousands by
+        radians). The engines cast parameters only; this holds for a caller's own cast."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = rotary_inv_freq(self.model_cfg, self._rotary_dim).to(
+                self.inv_freq.device)
+        return self
 
     # -- pipeline plumbing -------------------------------------------------------------------
     def set_input_tensor(self, input_tensor):
@@ -360,8 +372,9 @@ def init_weights_(model: SetDiffusionTransformer, seed: int, gathered=None) -> N
     row-parallel weights) into blocks of :data:`INIT_BLOCK` slices, block ``b`` of a tensor is
     drawn from a generator seeded by (seed, global name, b), and a rank draws the blocks that
     overlap its slices. The real rows of the vocabulary tables (vocabulary and ``[MASK]``) are
-    drawn independently of the TP padding, which is zero. (A CUDA generator draws other numbers
-    than the CPU's: a model built on a GPU starts from other, equally distributed, weights.)
+    drawn independently of the TP padding, which is zero. Blocks are drawn on the CPU and
+    copied where the parameter lives, so a model built on a GPU (ZeRO-3's partitions) starts
+    from the same weights as one built on the CPU (a CUDA generator draws other numbers).
     ``gathered(param)``: a context in which a partitioned parameter is whole (see
     :func:`build_model`)."""
     with torch.no_grad():
@@ -389,8 +402,10 @@ def _init_parameter(model: SetDiffusionTransformer, gname: str, p: torch.Tensor,
     at = 0  # local index of the current range's first slice
     for lo, hi in _local_ranges(p, dim):
         for b in range(lo // INIT_BLOCK, (hi - 1) // INIT_BLOCK + 1):
-            g = torch.Generator(device=p.device).manual_seed((key + b * 0x9E3779B9) & 0xFFFFFFFF)
-            block = torch.randn(INIT_BLOCK, other, generator=g, device=p.device) * std
+            # drawn on the CPU whatever the device: a CUDA generator gives other numbers, and
+            # ZeRO-3 builds its partitions on the GPU where the other engines build on the CPU
+            g = torch.Generator().manual_seed((key + b * 0x9E3779B9) & 0xFFFFFFFF)
+            block = (torch.randn(INIT_BLOCK, other, generator=g) * std).to(p.device)
             first = b * INIT_BLOCK
             if real is not None and real < first + INIT_BLOCK:
                 block[max(0, real - first):] = 0.0  # TP padding rows
