@@ -94,3 +94,41 @@ def test_too_little_shared_memory_is_said_once_and_the_save_goes_through_the_pip
     assert capsys.readouterr().err.count("/dev/shm has 0 MiB free") == 1
     writer.run([(torch.save, (staged, str(tmp_path / "a.pt")), {})], lambda: None)
     assert torch.equal(torch.load(tmp_path / "a.pt")["module"]["w"], state["module"]["w"])
+
+
+def test_a_segment_cuda_cannot_page_lock_stays_pageable_with_one_note(monkeypatch, capsys):
+    """(CUDA's runtime stood in for: this machine has none; the GPU tests pin for real.) A
+    refused registration (a locked-memory limit) leaves that segment pageable, says so once,
+    and is never unregistered; a registered one is unregistered at close."""
+    from setdiff_dist.train import writer as writer_module
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr))
+            return 2 if len(calls) == 1 else 0  # (cudaErrorMemoryAllocation, then success)
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+        def cudaGetErrorString(self, res):
+            return "out of memory"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", Cudart)
+    monkeypatch.setattr(writer_module, "_MIN_SEGMENT", 1 << 20)
+    staging = Staging()
+    try:
+        staging.begin()
+        staging.copy(torch.zeros(1 << 20, dtype=torch.uint8))
+        staging.copy(torch.zeros(3 << 20, dtype=torch.uint8))  # (more than the first holds)
+        staging.begin()
+        staging.copy(torch.zeros(16, dtype=torch.uint8))
+        first, second = (ptr for kind, ptr in calls if kind == "register")
+    finally:
+        staging.close()
+    assert calls[2:] == [("unregister", second)], calls
+    err = capsys.readouterr().err
+    assert err.count("could not be page-locked (out of memory)") == 1, err

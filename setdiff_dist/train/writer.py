@@ -49,6 +49,8 @@ class Staging:
         self._at = (0, 0)  # (segment, offset) of the next copy
         self.unstaged = 0  # bytes of this save that did not fit (sent through the pipe)
         self._said = False
+        self._pinned: set = set()  # data pointers of the segments registered with CUDA
+        self._said_pin = False
 
     def begin(self) -> None:
         self._at, self.unstaged = (0, 0), 0
@@ -95,10 +97,37 @@ class Staging:
         shm = shared_memory.SharedMemory(create=True, size=size)
         base = torch.frombuffer(shm.buf, dtype=torch.uint8)
         if torch.cuda.is_available():  # pinned: the device-to-host copy at full speed
-            torch.cuda.cudart().cudaHostRegister(base.data_ptr(), size, 0)
+            self._pin(base, size)
         self.segments.append(shm)
         self._bases.append(base)
         return True
+
+    def _pin(self, base: torch.Tensor, size: int) -> None:
+        """Register ``base`` with CUDA (page-locked). Where that fails (a container's locked-
+        memory limit), the segment stays pageable, with a note once: slower copies, the same
+        bytes. The failure is also the thread's last CUDA error, which the next kernel launch's
+        check would raise as its own: it is cleared here."""
+        cudart = torch.cuda.cudart()
+        res = cudart.cudaHostRegister(base.data_ptr(), size, 0)
+        if int(res) == 0:
+            self._pinned.add(base.data_ptr())
+            return
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).cudaGetLastError()  # (torch loads libcudart globally)
+        except (OSError, AttributeError):
+            pass
+        if not self._said_pin:
+            self._said_pin = True
+            try:
+                why = cudart.cudaGetErrorString(res)
+            except (TypeError, RuntimeError):
+                why = f"cudaError {int(res)}"
+            print(f"note: checkpoint.async_save: the host copy could not be page-locked ({why}):"
+                  " it stays pageable, and the device-to-host copies are slower; raise the "
+                  "locked-memory limit (ulimit -l, docker run --ulimit memlock=-1)",
+                  file=sys.stderr, flush=True)
 
     def place(self, t: torch.Tensor) -> Optional[tuple]:
         """``(segment name, offset)`` of a tensor :meth:`copy` staged, else None."""
@@ -113,8 +142,9 @@ class Staging:
         it is freed; the name goes now)."""
         segments, bases = self.segments, self._bases
         self.segments, self._bases = [], []
-        if torch.cuda.is_available():
-            for base in bases:
+        for base in bases:
+            if base.data_ptr() in self._pinned:
+                self._pinned.discard(base.data_ptr())
                 torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
         del bases
         for shm in segments:
