@@ -17,11 +17,13 @@
 #              No venv: a venv made from the machine's python (itself a venv) would not see its
 #              torch, --system-site-packages or not.                                 (no limit)
 #   smoke      imports, NCCL init on one rank, one CUDA NELBO forward/backward         (60 s)
+#   tests-first  the two GPU tests of tests/test_gpu.py the open issues wait on: the step's
+#              timers (CUDA events, no synchronize inside a step), pinned staging    (120 s)
 #   step-1.3b  a 1.3B training step: peak memory against the dry run's plan, MFU      (120 s)
 #   permuted-bf16, flex-bf16, recompute-dropout, zero23: tests/gpu/checks.py   (45, 90, 30, 60 s)
 #   decode     benchmarks/decode_vs_hf.py: bf16 decoding vs transformers' generate     (90 s)
 #   bench      benchmarks/train_throughput.py, 110m and 1.3b, causal vs staggered   (what is left)
-#   tests      pytest -m gpu tests/test_gpu.py                                     (what is left)
+#   tests      pytest -m gpu tests/test_gpu.py, the rest                           (what is left)
 # Each stage ends "ok", "FAILED" (a check failed, or the stage crashed) or "skipped (budget)"
 # (past its time limit, no time left for it, or a benchmark skipped what would not fit its own
 # budget: exit 3); a budget skip is never a failure. Exit code: 0 if no stage failed, else 1.
@@ -154,6 +156,12 @@ if [ "$MODE" = cpu ]; then
     say "bench, tests: not run in the CPU rehearsal (they need the GPU)"
 else
     budgeted smoke 60 "$PY" tests/gpu/smoke.py --device cuda
+    # the two GPU tests the open issues wait on (timers that never synchronize the device
+    # inside a step; pinned host staging of a background save) before anything that may spend
+    # the rest of the budget
+    first="overlapped_bf16_default_step_with_its_timers or stages_cuda_tensors_in_pinned"
+    budgeted tests-first 120 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+        --timeout 110 -k "$first"
     limits=(120 45 90 30 60)
     for i in "${!CHECKS[@]}"; do
         budgeted "${CHECKS[$i]}" "${limits[$i]}" "$PY" tests/gpu/checks.py "${CHECKS[$i]}" \
@@ -166,7 +174,7 @@ else
         --precision bf16 --backend auto --steps 8 --warmup 3 --micro-batch 8 \
         --budget-s $(( TOTAL_S - ($(date +%s) - start) - 60 )) --json "$OUT/throughput.json"
     budgeted tests 300 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-        --timeout 150
+        --timeout 150 -k "not ($first)"
 fi
 if [ "$failed" != 0 ]; then
     verdict=FAILED
