@@ -85,7 +85,13 @@ def _hf_model(model_cfg, state, directory, device, dtype):
 
     out = os.path.join(directory, "hf")
     write_hf(hf_tensors(state, model_cfg), hf_config(model_cfg), out, "float32")
-    return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).to(device).eval()
+    # loaded in the dtype, not cast after (a cast would round its float32 rotary frequencies);
+    # the keyword is torch_dtype before transformers 4.56, and the GPU machine has its own
+    import transformers
+    from packaging.version import Version
+
+    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    return AutoModelForCausalLM.from_pretrained(out, **{key: dtype}).to(device).eval()
 
 
 def _runners(model_cfg, state, directory, device, dtype):
