@@ -358,11 +358,12 @@ def test_lm_evals_local_completions_scores_as_setdiff_lm_eval_does(small, traine
         os.environ.update(saved)
     assert sum(lp.token_logprobs[5:len(prompt)]) == pytest.approx(want, abs=1e-4)
     # streamed: the prompt with the first chunk, each chunk its tokens' scores; together they
-    # are the unstreamed answer's
+    # are the unstreamed answer's (how many chunks depends on the server's pace: a reader that
+    # fell behind gets the waiting steps folded into one, test_a_stream_sends_each_step...)
     ask = dict(SAMPLED, max_tokens=16, echo=True, logprobs=2)
     whole = server.complete("Rough winds", **ask).choices[0]
     chunks = [c.choices[0] for c in server.complete("Rough winds", stream=True, **ask)]
-    assert len(chunks) > 2 and "".join(c.text for c in chunks) == whole.text
+    assert chunks and "".join(c.text for c in chunks) == whole.text
     assert chunks[0].text.startswith("Rough winds")
     same_scores(sum_logprobs(c.logprobs for c in chunks), whole.logprobs, 1e-5)
 
