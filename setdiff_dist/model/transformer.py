@@ -142,7 +142,6 @@ class SetDiffusionTransformer(MegatronModule):
                 self.output_layer.weight.ds_pipe_replicated = True
         _mark_tensor_parallel(self)
         _sum_partial_grads_over_tensor_parallel_ranks(self)
-        self._rotary_dim = config.kv_channels
         self.register_buffer("inv_freq", rotary_inv_freq(model_cfg, config.kv_channels),
                              persistent=False)
 
@@ -153,7 +152,7 @@ class SetDiffusionTransformer(MegatronModule):
         radians). The engines cast parameters only; this holds for a caller's own cast."""
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32:
-            self.inv_freq = rotary_inv_freq(self.model_cfg, self._rotary_dim).to(
+            self.inv_freq = rotary_inv_freq(self.model_cfg, self.config.kv_channels).to(
                 self.inv_freq.device)
         return self
 
